@@ -1,0 +1,150 @@
+"""Engine settings and the normalised view of a Hugging Face model config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """The knobs of ``LLM(...)``; defaults follow vLLM."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    attention_backend: str = "auto"
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size} tokens)")
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, hf_config: Any, device: torch.device) -> torch.dtype:
+        """``auto`` is float32 on CPU (exactness, speed of CPU kernels) and the checkpoint dtype on GPU."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(stored, str):
+            stored = _DTYPES.get(stored)
+        return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass
+class ModelConfig:
+    """The handful of architecture facts the engine needs, read once from the HF config."""
+
+    hf_config: Any
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        architectures = getattr(hf_config, "architectures", None) or []
+        if not architectures:
+            raise ValueError("config.architectures is missing; cannot choose a model implementation")
+        heads = hf_config.num_attention_heads
+        hidden = hf_config.hidden_size
+        theta, scaling = rope_parameters(hf_config)
+        model_type = getattr(hf_config, "model_type", "")
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        window = getattr(hf_config, "sliding_window", None)
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        return cls(
+            hf_config=hf_config,
+            architecture=architectures[0],
+            hidden_size=hidden,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
+            intermediate_size=getattr(hf_config, "intermediate_size", 0),
+            vocab_size=hf_config.vocab_size,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+            num_experts=getattr(hf_config, "num_experts", 0) or 0,
+            num_experts_per_tok=getattr(hf_config, "num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=getattr(hf_config, "moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+        )
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
+    """RoPE theta and scaling from either transformers 4 (``rope_theta``/``rope_scaling``) or 5
+    (``rope_parameters``) configs; scaling is None for plain RoPE."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = dict(params)
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+    scaling["rope_type"] = rope_type
+    return theta, scaling

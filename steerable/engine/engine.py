@@ -1,0 +1,198 @@
+"""The synchronous engine loop: admit requests, schedule, run a step, turn samples into outputs."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from steerable.config import EngineConfig, ModelConfig
+from steerable.engine.kv_cache import KVCacheManager
+from steerable.engine.request import Request, RequestStatus
+from steerable.engine.scheduler import Scheduler, SchedulerOutput
+from steerable.engine.tokenizer import Tokenizer
+from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
+from steerable.models.registry import model_class
+from steerable.outputs import CompletionOutput, Logprob, RequestOutput
+from steerable.sampling_params import SamplingParams
+from steerable.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.source = resolve_model(config.model)
+        hf_config = load_hf_config(self.source)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        model_class(self.model_config.architecture)  # unknown architectures fail before any allocation
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(hf_config, self.device)
+        max_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None:
+            if config.max_model_len > max_len:
+                raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                                 f"max_position_embeddings ({max_len})")
+            max_len = config.max_model_len
+        self.tokenizer = Tokenizer(load_tokenizer(self.source))
+        self.runner = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
+        kv_capacity = self.runner.num_blocks * config.block_size
+        if kv_capacity < max_len:
+            logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
+            max_len = kv_capacity
+        self.max_model_len = max_len
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._streaming: set[str] = set()
+        self._rng = random.Random(config.seed)
+        self._arrivals = 0
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------- admission
+
+    def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    stream: bool = False) -> Request:
+        """Validate and queue one request. Raises ValueError (naming the field) and keeps nothing."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        prompt_text, token_ids = self._tokenize(prompt)
+        request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
+        eos = self.model_config.eos_token_ids
+        request = Request(request_id, client_id, prompt_text, token_ids, params, self._arrivals,
+                          self._rng.getrandbits(63), eos)
+        self._arrivals += 1
+        request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
+        self.requests[request_id] = request
+        if stream:
+            self._streaming.add(request_id)
+        self.runner.add_request(request)
+        self.scheduler.add(request)
+        return request
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt: token-id prompts must be lists of integers")
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
+                             "(at least one token must be generated)")
+        return text, ids
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort by engine or client id; frees everything the request held."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for rid in ids:
+            for request in [r for r in self.requests.values() if rid in (r.request_id, r.client_id)]:
+                request.finish_reason = "abort"
+                self._finish(request)
+                outputs.append(self._output(request))
+        return outputs
+
+    # ---------------------------------------------------------------- the loop
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward step. Returns finished requests and progress of streaming ones."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        batch = self.runner.prepare(sched)
+        tokens, logprobs = self.runner.execute(batch)
+        self.num_steps += 1
+        return self._update(sched, tokens, logprobs)
+
+    def _update(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[dict | None]) -> list[RequestOutput]:
+        outputs = []
+        sampled = iter(zip(tokens, logprobs))
+        for item in sched.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+            self.kv.cache_computed_blocks(request)
+            if not item.samples:
+                continue
+            token, token_logprobs = next(sampled)
+            self._append_token(request, token, token_logprobs)
+            if request.finish_reason is not None:
+                self._finish(request)
+                outputs.append(self._output(request))
+            elif request.request_id in self._streaming:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, token_logprobs: dict | None) -> None:
+        request.all_token_ids.append(token)
+        piece = request.detokenizer.step(token)
+        request.output_text += piece
+        if token_logprobs is not None:
+            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t], False))
+                                     for t, (lp, rank) in token_logprobs.items()})
+        params = request.params
+        if token in request.stop_token_ids:  # the sampler masks them until min_tokens
+            request.finish_reason = "stop"
+            request.stop_reason = None if token in request.eos_token_ids else token
+            return
+        if params.stop_strings and piece:
+            if self._check_stop_strings(request, len(piece)):
+                return
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.finish_reason = "length"
+
+    @staticmethod
+    def _check_stop_strings(request: Request, new_chars: int) -> bool:
+        text = request.output_text
+        for stop in request.params.stop_strings:
+            start = max(0, len(text) - new_chars - len(stop) + 1)
+            index = text.find(stop, start)
+            if index != -1:
+                request.output_text = text[:index]
+                request.finish_reason = "stop"
+                request.stop_reason = stop
+                return True
+        return False
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.runner.remove_request(request)
+        self.requests.pop(request.request_id, None)
+        self._streaming.discard(request.request_id)
+
+    def _output(self, request: Request) -> RequestOutput:
+        completion = CompletionOutput(0, request.output_text, request.output_token_ids, request.finish_reason,
+                                      request.logprobs, request.stop_reason)
+        return RequestOutput(request.client_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.status is RequestStatus.FINISHED)
+
+    # ---------------------------------------------------------------- introspection
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": self.kv.query_tokens,
+            "prefix_cache_hit_tokens": self.kv.hit_tokens,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_blocks": self.kv.num_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

@@ -1,0 +1,85 @@
+"""A request's lifetime state as the scheduler and the engine see it."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from steerable.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens, KV blocks and progress of one sequence.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler asks for the rest.
+    After a recompute preemption it drops to 0 and the prompt *and* the generated tokens are
+    prefilled again, so a preempted request resumes exactly where it stopped.
+    """
+
+    def __init__(self, request_id: str, client_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival: int, sampling_seed: int, eos_token_ids: list[int]):
+        self.request_id = request_id
+        self.client_id = client_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.sampling_seed = sampling_seed
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Highest num_computed_tokens ever reached: rows below it were already delivered to capture.
+        self.max_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_hit_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
+        self.output_text = ""
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.detokenizer: Any = None
+        # Prefix-cache identity beyond the tokens: (first position affected, key). A block's hash
+        # includes every key whose position falls inside or before it (cache salt from 0, steering
+        # from the first steered position), so unaffected leading blocks stay shareable.
+        self.hash_keys: list[tuple[int, bytes]] = []
+        if params.cache_salt is not None:
+            self.hash_keys.append((0, b"salt:" + params.cache_salt.encode()))
+        self.steering: Any = None  # steering plane's per-request state (resolved config, rows)
+        self.capture: Any = None  # capture plane's per-request state
+        # Prompt tokens that must be recomputed even on a cache hit (capture of prompt rows).
+        self.min_recompute_position: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value})")

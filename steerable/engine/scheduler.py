@@ -1,0 +1,120 @@
+"""Token-budget scheduler (vLLM v1 style): no prefill or decode phase, only catching up.
+
+Each step every running request asks for ``num_tokens - num_computed_tokens`` tokens (one for a
+decode, a chunk for a prefill), running requests first, then waiting ones, until the token budget
+or the sequence cap is spent. When blocks run out the newest running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from steerable.engine.kv_cache import KVCacheManager
+from steerable.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    samples: bool  # this chunk reaches the end of the known tokens, so its last row is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 cache_limit: Callable[[Request], int] | None = None):
+        """``cache_limit(request)`` caps how many leading tokens a prefix-cache hit may cover
+        (capture asks to recompute prompt rows it must see)."""
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache_limit = cache_limit
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing smaller is left to evict
+
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            limit = request.num_tokens - 1
+            if self.cache_limit is not None:
+                limit = min(limit, self.cache_limit(request))
+            cached, num_cached = self.kv.find_cached_prefix(request, limit)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.kv.record_lookup(request.num_tokens, num_cached)
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            request.num_cached_hit_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return out
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Drop a request from the queues and give its blocks back (finished or aborted)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED

@@ -1,0 +1,49 @@
+"""Reference paged attention in plain PyTorch: the CPU path and the oracle for the Triton kernels.
+
+Same contract as ``triton_paged``: K/V for every position < seq_len is in the paged cache (after
+``store_kv``); query row i of sequence b sits at position ``seq_len - query_len + i`` and attends
+causally (optionally within a sliding window). Loops over sequences, so it syncs with the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    max_query_len: int, scale: float, sliding_window: int | None = None,
+                    workspace: object = None) -> None:
+    block_size = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        if q_end == q_start or seq_len == 0:
+            continue
+        blocks = block_table[b, : -(-seq_len // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len]
+        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        query = q[q_start:q_end].transpose(0, 1)
+        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+        values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = torch.matmul(query.float(), keys.float().transpose(1, 2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        out[q_start:q_end] = torch.matmul(probs, values.float()).transpose(0, 1).to(out.dtype)

@@ -1,0 +1,29 @@
+"""HF ``architectures`` name -> our implementation."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from steerable.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def register_model(architecture: str, cls: type[nn.Module]) -> None:
+    _MODELS[architecture] = cls
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unknown architecture {architecture!r}; supported: {sorted(_MODELS)}") from None
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)

@@ -1,0 +1,34 @@
+"""What a finished (or streaming) request hands back to the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    captures: dict[str, dict[int, Any]] = field(default_factory=dict)
+    capture_meta: dict[str, dict[int, Any]] = field(default_factory=dict)

