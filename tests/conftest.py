@@ -9,6 +9,9 @@ import os
 import pytest
 import torch
 
+# Tiny models: one intra-op thread is as fast and immune to oversubscription on shared CPUs.
+torch.set_num_threads(1)
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Steering vectors shift the residual stream of a language model.",

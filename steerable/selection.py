@@ -1,0 +1,595 @@
+"""Row selection shared by steering ("which tokens to steer") and capture
+("which rows to record").
+
+A *row* is one token input of one request.  For a request whose prompt has
+``P`` tokens, the row at absolute sequence position ``p`` is
+
+* a **prompt row** when ``p < P``;
+* a **generation row** with *decode step* ``p - P`` otherwise.  Decode step 0
+  is the input at position ``P``, i.e. the first generated token.  The last
+  sampled token of a request is never fed back, so it is never a row.
+
+A :class:`SelectSpec` is a union of *include* terms minus a union of *exclude*
+terms.  When no include term is set the base set is every row, so
+``SelectSpec()`` selects everything and ``SelectSpec(exclude_generation="all")``
+selects the prompt only.  See :class:`SelectSpec` for the individual fields.
+
+Resolution (:meth:`SelectSpec.mask`) is vectorised and runs every engine step
+for each request carrying a selection; everything that depends only on the
+prompt length is resolved once per prompt length and cached on the spec.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, fields as _dc_fields
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+__all__ = ["SelectSpec", "SelectLike", "SELECT_FIELDS", "SHORTCUTS"]
+
+_ALL = "all"
+
+# Field groups (the include names; each has an ``exclude_`` twin).
+_SCOPE_FIELDS = ("prompt", "generation")
+_WINDOW_FIELDS = ("prompt_window", "generation_window")
+_INT_LIST_FIELDS = (
+    "prompt_positions",
+    "prompt_tokens",
+    "generation_positions",
+    "generation_tokens",
+    "positions",
+)
+# Int-list fields whose values must be non-negative.
+_NON_NEGATIVE_LISTS = ("prompt_tokens", "generation_positions", "generation_tokens", "positions")
+
+_INCLUDE_FIELDS = (
+    "prompt",
+    "generation",
+    "prompt_positions",
+    "prompt_window",
+    "prompt_tokens",
+    "generation_positions",
+    "generation_window",
+    "generation_tokens",
+    "positions",
+)
+_EXCLUDE_FIELDS = tuple("exclude_" + f for f in _INCLUDE_FIELDS)
+
+#: Every field name, in canonical (wire/repr) order.
+SELECT_FIELDS: tuple[str, ...] = _INCLUDE_FIELDS + _EXCLUDE_FIELDS
+
+#: ``SelectSpec.parse`` shortcuts.
+SHORTCUTS: dict[str, dict[str, Any]] = {
+    "all": {"prompt": _ALL, "generation": _ALL},
+    "all_prompt": {"prompt": _ALL},
+    "last_prompt": {"prompt_positions": (-1,)},
+    "all_generated": {"generation": _ALL},
+}
+
+# Bound on any position / token id / window bound (keeps every derived
+# quantity, e.g. P + step, comfortably inside int64).
+_MAX_ABS = 1 << 62
+# "Open-ended" upper bound of an interval.
+_INF = 1 << 63
+
+# Per-spec bound on the number of cached prompt-length resolutions.
+_RESOLVE_CACHE_MAX = 1024
+
+
+def _base(name: str) -> str:
+    return name[len("exclude_"):] if name.startswith("exclude_") else name
+
+
+def _err(name: str, msg: str) -> ValueError:
+    return ValueError(f"select.{name}: {msg}")
+
+
+def _as_int(value: Any, name: str, what: str) -> int:
+    """Strict int conversion: ints, numpy integers and 0-d integer tensors.
+    bool, floats (even integral ones) and everything else are rejected."""
+    if isinstance(value, (bool, np.bool_)):
+        raise _err(name, f"{what} must be an int, got bool {value!r}")
+    if isinstance(value, (int, np.integer)):
+        out = int(value)
+    elif (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and value.dtype != torch.bool
+        and not value.is_floating_point()
+        and not value.is_complex()
+    ):
+        out = int(value.item())
+    else:
+        raise _err(name, f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if not -_MAX_ABS <= out <= _MAX_ABS:
+        raise _err(name, f"{what} {out} is out of range (|value| <= 2**62)")
+    return out
+
+
+def _as_int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    """Sorted, de-duplicated tuple of ints from a list/tuple/set/range, a 1-D
+    integer numpy array or a 1-D integer tensor."""
+    what = "element"
+    if isinstance(value, torch.Tensor):
+        if (
+            value.dim() != 1
+            or value.dtype == torch.bool
+            or value.is_floating_point()
+            or value.is_complex()
+        ):
+            raise _err(
+                name,
+                f"expected a 1-D integer tensor, got dtype={value.dtype} shape={tuple(value.shape)}",
+            )
+        items = [_as_int(v, name, what) for v in value.tolist()]
+    elif isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise _err(
+                name,
+                f"expected a 1-D integer array, got dtype={value.dtype} shape={value.shape}",
+            )
+        items = [_as_int(v, name, what) for v in value.tolist()]
+    elif isinstance(value, (list, tuple, set, frozenset, range)):
+        items = [_as_int(v, name, what) for v in value]
+    else:
+        raise _err(
+            name,
+            "expected a list of ints (list, tuple, set, range, 1-D integer numpy "
+            f"array or tensor), got {type(value).__name__} {value!r}",
+        )
+    out = tuple(sorted(set(items)))
+    if _base(name) in _NON_NEGATIVE_LISTS and out and out[0] < 0:
+        raise _err(name, f"values must be non-negative, got {out[0]}")
+    return out
+
+
+def _as_window(value: Any, name: str) -> tuple[int, Optional[int]]:
+    """Canonical ``(start, stop)``; ``start=None`` becomes 0, ``stop`` may be None."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise _err(name, f"expected a (start, stop) pair, got {value!r}")
+    start, stop = value
+    start = 0 if start is None else _as_int(start, name, "start")
+    stop = None if stop is None else _as_int(stop, name, "stop")
+    if _base(name) == "generation_window":
+        # Decode steps: the end of generation is unknown, so no negatives.
+        if start < 0:
+            raise _err(name, f"start must be non-negative (decode steps), got {start}")
+        if stop is not None:
+            if stop < 0:
+                raise _err(name, f"stop must be non-negative or None (decode steps), got {stop}")
+            if start >= stop:
+                raise _err(name, f"empty window: start {start} >= stop {stop}")
+    else:
+        # Python slice semantics over the prompt.
+        if stop is not None:
+            if stop == 0:
+                raise _err(name, "stop=0 selects nothing; use None for 'to the end of the prompt'")
+            if (start >= 0) == (stop >= 0) and start >= stop:
+                raise _err(name, f"empty window: start {start} >= stop {stop}")
+    return (start, stop)
+
+
+def _as_scope(value: Any, name: str) -> Optional[str]:
+    if value is None or (isinstance(value, str) and value == _ALL):
+        return value
+    raise _err(name, f"expected 'all' or None, got {value!r}")
+
+
+def _merge_intervals(ivs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    ivs = sorted(iv for iv in ivs if iv[0] < iv[1])
+    out: list[list[int]] = []
+    for a, b in ivs:
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1][1] = b
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+class _Side:
+    """One side (include or exclude) of a spec, resolved for one prompt length.
+
+    ``intervals``: merged half-open absolute-position intervals (prompt/generation
+    scopes and windows); ``points``: sorted absolute positions (explicit position
+    lists); ``prompt_tokens`` / ``gen_tokens``: token-id tuples or None.
+    """
+
+    __slots__ = ("intervals", "points", "prompt_tokens", "gen_tokens", "_points_t")
+
+    def __init__(self, intervals, points, prompt_tokens, gen_tokens):
+        self.intervals: tuple[tuple[int, int], ...] = intervals
+        self.points: tuple[int, ...] = points
+        self.prompt_tokens: Optional[tuple[int, ...]] = prompt_tokens
+        self.gen_tokens: Optional[tuple[int, ...]] = gen_tokens
+        self._points_t: dict[torch.device, torch.Tensor] = {}
+
+    def points_tensor(self, device: torch.device) -> torch.Tensor:
+        t = self._points_t.get(device)
+        if t is None:
+            t = torch.tensor(self.points, dtype=torch.int64, device=device)
+            self._points_t[device] = t
+        return t
+
+    def points_in(self, lo: int, hi: int) -> bool:
+        pts = self.points
+        i = bisect.bisect_left(pts, lo)
+        return i < len(pts) and pts[i] <= hi
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """True when the position intervals alone cover every position in [lo, hi]."""
+        for a, b in self.intervals:
+            if a <= lo and hi < b:
+                return True
+        return False
+
+
+class _Resolved:
+    __slots__ = ("has_include", "inc", "exc")
+
+    def __init__(self, has_include: bool, inc: _Side, exc: _Side):
+        self.has_include = has_include
+        self.inc = inc
+        self.exc = exc
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class SelectSpec:
+    """Which rows (token inputs) of a request are selected.
+
+    Include fields (all optional; their results are unioned):
+
+    * ``prompt="all"`` -- every prompt row.  ``generation="all"`` -- every
+      generation row.  (The only other accepted value is None = unset.)
+    * ``prompt_positions`` -- prompt positions; negatives count from the
+      prompt end (-1 = ``P - 1``).  Positions outside the prompt select nothing.
+    * ``prompt_window=(start, stop)`` -- half-open Python-slice window over the
+      prompt (negatives from the end; ``stop=None`` = to the end; ``start=None``
+      = 0).  ``stop=0`` and windows empty for every prompt length are rejected.
+    * ``prompt_tokens`` -- prompt rows whose input token id is in the set.
+    * ``generation_positions`` -- non-negative decode steps.
+    * ``generation_window=(start, stop)`` -- half-open over decode steps,
+      ``stop=None`` = open-ended; negatives are invalid.
+    * ``generation_tokens`` -- generation rows whose input token id is in the set.
+    * ``positions`` -- non-negative absolute sequence positions (prompt or
+      generation).
+
+    Each has an ``exclude_<field>`` twin; excluded rows are subtracted from the
+    included ones.  With no include field set, every row is included.  An
+    *empty* include list (e.g. ``positions=[]``) counts as set and selects
+    nothing; an empty exclude list is a no-op and is normalised to None.
+
+    Int lists accept lists, tuples, sets, ranges, 1-D integer numpy arrays and
+    1-D integer tensors, and are stored as sorted, de-duplicated tuples, so
+    specs that differ only in order/duplicates compare (and hash) equal.
+    Invalid input raises ``ValueError("select.<field>: ...")``.
+    """
+
+    prompt: Optional[str] = None
+    generation: Optional[str] = None
+    prompt_positions: Optional[tuple[int, ...]] = None
+    prompt_window: Optional[tuple[int, Optional[int]]] = None
+    prompt_tokens: Optional[tuple[int, ...]] = None
+    generation_positions: Optional[tuple[int, ...]] = None
+    generation_window: Optional[tuple[int, Optional[int]]] = None
+    generation_tokens: Optional[tuple[int, ...]] = None
+    positions: Optional[tuple[int, ...]] = None
+
+    exclude_prompt: Optional[str] = None
+    exclude_generation: Optional[str] = None
+    exclude_prompt_positions: Optional[tuple[int, ...]] = None
+    exclude_prompt_window: Optional[tuple[int, Optional[int]]] = None
+    exclude_prompt_tokens: Optional[tuple[int, ...]] = None
+    exclude_generation_positions: Optional[tuple[int, ...]] = None
+    exclude_generation_window: Optional[tuple[int, Optional[int]]] = None
+    exclude_generation_tokens: Optional[tuple[int, ...]] = None
+    exclude_positions: Optional[tuple[int, ...]] = None
+
+    # ------------------------------------------------------------------ build
+
+    def __post_init__(self) -> None:
+        for name in SELECT_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            base = _base(name)
+            if base in _SCOPE_FIELDS:
+                value = _as_scope(value, name)
+            elif base in _WINDOW_FIELDS:
+                value = _as_window(value, name)
+            else:
+                value = _as_int_tuple(value, name)
+                if not value and name.startswith("exclude_"):
+                    value = None  # an empty exclude is a no-op
+            object.__setattr__(self, name, value)
+        self._init_caches()
+
+    def _init_caches(self) -> None:
+        object.__setattr__(self, "_resolved", {})
+        object.__setattr__(self, "_token_t", {})
+        object.__setattr__(self, "_key", None)
+        object.__setattr__(
+            self, "_has_include", any(getattr(self, f) is not None for f in _INCLUDE_FIELDS)
+        )
+        object.__setattr__(
+            self,
+            "_uses_tokens",
+            any(
+                getattr(self, f) is not None
+                for f in ("prompt_tokens", "generation_tokens",
+                          "exclude_prompt_tokens", "exclude_generation_tokens")
+            ),
+        )
+
+    # Pickle / deepcopy without the (possibly device-resident) caches.
+    def __getstate__(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in SELECT_FIELDS}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        for f in SELECT_FIELDS:
+            object.__setattr__(self, f, state.get(f))
+        self._init_caches()
+
+    @classmethod
+    def parse(cls, value: "SelectLike") -> "SelectSpec":
+        """A SelectSpec from a shortcut string, an existing spec (returned as
+        is) or a wire dict (see :meth:`from_wire`)."""
+        if isinstance(value, SelectSpec):
+            return value
+        if isinstance(value, str):
+            try:
+                kwargs = SHORTCUTS[value]
+            except KeyError:
+                raise ValueError(
+                    f"select: unknown selection {value!r}; valid shortcuts are "
+                    f"{', '.join(repr(s) for s in SHORTCUTS)} (or pass a SelectSpec / wire dict)"
+                ) from None
+            return cls(**kwargs)
+        if isinstance(value, Mapping):
+            return cls.from_wire(value)
+        raise ValueError(
+            f"select: expected a shortcut string ({', '.join(repr(s) for s in SHORTCUTS)}), "
+            f"a SelectSpec or a wire dict, got {type(value).__name__} {value!r}"
+        )
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "SelectSpec":
+        """Inverse of :meth:`to_wire`.  Unknown keys are rejected; None values
+        mean unset; values are validated as in the constructor."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"select: wire form must be a dict, got {type(d).__name__} {d!r}")
+        unknown = sorted(str(k) for k in d if k not in SELECT_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"select: unknown key(s) {unknown}; valid keys are {list(SELECT_FIELDS)}"
+            )
+        return cls(**dict(d))
+
+    def to_wire(self) -> dict[str, Any]:
+        """Canonical JSON-able dict: only set fields, in canonical order; int
+        lists sorted and de-duplicated; windows as ``[start, stop]``."""
+        out: dict[str, Any] = {}
+        for name in SELECT_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @property
+    def key(self) -> str:
+        """Stable, hashable identity (canonical JSON of the wire form); equal
+        for specs that compare equal.  Suitable as a dict key / hash input."""
+        k = self._key
+        if k is None:
+            k = json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":"))
+            object.__setattr__(self, "_key", k)
+        return k
+
+    def __repr__(self) -> str:
+        parts = []
+        for name in SELECT_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, tuple) and _base(name) in _INT_LIST_FIELDS:
+                parts.append(f"{name}={list(value)!r}")
+            else:
+                parts.append(f"{name}={value!r}")
+        return f"SelectSpec({', '.join(parts)})"
+
+    __str__ = __repr__
+
+    # -------------------------------------------------------------- resolution
+
+    def _resolve(self, prompt_len: int) -> _Resolved:
+        r = self._resolved.get(prompt_len)
+        if r is not None:
+            return r
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len < 0:
+            raise ValueError(f"select: prompt_len must be a non-negative int, got {prompt_len!r}")
+        P = int(prompt_len)
+
+        def side(prefix: str) -> _Side:
+            g = lambda f: getattr(self, prefix + f)  # noqa: E731
+            ivs: list[tuple[int, int]] = []
+            pts: set[int] = set()
+            if g("prompt") is not None:
+                ivs.append((0, P))
+            if g("generation") is not None:
+                ivs.append((P, _INF))
+            w = g("prompt_window")
+            if w is not None:
+                a, b, _ = slice(w[0], w[1]).indices(P)
+                ivs.append((a, b))
+            w = g("generation_window")
+            if w is not None:
+                ivs.append((P + w[0], _INF if w[1] is None else P + w[1]))
+            v = g("prompt_positions")
+            if v:
+                for q in v:
+                    q = q + P if q < 0 else q
+                    if 0 <= q < P:
+                        pts.add(q)
+            v = g("generation_positions")
+            if v:
+                pts.update(P + s for s in v)
+            v = g("positions")
+            if v:
+                pts.update(v)
+            return _Side(
+                _merge_intervals(ivs),
+                tuple(sorted(pts)),
+                g("prompt_tokens") or None,
+                g("generation_tokens") or None,
+            )
+
+        r = _Resolved(self._has_include, side(""), side("exclude_"))
+        if len(self._resolved) >= _RESOLVE_CACHE_MAX:
+            self._resolved.clear()
+        self._resolved[P] = r
+        return r
+
+    def _tokens_tensor(self, tokens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (tokens, device)
+        t = self._token_t.get(key)
+        if t is None:
+            t = torch.tensor(tokens, dtype=torch.int64, device=device)
+            self._token_t[key] = t
+        return t
+
+    def _side_mask(
+        self,
+        s: _Side,
+        positions: torch.Tensor,
+        P: int,
+        token_ids: Optional[torch.Tensor],
+        lo: int,
+        hi: int,
+    ) -> Optional[torch.Tensor]:
+        """OR of the side's terms over rows in [lo, hi], or None if no term can
+        match any of them.  (Full interval coverage is handled by the caller.)"""
+        acc: Optional[torch.Tensor] = None
+
+        def add(m: torch.Tensor) -> None:
+            nonlocal acc
+            acc = m if acc is None else acc | m
+
+        for a, b in s.intervals:
+            if a > hi or b <= lo:
+                continue
+            if a <= lo:
+                add(positions < b)
+            elif b > hi:
+                add(positions >= a)
+            else:
+                add((positions >= a) & (positions < b))
+        if s.points and s.points_in(lo, hi):
+            add(torch.isin(positions, s.points_tensor(positions.device)))
+        if s.prompt_tokens and lo < P:
+            m = torch.isin(self._check_tokens(token_ids, positions),
+                           self._tokens_tensor(s.prompt_tokens, positions.device))
+            add(m & (positions < P) if hi >= P else m)
+        if s.gen_tokens and hi >= P:
+            m = torch.isin(self._check_tokens(token_ids, positions),
+                           self._tokens_tensor(s.gen_tokens, positions.device))
+            add(m & (positions >= P) if lo < P else m)
+        return acc
+
+    @staticmethod
+    def _check_tokens(token_ids: Optional[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        if token_ids is None:
+            raise ValueError("select: token_ids are required to resolve a token-based selection")
+        if token_ids.shape != positions.shape:
+            raise ValueError(
+                f"select: token_ids shape {tuple(token_ids.shape)} != positions shape {tuple(positions.shape)}"
+            )
+        return token_ids
+
+    def mask(
+        self,
+        positions: torch.Tensor,
+        prompt_len: int,
+        token_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """bool[n]: which of this request's rows are selected.
+
+        ``positions``: int64[n] absolute positions of the rows (any order);
+        ``prompt_len``: the request's prompt length P; ``token_ids``: int64[n]
+        input token of each row (only read when the spec has token terms; may
+        be None otherwise).  The result lives on ``positions.device``.
+        """
+        n = positions.numel()
+        device = positions.device
+        if n == 0:
+            return torch.zeros(positions.shape, dtype=torch.bool, device=device)
+        r = self._resolve(prompt_len)
+        P = prompt_len
+        if n == 1:
+            lo = hi = int(positions.item())
+        else:
+            lo_t, hi_t = torch.aminmax(positions)
+            lo, hi = int(lo_t.item()), int(hi_t.item())
+        exc, inc = r.exc, r.inc
+
+        # Exclusions that remove the whole range -> empty.
+        if exc.covers(lo, hi):
+            return torch.zeros(positions.shape, dtype=torch.bool, device=device)
+
+        if r.has_include:
+            if inc.covers(lo, hi):
+                selected = None  # everything included
+            else:
+                selected = self._side_mask(inc, positions, P, token_ids, lo, hi)
+                if selected is None:  # no include term reaches these rows
+                    return torch.zeros(positions.shape, dtype=torch.bool, device=device)
+        else:
+            selected = None
+
+        excluded = self._side_mask(exc, positions, P, token_ids, lo, hi)
+        if excluded is None:
+            if selected is None:
+                return torch.ones(positions.shape, dtype=torch.bool, device=device)
+            return selected
+        return ~excluded if selected is None else selected & ~excluded
+
+    def prompt_positions_selected(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Every selected prompt position, sorted (computed once at admission)."""
+        P = len(prompt_token_ids)
+        if P == 0:
+            return []
+        positions = torch.arange(P, dtype=torch.int64)
+        tokens = torch.as_tensor(prompt_token_ids, dtype=torch.int64).reshape(-1) if self._uses_tokens else None
+        return torch.nonzero(self.mask(positions, P, tokens)).flatten().tolist()
+
+    def selects_prompt(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether any prompt row is selected."""
+        P = len(prompt_token_ids)
+        if P == 0:
+            return False
+        positions = torch.arange(P, dtype=torch.int64)
+        tokens = torch.as_tensor(prompt_token_ids, dtype=torch.int64).reshape(-1) if self._uses_tokens else None
+        return bool(self.mask(positions, P, tokens).any())
+
+    def may_select_generation(self) -> bool:
+        """Conservative: False only when no generation row can ever be selected
+        (for any prompt length, decode step or token)."""
+        if self.exclude_generation is not None or self.exclude_generation_window == (0, None):
+            return False
+        if not self._has_include:
+            return True
+        return bool(
+            self.generation is not None
+            or self.generation_window is not None
+            or self.generation_positions
+            or self.generation_tokens
+            or self.positions
+        )
+
+
+#: Anything :meth:`SelectSpec.parse` accepts.
+SelectLike = Union[SelectSpec, str, Mapping[str, Any]]
