@@ -3,5 +3,8 @@
 from steerable.entrypoints.llm import LLM
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
 from steerable.sampling_params import SamplingParams
+from steerable.selection import SelectSpec
+from steerable.steering.spec import Add, Clamp, SteeringSpec
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SelectSpec", "SteeringSpec",
+           "Add", "Clamp"]

@@ -16,6 +16,7 @@ from steerable.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from steerable.models.registry import model_class
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
 from steerable.sampling_params import SamplingParams
+from steerable.steering.manager import SteeringManager
 from steerable.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class LLMEngine:
         self.max_model_len = max_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        cfg = self.model_config
+        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, self.device, self.dtype)
+        self.runner.hooks.writers.append(self.steering)
         self.requests: dict[str, Request] = {}
         self._streaming: set[str] = set()
         self._rng = random.Random(config.seed)
@@ -66,6 +70,7 @@ class LLMEngine:
         eos = self.model_config.eos_token_ids
         request = Request(request_id, client_id, prompt_text, token_ids, params, self._arrivals,
                           self._rng.getrandbits(63), eos)
+        self.steering.admit(request)
         self._arrivals += 1
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
         self.requests[request_id] = request
@@ -117,6 +122,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = self.runner.prepare(sched)
+        self.steering.prepare(batch)
         tokens, logprobs = self.runner.execute(batch)
         self.num_steps += 1
         return self._update(sched, tokens, logprobs)
@@ -174,6 +180,7 @@ class LLMEngine:
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
         self.runner.remove_request(request)
+        self.steering.release(request)
         self.requests.pop(request.request_id, None)
         self._streaming.discard(request.request_id)
 

@@ -37,6 +37,30 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer.hf
 
+    # ------------------------------------------------------------ steering control plane
+
+    def set_steering_vectors(self, spec: Any, replace: bool = True) -> None:
+        """Global steering for every request admitted from now on (running ones keep theirs)."""
+        self.engine.steering.set_global(spec, replace)
+
+    def clear_steering_vectors(self) -> None:
+        self.engine.steering.clear_global()
+
+    def register_steering_modules(self, modules: dict[str, Any]) -> None:
+        """Named specs that requests reference with ``SamplingParams(steering_module_ref=name | (name, scale))``."""
+        self.engine.steering.register_modules(modules)
+
+    def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
+        self.engine.steering.unregister_modules(names)
+
+    def list_steerable_layers(self) -> dict[str, list[int]]:
+        return self.engine.steering.steerable_layers()
+
+    def get_steering_status(self) -> dict[str, Any]:
+        return self.engine.steering.status()
+
+    # ------------------------------------------------------------ generation
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""

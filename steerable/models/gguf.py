@@ -7,6 +7,7 @@ llama.cpp q/k row permutation undone. The rest of the engine never needs to know
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -50,8 +51,10 @@ _NON_PARAMETERS = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+@functools.lru_cache(maxsize=2)
 def _reader(path: str):
-    """Open lazily: GGUFReader memory-maps the file, so tensors are only paged in when dequantized."""
+    """GGUFReader memory-maps the file (tensors are paged in only when dequantized) but parses all
+    metadata up front, seconds for a 49k-token vocabulary; config and weights share one parse."""
     from gguf import GGUFReader
 
     return GGUFReader(path)

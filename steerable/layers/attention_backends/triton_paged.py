@@ -1,0 +1,553 @@
+"""Triton paged-attention kernels: KV-cache writes and unified prefill/decode attention.
+
+Public API
+----------
+``store_kv(key, value, k_cache, v_cache, slot_mapping)``
+    Scatter new K/V rows into the paged cache (``slot = block_id * block_size + offset``,
+    ``-1`` skips the row).
+``paged_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+max_query_len, scale, sliding_window=None, workspace=None)``
+    Causal (optionally sliding-window) attention of a flattened ragged batch against the
+    paged cache. Prefill chunks with prefix context and single-token decodes can be mixed in
+    one call.
+``DecodeWorkspace``
+    Preallocated fp32 buffers for the split-KV decode path (keeps the op CUDA-graph safe).
+``CONFIG``
+    Module-level :class:`TritonAttentionConfig` with the tile sizes / warps / stages, so the
+    kernels can be tuned without touching call sites.
+
+Kernel design
+-------------
+*Unified kernel* (any batch): a program owns ``BLOCK_Q`` consecutive query tokens of ONE
+sequence and ALL query heads that share one KV head (GQA packing), i.e. an
+``[BLOCK_M = BLOCK_Q * GQA_PAD, D]`` tile of Q, so ``tl.dot`` runs on tensor cores even for
+decode. Grid = ``(T // BLOCK_Q + B, Hkv)``: query-block ``j`` of sequence ``b`` gets program id
+``query_start_loc[b] // BLOCK_Q + b + j`` (a strictly increasing start per sequence, so a
+binary search over ``query_start_loc`` inside the kernel recovers ``b``); surplus programs exit
+at once. (With ``BLOCK_Q == 1`` no partial blocks exist and the grid is ``(T, Hkv)``.) The
+program streams KV tiles of ``TILE_N`` positions through the block table with an online
+softmax (exp2 domain, fp32 accumulators), visiting only tiles up to its last query's causal
+limit (and from its first query's window start when a sliding window is set).
+
+*Split-KV decode* (``max_query_len == 1``, workspace given, ``B * Hkv`` small): grid
+``(B, Hkv, NUM_SEGMENTS)``; each program handles one GQA group of one decode token and a
+contiguous share of that sequence's KV tiles (the share is computed in-kernel from
+``seq_lens``, so the grid is static), writing unnormalised partial output plus running
+max / sum to the workspace. A reduce kernel (grid ``(B, Hq)``) merges the segments.
+
+Everything that shapes a launch (grid, path, constexprs) depends only on host-static values:
+tensor shapes, ``max_query_len``, ``sliding_window`` and the config; no device data is read
+on the host, so both paths are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "CONFIG",
+    "DecodeWorkspace",
+    "TritonAttentionConfig",
+    "paged_attention",
+    "store_kv",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass
+class TritonAttentionConfig:
+    """Launch parameters (all become constexpr / launch options; safe to change at runtime,
+    each new combination just compiles a new kernel variant)."""
+
+    # Unified kernel, prefill-ish batches (max_query_len > 1): target rows per program
+    # (query tokens x packed GQA heads) and KV positions per inner-loop tile.
+    prefill_block_m: int = 64
+    prefill_tile_n: int = 64
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 2
+    # Unified kernel, decode batches (max_query_len == 1): one token x GQA group per program.
+    decode_tile_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    # Split-KV decode.
+    split_tile_n: int = 64
+    split_num_warps: int = 4
+    split_num_stages: int = 2
+    # Use split-KV when max_query_len == 1, a workspace is given and B * Hkv <= this.
+    split_kv_max_programs: int = 128
+    # store_kv
+    store_num_warps: int = 4
+
+
+CONFIG = TritonAttentionConfig()
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+class DecodeWorkspace:
+    """Preallocated partial-result buffers for the split-KV decode path.
+
+    Allocate once (outside CUDA-graph capture) for the largest decode batch; any call with
+    ``B <= max_num_seqs`` can reuse it. Buffers are fp32:
+    ``acc [max_num_seqs, Hq, num_segments, D_pad]``, ``max``/``sum [max_num_seqs, Hq, num_segments]``.
+    """
+
+    def __init__(self, max_num_seqs: int, num_q_heads: int, head_size: int, device,
+                 num_segments: int = 16):
+        if max_num_seqs < 1 or num_q_heads < 1 or head_size < 1 or num_segments < 1:
+            raise ValueError("DecodeWorkspace sizes must be positive")
+        self.max_num_seqs = int(max_num_seqs)
+        self.num_q_heads = int(num_q_heads)
+        self.head_size = int(head_size)
+        self.head_size_padded = max(16, _next_pow2(head_size))
+        self.num_segments = int(num_segments)
+        self.device = torch.device(device)
+        self.acc = torch.empty(
+            (self.max_num_seqs, self.num_q_heads, self.num_segments, self.head_size_padded),
+            dtype=torch.float32, device=self.device)
+        self.max = torch.empty((self.max_num_seqs, self.num_q_heads, self.num_segments),
+                               dtype=torch.float32, device=self.device)
+        self.sum = torch.empty_like(self.max)
+
+
+# --------------------------------------------------------------------------------------
+# store_kv
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kco, stride_kch,
+    stride_vcb, stride_vco, stride_vch,
+    NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_D)
+    k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+                mask=mask)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kco
+             + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vco
+             + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+             slot_mapping: Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into ``k_cache``/``v_cache``
+    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64 ``[T]``; ``-1`` = skip)."""
+    T = key.shape[0]
+    if T == 0:
+        return
+    _, block_size, num_heads, head_d = k_cache.shape
+    if key.shape[1:] != (num_heads, head_d) or value.shape != key.shape:
+        raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match "
+                         f"cache {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache shapes differ")
+    if slot_mapping.shape[0] != T:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, expected {T}")
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    _store_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, HEAD_D=head_d,
+        H_PAD=_next_pow2(num_heads), D_PAD=_next_pow2(head_d), BLOCK_SIZE=block_size,
+        num_warps=CONFIG.store_num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# shared KV-tile step (online softmax update)
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_tile_step(
+    q, m_i, l_i, acc,
+    tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
+    offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One KV tile: S = Q K^T, mask, online-softmax update of (m_i, l_i, acc).
+
+    Keys outside ``[kv_lo, kv_hi)`` are never read. With ``CAUSAL_PER_ROW`` the causal (and
+    window) limit is applied per query row from ``q_pos``; otherwise ``[kv_lo, kv_hi)`` is
+    the exact key range for every row (split-KV decode).
+    """
+    offs_n = tl.arange(0, TILE_N)
+    k_pos = tile * TILE_N + offs_n
+    k_valid = (k_pos < kv_hi) & (k_pos >= kv_lo)
+    if TILE_N <= BLOCK_SIZE:
+        # A tile never straddles a cache block: one block-table lookup per tile.
+        phys = tl.load(bt_row_ptr + (tile * TILE_N) // BLOCK_SIZE).to(tl.int64)
+        in_blk = (tile * TILE_N) % BLOCK_SIZE + offs_n
+        k_off = phys * stride_kb + in_blk * stride_ko
+        v_off = phys * stride_vb + in_blk * stride_vo
+    else:
+        phys = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        in_blk = k_pos % BLOCK_SIZE
+        k_off = phys * stride_kb + in_blk * stride_ko
+        v_off = phys * stride_vb + in_blk * stride_vo
+    k_off += kv_head * stride_kh
+    v_off += kv_head * stride_vh
+
+    k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None],
+                mask=k_valid[None, :] & d_mask[:, None], other=0.0)  # [D_PAD, TILE_N]
+    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+
+    mask = row_valid[:, None] & k_valid[None, :]
+    if CAUSAL_PER_ROW:
+        mask = mask & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(mask, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows with no visible key yet keep m = -inf; use 0 as the shift so no NaN appears.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
+                mask=k_valid[:, None] & d_mask[None, :], other=0.0)  # [TILE_N, D_PAD]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+# --------------------------------------------------------------------------------------
+# unified prefill / decode kernel
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    num_seqs, qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    NUM_Q_PER_KV: tl.constexpr, GQA_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Find the sequence owning this query block: the largest b with
+    # qsl[b] // BLOCK_Q + b * (BLOCK_Q > 1) <= pid_q.
+    lo = pid_q * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(qsl_ptr + mid) // BLOCK_Q
+        if BLOCK_Q > 1:
+            mid_start += mid
+        go_right = mid_start <= pid_q
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = tl.maximum(lo - 1, 0)
+
+    q_seq_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_seq_start
+    seq_first_block = q_seq_start // BLOCK_Q
+    if BLOCK_Q > 1:
+        seq_first_block += seq
+    q_off0 = (pid_q - seq_first_block) * BLOCK_Q
+    if (q_off0 < 0) | (q_off0 >= q_len):
+        return  # surplus program (grid is sized for the worst case)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_D
+    tok_in_blk = offs_m // GQA_PAD
+    head_in_grp = offs_m % GQA_PAD
+    q_idx = q_off0 + tok_in_blk  # query index within the sequence
+    row_valid = (tok_in_blk < BLOCK_Q) & (head_in_grp < NUM_Q_PER_KV) & (q_idx < q_len)
+    q_tok = (q_seq_start + q_idx).to(tl.int64)
+    q_head = kv_head * NUM_Q_PER_KV + head_in_grp
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + q_head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    q_pos = ctx + q_idx  # absolute position of each row's token
+
+    # Keys visible to any row of this block: [kv_lo, kv_hi).
+    last_q = tl.minimum(q_off0 + BLOCK_Q, q_len) - 1
+    kv_hi = tl.maximum(tl.minimum(ctx + last_q + 1, seq_len), 0)
+    kv_lo = kv_hi * 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx + q_off0 - window + 1, 0)
+    tile_lo = kv_lo // TILE_N
+    tile_hi = (kv_hi + TILE_N - 1) // TILE_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + q_tok[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# split-KV decode: partial kernel + reduce kernel
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_kv_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    stride_wab, stride_wah, stride_was,
+    stride_wmb, stride_wmh,
+    NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_len <= 0:
+        return  # padding sequence: the reduce kernel skips it too
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_D
+    row_valid = offs_m < NUM_Q_PER_KV
+    q_head = kv_head * NUM_Q_PER_KV + offs_m
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+
+    # The single query token sits at position seq_len - 1: keys [kv_lo, seq_len) are visible.
+    kv_hi = tl.maximum(seq_len, 0)
+    kv_lo = kv_hi * 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    tile_lo = kv_lo // TILE_N
+    tile_hi = (kv_hi + TILE_N - 1) // TILE_N
+    tiles_per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+    seg_lo = tile_lo + seg * tiles_per_seg
+    seg_hi = tl.minimum(seg_lo + tiles_per_seg, tile_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    q_pos = offs_m * 0  # unused (CAUSAL_PER_ROW=False)
+
+    for tile in range(seg_lo, seg_hi):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC)
+
+    # Empty segments still write (m=-inf, l=0, acc=0) so the reduce never reads stale data.
+    ws_head = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh + seg
+    tl.store(ws_max_ptr + ws_head, m_i, mask=row_valid)
+    tl.store(ws_sum_ptr + ws_head, l_i, mask=row_valid)
+    ws_acc = (seq.to(tl.int64) * stride_wab + q_head[:, None] * stride_wah + seg * stride_was
+              + offs_d[None, :])
+    tl.store(ws_acc_ptr + ws_acc, acc, mask=row_valid[:, None] & (offs_d[None, :] < D_PAD))
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr, qsl_ptr,
+    stride_ot, stride_oh,
+    stride_wab, stride_wah, stride_was,
+    stride_wmb, stride_wmh,
+    HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_len <= 0:
+        return
+    offs_s = tl.arange(0, SEG_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SEGMENTS
+    base = seq.to(tl.int64) * stride_wmb + head * stride_wmh
+    m_s = tl.load(ws_max_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ws_sum_ptr + base + offs_s, mask=s_mask, other=0.0)
+    m = tl.max(m_s, axis=0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(m_s - m_shift)  # 0 for empty segments
+    denom = tl.sum(w * l_s, axis=0)
+    acc = tl.load(ws_acc_ptr + seq.to(tl.int64) * stride_wab + head * stride_wah
+                  + offs_s[:, None] * stride_was + offs_d[None, :],
+                  mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    num = tl.sum(w[:, None] * acc, axis=0)
+    o = num / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_D)
+
+
+# --------------------------------------------------------------------------------------
+# host entry point
+# --------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact IEEE products (TF32 would break fp32 parity); ignored for 16-bit.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
+                    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+                    max_query_len: int, scale: float, sliding_window: int | None = None,
+                    workspace: "DecodeWorkspace | None" = None) -> None:
+    """Causal paged attention over a ragged batch; writes ``out`` in place.
+
+    ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``;
+    ``query_start_loc`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` (context + new tokens);
+    ``block_table`` int32 ``[B, max_blocks]``. Query row ``i`` of sequence ``b`` sits at
+    position ``seq_lens[b] - query_len_b + i`` and sees keys at positions ``<=`` its own
+    (and ``>`` own - ``sliding_window`` when set). Rows not covered by
+    ``query_start_loc`` are not written; a row whose sequence sees no key (seq_len 0) gets 0.
+
+    Path: split-KV decode when ``max_query_len <= 1`` and ``workspace`` is given and
+    ``B * Hkv <= CONFIG.split_kv_max_programs`` and ``B <= workspace.max_num_seqs`` (then every
+    sequence must have query_len <= 1); otherwise the unified kernel, which is correct for any
+    ``max_query_len`` hint (the hint only shapes the tiles / grid). Host-side decisions use
+    only static values; run each static shape once before CUDA-graph capture so that Triton
+    compiles outside the capture.
+    """
+    T, num_q_heads, head_d = q.shape
+    _, block_size, num_kv_heads, head_d_k = k_cache.shape
+    B = seq_lens.shape[0]
+    if head_d_k != head_d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} not a multiple of Hkv={num_kv_heads}")
+    if query_start_loc.shape[0] != B + 1 or block_table.shape[0] < B:
+        raise ValueError("query_start_loc must be [B+1] and block_table [>=B, max_blocks]")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if T == 0 or B == 0:
+        return
+
+    cfg = CONFIG
+    group = num_q_heads // num_kv_heads
+    gqa_pad = _next_pow2(group)
+    d_pad = max(16, _next_pow2(head_d))
+    qk_scale = float(scale) * _LOG2E
+    use_window = sliding_window is not None and sliding_window > 0
+    window = int(sliding_window) if use_window else 0
+    dot_prec = _dot_precision(q.dtype)
+
+    use_split = (max_query_len <= 1 and workspace is not None
+                 and B * num_kv_heads <= cfg.split_kv_max_programs
+                 and B <= workspace.max_num_seqs)
+    if use_split:
+        if workspace.num_q_heads != num_q_heads or workspace.head_size_padded < d_pad:
+            raise ValueError("DecodeWorkspace was allocated for a different head layout")
+        nseg = workspace.num_segments
+        _split_kv_decode_kernel[(B, num_kv_heads, nseg)](
+            q, k_cache, v_cache, workspace.acc, workspace.max, workspace.sum,
+            query_start_loc, seq_lens, block_table,
+            qk_scale, window,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+            workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
+            workspace.max.stride(0), workspace.max.stride(1),
+            NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad),
+            HEAD_D=head_d, D_PAD=d_pad,
+            BLOCK_SIZE=block_size, TILE_N=cfg.split_tile_n, NUM_SEGMENTS=nseg,
+            USE_WINDOW=use_window, DOT_PREC=dot_prec,
+            num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages,
+        )
+        _split_kv_reduce_kernel[(B, num_q_heads)](
+            out, workspace.acc, workspace.max, workspace.sum, query_start_loc,
+            out.stride(0), out.stride(1),
+            workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
+            workspace.max.stride(0), workspace.max.stride(1),
+            HEAD_D=head_d, D_PAD=d_pad,
+            NUM_SEGMENTS=nseg, SEG_PAD=_next_pow2(nseg),
+            num_warps=4,
+        )
+        return
+
+    if max_query_len <= 1:
+        block_q = 1
+        tile_n, num_warps, num_stages = cfg.decode_tile_n, cfg.decode_num_warps, cfg.decode_num_stages
+    else:
+        block_q = min(_next_pow2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
+        tile_n, num_warps, num_stages = (cfg.prefill_tile_n, cfg.prefill_num_warps,
+                                         cfg.prefill_num_stages)
+    block_m = max(16, block_q * gqa_pad)
+    num_q_blocks = T if block_q == 1 else T // block_q + B
+    _unified_attention_kernel[(num_q_blocks, num_kv_heads)](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_table,
+        B, qk_scale, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        USE_WINDOW=use_window, DOT_PREC=dot_prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )

@@ -1,0 +1,27 @@
+"""The steering data plane: fixed-shape table lookups, so a CUDA graph can replay them with new
+indices and new table contents."""
+
+from __future__ import annotations
+
+import torch
+
+
+def add_rows(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``h + table[index]``; row 0 of the table is zeros, so unsteered rows are unchanged bit for bit."""
+    return hidden + table.index_select(0, index)
+
+
+def clamp_rows(hidden: torch.Tensor, direction: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+               strength: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """For each clamp slot k: ``p = h·d; h += strength * (clip(p, lo, hi) - p) * d`` (float32 math).
+
+    Rows without a clamp in a slot have ``strength = 0`` and ``d = 0``, which adds exact zeros.
+    direction: [R, K, H] unit vectors; lo/hi/strength: [R, K] float32.
+    """
+    out = hidden.float()
+    for k in range(direction.shape[1]):
+        d = direction[:, k].index_select(0, index).float()
+        p = (out * d).sum(-1)
+        target = torch.minimum(torch.maximum(p, lo[:, k].index_select(0, index)), hi[:, k].index_select(0, index))
+        out = out + (strength[:, k].index_select(0, index) * (target - p)).unsqueeze(-1) * d
+    return out.to(hidden.dtype)

@@ -1,0 +1,123 @@
+"""HF transformers as the oracle for steering and capture: forward hooks at the equivalent points.
+
+pre_attn  L = input of decoder layer L (forward pre-hook on the layer)
+post_attn L = residual after the attention add (hook on self_attn's output, given the layer input)
+post_mlp  L = output of decoder layer L (forward hook on the layer)
+Greedy decoding recomputes the whole sequence each step (no KV cache), so a hook sees every
+position with its absolute index and the oracle shares no code or state with the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from steerable.selection import SelectSpec
+
+# fn(hidden [T, H] float, positions [T]) -> new hidden; applied to the rows the select picks.
+Edit = tuple[str, int, Callable[[torch.Tensor], torch.Tensor], SelectSpec | None]
+
+
+def add_edit(vector) -> Callable[[torch.Tensor], torch.Tensor]:
+    v = torch.as_tensor(vector, dtype=torch.float32)
+    return lambda h: h + v
+
+
+def clamp_edit(direction, lo=None, hi=None, strength=1.0) -> Callable[[torch.Tensor], torch.Tensor]:
+    d = torch.as_tensor(direction, dtype=torch.float32)
+    d = d / d.norm()
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        p = h @ d
+        target = p.clamp(min=lo, max=hi)
+        return h + (strength * (target - p)).unsqueeze(-1) * d
+    return fn
+
+
+class HFSteered:
+    """Install edits on an HF model for one forward over ``ids`` (prompt length ``prompt_len``)."""
+
+    def __init__(self, model, edits: list[Edit]):
+        self.model = model
+        self.edits = edits
+
+    def _rows(self, select: SelectSpec | None, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        n = ids.shape[-1]
+        if select is None:
+            return torch.ones(n, dtype=torch.bool)
+        return select.mask(torch.arange(n), prompt_len, ids[0])
+
+    def forward(self, ids: torch.Tensor, prompt_len: int, capture: dict | None = None):
+        layers = self.model.model.layers
+        handles = []
+        layer_inputs: dict[int, torch.Tensor] = {}
+
+        def apply(point, layer, hidden):
+            for p, l, fn, select in self.edits:
+                if (p, l) == (point, layer):
+                    rows = self._rows(select, ids, prompt_len)
+                    hidden = hidden.clone()
+                    hidden[0, rows] = fn(hidden[0, rows])
+            return hidden
+
+        for i, layer in enumerate(layers):
+            def pre(mod, args, kwargs, i=i):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                hidden = apply("pre_attn", i, hidden)
+                layer_inputs[i] = hidden
+                if capture is not None:
+                    capture[("pre_attn", i)] = hidden[0].detach().clone()
+                if args:
+                    return (hidden, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": hidden}
+
+            def attn_out(mod, args, output, i=i):
+                attn = output[0] if isinstance(output, tuple) else output
+                residual = layer_inputs[i]
+                after = apply("post_attn", i, residual + attn)
+                if capture is not None:
+                    capture[("post_attn", i)] = after[0].detach().clone()
+                new = after - residual if any(p == "post_attn" and l == i for p, l, _, _ in self.edits) else attn
+                return (new, *output[1:]) if isinstance(output, tuple) else new
+
+            def post(mod, args, output, i=i):
+                hidden = output[0] if isinstance(output, tuple) else output
+                hidden = apply("post_mlp", i, hidden)
+                if capture is not None:
+                    capture[("post_mlp", i)] = hidden[0].detach().clone()
+                return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+            def heads(mod, args, i=i):
+                if capture is not None:
+                    capture[("attention_heads", i)] = args[0][0].detach().clone()
+
+            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(layer.self_attn.register_forward_hook(attn_out))
+            handles.append(layer.register_forward_hook(post))
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads))
+        try:
+            with torch.no_grad():
+                return self.model(ids, use_cache=False).logits[0].float()
+        finally:
+            for h in handles:
+                h.remove()
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy tokens and the log-softmax rows that chose them ([max_new_tokens, V])."""
+        ids = list(prompt_ids)
+        rows = []
+        for _ in range(max_new_tokens):
+            logits = self.forward(torch.tensor([ids]), len(prompt_ids))[-1]
+            rows.append(torch.log_softmax(logits, -1))
+            ids.append(int(logits.argmax()))
+        return ids[len(prompt_ids):], torch.stack(rows)
+
+
+def max_logprob_gap(output, ref_logprobs: torch.Tensor) -> float:
+    """Largest |Δ logprob| over the tokens the engine reported at each step."""
+    gap = 0.0
+    for step, entry in enumerate(output.outputs[0].logprobs):
+        for token, lp in entry.items():
+            gap = max(gap, abs(lp.logprob - ref_logprobs[step, token].item()))
+    return gap
