@@ -1,5 +1,7 @@
 """steerable: an LLM inference engine where activation steering and capture are first-class."""
 
+from steerable import capture
+from steerable.capture import CaptureSpec, capture_batches
 from steerable.entrypoints.llm import LLM
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
 from steerable.sampling_params import SamplingParams
@@ -7,4 +9,4 @@ from steerable.selection import SelectSpec
 from steerable.steering.spec import Add, Clamp, SteeringSpec
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SelectSpec", "SteeringSpec",
-           "Add", "Clamp"]
+           "Add", "Clamp", "CaptureSpec", "capture", "capture_batches"]

@@ -66,7 +66,7 @@ FAMILIES = {
 }
 
 
-def build_model(family: str, path: str, vocab_size: int, seed: int = 0) -> None:
+def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: float = 0.15) -> None:
     import transformers
 
     spec = FAMILIES[family]
@@ -74,7 +74,7 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0) -> None:
     rope = extra.pop("rope_scaling", None)
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.15,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init,
                   **extra)
     config = getattr(transformers, spec["cls"])(**kwargs)
     theta = 10000.0
@@ -106,6 +106,22 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         path = str(root / family)
         build_model(family, path, vocab, seed=i)
         dirs[family] = path
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def capture_dirs(tmp_path_factory) -> dict[str, str]:
+    """Same families with activations of order one, so float32 noise stays far below 1e-5 and
+    captured values can be compared to HF with an absolute tolerance."""
+    root = tmp_path_factory.mktemp("capture_models")
+    tok_dir = str(root / "tokenizer")
+    build_tokenizer(tok_dir)
+    from transformers import AutoTokenizer
+    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+    dirs = {}
+    for i, family in enumerate(FAMILIES):
+        dirs[family] = str(root / family)
+        build_model(family, dirs[family], vocab, seed=10 + i, init=0.04)
     return dirs
 
 

@@ -7,6 +7,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from steerable.capture.session import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, CaptureSession
 from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.request import Request, RequestStatus
@@ -46,10 +47,13 @@ class LLMEngine:
             max_len = kv_capacity
         self.max_model_len = max_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, self.device, self.dtype)
+        self.capture = self._capture_plane()
         self.runner.hooks.writers.append(self.steering)
+        self.runner.hooks.readers.append(self.capture)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   cache_limit=self.capture.cache_limit)
         self.requests: dict[str, Request] = {}
         self._streaming: set[str] = set()
         self._rng = random.Random(config.seed)
@@ -71,6 +75,11 @@ class LLMEngine:
         request = Request(request_id, client_id, prompt_text, token_ids, params, self._arrivals,
                           self._rng.getrandbits(63), eos)
         self.steering.admit(request)
+        try:
+            self.capture.admit(request)
+        except ValueError:
+            self.steering.release(request)
+            raise
         self._arrivals += 1
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
         self.requests[request_id] = request
@@ -107,7 +116,7 @@ class LLMEngine:
         for rid in ids:
             for request in [r for r in self.requests.values() if rid in (r.request_id, r.client_id)]:
                 request.finish_reason = "abort"
-                self._finish(request)
+                self._finish(request, aborted=True)
                 outputs.append(self._output(request))
         return outputs
 
@@ -123,7 +132,9 @@ class LLMEngine:
             return []
         batch = self.runner.prepare(sched)
         self.steering.prepare(batch)
+        self.capture.prepare(batch)
         tokens, logprobs = self.runner.execute(batch)
+        self.capture.deliver(batch)
         self.num_steps += 1
         return self._update(sched, tokens, logprobs)
 
@@ -177,18 +188,37 @@ class LLMEngine:
                 return True
         return False
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: Request, aborted: bool = False) -> None:
         self.scheduler.finish(request)
         self.runner.remove_request(request)
         self.steering.release(request)
+        request.captures, request.capture_meta = self.capture.finish(request, aborted)
         self.requests.pop(request.request_id, None)
         self._streaming.discard(request.request_id)
 
     def _output(self, request: Request) -> RequestOutput:
         completion = CompletionOutput(0, request.output_text, request.output_token_ids, request.finish_reason,
                                       request.logprobs, request.stop_reason)
-        return RequestOutput(request.client_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.status is RequestStatus.FINISHED)
+        finished = request.status is RequestStatus.FINISHED
+        return RequestOutput(request.client_id, request.prompt, request.prompt_token_ids, [completion], finished,
+                             request.captures if finished else {}, request.capture_meta if finished else {})
+
+    def _capture_plane(self) -> CaptureSession:
+        cfg = self.model_config
+        model = self.runner.model
+        all_layers = list(range(cfg.num_layers))
+        router_layers = model.router_layers()
+        heads_width = cfg.num_heads * cfg.head_dim
+        layers = {HIDDEN_STATES: all_layers, ATTENTION_HEADS: all_layers, ROUTER_LOGITS: router_layers}
+        widths = {HIDDEN_STATES: cfg.hidden_size, ATTENTION_HEADS: heads_width, ROUTER_LOGITS: cfg.num_experts}
+        layouts = {
+            HIDDEN_STATES: {layer: {"width": cfg.hidden_size} for layer in all_layers},
+            ATTENTION_HEADS: {layer: {"num_heads": cfg.num_heads, "head_size": cfg.head_dim, "width": heads_width}
+                              for layer in all_layers},
+            ROUTER_LOGITS: {layer: {"num_experts": cfg.num_experts, "width": cfg.num_experts}
+                            for layer in router_layers},
+        }
+        return CaptureSession(layers, widths, layouts, cfg.num_layers, self.device, self.dtype)
 
     # ---------------------------------------------------------------- introspection
 

@@ -57,8 +57,8 @@ class Request:
             self.hash_keys.append((0, b"salt:" + params.cache_salt.encode()))
         self.steering: Any = None  # steering plane's per-request state (resolved config, rows)
         self.capture: Any = None  # capture plane's per-request state
-        # Prompt tokens that must be recomputed even on a cache hit (capture of prompt rows).
-        self.min_recompute_position: int | None = None
+        self.captures: dict = {}  # delivered on the final RequestOutput
+        self.capture_meta: dict = {}
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,6 +59,35 @@ class LLM:
     def get_steering_status(self) -> dict[str, Any]:
         return self.engine.steering.status()
 
+    # ------------------------------------------------------------ capture streams
+
+    def start_capture(self, stream: str = "hidden_states", layers: Sequence[int] | None = None,
+                      dtype: str | None = None, reduce: str = "all", select: Any = None,
+                      budget_rows: int | None = None, hook: str = "post_mlp") -> None:
+        """Record ``stream`` for every request from now on until ``stop_capture``."""
+        self.engine.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook)
+
+    def stop_capture(self, stream: str = "hidden_states") -> None:
+        self.engine.capture.stop(stream)
+
+    def fetch_captured(self, stream: str = "hidden_states", clear: bool = True, layers: Sequence[int] | None = None,
+                       req_ids: Sequence[str] | None = None) -> tuple[dict, dict]:
+        """(tensors, meta) per layer; ``req_ids`` (client ids) drains request by request."""
+        return self.engine.capture.fetch(stream, clear, layers, req_ids)
+
+    def clear_captured(self, stream: str = "hidden_states") -> None:
+        self.engine.capture.clear(stream)
+
+    def capture_status(self, stream: str = "hidden_states") -> dict[str, Any]:
+        return self.engine.capture.status(stream)
+
+    def add_capture_consumer(self, consumer: Any) -> None:
+        """Every finished request's own captures (``SamplingParams(capture=...)``) also go to ``consumer``."""
+        self.engine.capture.consumers.append(consumer)
+
+    def remove_capture_consumer(self, consumer: Any) -> None:
+        self.engine.capture.consumers.remove(consumer)
+
     # ------------------------------------------------------------ generation
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]

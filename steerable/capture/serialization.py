@@ -1,0 +1,243 @@
+"""Capture wire format: labelled per-layer tensors as raw bytes.
+
+Captured rows cross a process boundary (worker -> engine -> client), so each layer travels
+as the raw bytes of its *stored* dtype (bf16 as int16 bytes: no float32 upcast, the wire
+volume equals the stored volume) together with mandatory row labels.  Labels are what make
+a capture usable under continuous batching: without them the client cannot tell which
+request and position a row belongs to, so unlabelled or inconsistent payloads raise rather
+than being silently misaligned.
+
+Per layer::
+
+    {"encoding": "raw", "dtype": "torch.bfloat16", "shape": [rows, width], "data": bytes,
+     "meta": {"req_table": [str, ...], "req_idx": bytes, "positions": bytes,
+              "token_ids": bytes},
+     "layout": {...}}            # optional, e.g. {"num_heads": 16, "head_size": 64}
+
+Label columns are little-endian int32; ``req_idx`` indexes ``req_table``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CaptureMeta", "WIRE_DTYPES", "serialize_capture_layer", "deserialize_captured",
+           "match_capture_request_id"]
+
+ENCODING = "raw"
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "torch.float32": torch.float32,
+    "torch.float16": torch.float16,
+    "torch.bfloat16": torch.bfloat16,
+    "torch.float64": torch.float64,
+}
+_WIRE_NAMES: dict[torch.dtype, str] = {v: k for k, v in WIRE_DTYPES.items()}
+# Explicit little-endian byte layouts; numpy has no bfloat16, so bf16 rides as int16 bits.
+_RAW: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype("<f4"),
+    torch.float16: np.dtype("<f2"),
+    torch.bfloat16: np.dtype("<i2"),
+    torch.float64: np.dtype("<f8"),
+}
+_I32 = np.dtype("<i4")
+_SUFFIX = re.compile(r"[0-9a-f]{8}")
+
+
+class CaptureMeta:
+    """Row labels for one captured layer: request id, absolute position and input token id.
+
+    ``positions``/``token_ids`` are int32 with -1 for synthesized rows (e.g. a 'mean'
+    reduction has no single position or token).
+    """
+
+    __slots__ = ("req_ids", "positions", "token_ids")
+    __hash__ = None  # type: ignore[assignment]  # mutable tensors: equality only
+
+    def __init__(self, req_ids: Sequence[str], positions: torch.Tensor | Sequence[int],
+                 token_ids: torch.Tensor | Sequence[int]):
+        self.req_ids: list[str] = list(req_ids)
+        self.positions: torch.Tensor = torch.as_tensor(positions, dtype=torch.int32)
+        self.token_ids: torch.Tensor = torch.as_tensor(token_ids, dtype=torch.int32)
+        n = len(self.req_ids)
+        if self.positions.shape != (n,) or self.token_ids.shape != (n,):
+            raise ValueError(f"CaptureMeta columns disagree: {n} req_ids, positions "
+                             f"{tuple(self.positions.shape)}, token_ids {tuple(self.token_ids.shape)}")
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __repr__(self) -> str:
+        reqs = list(dict.fromkeys(self.req_ids))
+        more = f", ... (+{len(reqs) - 3})" if len(reqs) > 3 else ""
+        return (f"CaptureMeta(rows={len(self)}, requests={reqs[:3]}{more}, "
+                f"positions={self.positions.tolist()[:8]}{'...' if len(self) > 8 else ''})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CaptureMeta):
+            return NotImplemented
+        return (self.req_ids == other.req_ids and torch.equal(self.positions, other.positions)
+                and torch.equal(self.token_ids, other.token_ids))
+
+    def select(self, rows: torch.Tensor | slice) -> CaptureMeta:
+        """Labels of a row subset: a slice, an index tensor or a boolean mask (as for the data)."""
+        if isinstance(rows, slice):
+            return CaptureMeta(self.req_ids[rows], self.positions[rows], self.token_ids[rows])
+        rows = torch.as_tensor(rows)
+        idx = rows.nonzero().flatten() if rows.dtype == torch.bool else rows.long().flatten()
+        if rows.dtype == torch.bool and rows.shape != (len(self),):
+            raise ValueError(f"mask of shape {tuple(rows.shape)} for {len(self)} rows")
+        return CaptureMeta([self.req_ids[i] for i in idx.tolist()], self.positions[idx],
+                           self.token_ids[idx])
+
+    @staticmethod
+    def concat(metas: Sequence[CaptureMeta]) -> CaptureMeta:
+        """Stack labels in order, matching ``torch.cat`` of the corresponding tensors."""
+        if not metas:
+            return CaptureMeta([], torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
+        return CaptureMeta([r for m in metas for r in m.req_ids], torch.cat([m.positions for m in metas]),
+                           torch.cat([m.token_ids for m in metas]))
+
+
+def _req_index(req_ids: Sequence[str]) -> tuple[list[str], torch.Tensor]:
+    """(table, int32 req_idx): unique ids in first-seen order, so labels stay compact on disk/wire."""
+    lookup: dict[str, int] = {}
+    idx = [lookup.setdefault(r, len(lookup)) for r in req_ids]
+    return list(lookup), torch.tensor(idx, dtype=torch.int32)
+
+
+def _i32_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().numpy().astype(_I32, copy=False).tobytes()
+
+
+def serialize_capture_layer(tensor: torch.Tensor, labels: torch.Tensor, req_table: Sequence[str],
+                            layout: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Pack one layer's rows and their (req_idx, position, token_id) labels for transport.
+
+    Everything is validated here so a malformed capture fails at its source, not in a client.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.ndim != 2:
+        raise ValueError(f"capture tensor must be a 2-D [rows, width] tensor, got "
+                         f"{getattr(tensor, 'shape', type(tensor).__name__)}")
+    if tensor.dtype not in _WIRE_NAMES:
+        raise ValueError(f"unsupported capture dtype {tensor.dtype}; expected one of {list(WIRE_DTYPES)}")
+    if (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int32 or labels.ndim != 2
+            or labels.shape[1] != 3):
+        raise ValueError(f"capture labels must be int32 [rows, 3], got "
+                         f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+    rows = tensor.shape[0]
+    if labels.shape[0] != rows:
+        raise ValueError(f"capture labels have {labels.shape[0]} rows but data has {rows}")
+    table = list(req_table)
+    if not all(isinstance(r, str) for r in table):
+        raise ValueError("req_table must contain request id strings")
+    labels = labels.detach().cpu()
+    if rows and (int(labels[:, 0].min()) < 0 or int(labels[:, 0].max()) >= len(table)):
+        raise ValueError(f"capture req_idx outside req_table of {len(table)} entries")
+    raw = _RAW[tensor.dtype]
+    data = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    out: dict[str, Any] = {
+        "encoding": ENCODING,
+        "dtype": _WIRE_NAMES[tensor.dtype],
+        "shape": [int(rows), int(tensor.shape[1])],
+        "data": data.numpy().astype(raw, copy=False).tobytes(),
+        "meta": {"req_table": table, "req_idx": _i32_bytes(labels[:, 0]),
+                 "positions": _i32_bytes(labels[:, 1]), "token_ids": _i32_bytes(labels[:, 2])},
+    }
+    if layout is not None:
+        out["layout"] = dict(layout)
+    return out
+
+
+def _layer_key(key: object) -> int:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdecimal():
+        return int(key)
+    raise ValueError(f"capture layer key {key!r} is not a layer number")
+
+
+def _column(meta: Mapping[str, Any], name: str, layer: int, rows: int) -> np.ndarray:
+    buf = meta.get(name)
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        raise ValueError(f"capture layer {layer} label column {name!r} is missing or not bytes")
+    if len(buf) != rows * _I32.itemsize:
+        raise ValueError(f"capture layer {layer} label column {name!r} has {len(buf)} bytes "
+                         f"for {rows} rows; labels are inconsistent with the data")
+    return np.frombuffer(buf, dtype=_I32).astype(np.int32)
+
+
+def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
+                         ) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta]]:
+    """Rebuild per-layer tensors (bit-exact) and their row labels, keyed by int layer id.
+
+    Layers come back sorted.  A ``layout`` entry is not interpreted here; read it from the wire dict.
+    """
+    tensors: dict[int, torch.Tensor] = {}
+    metas: dict[int, CaptureMeta] = {}
+    for key, info in sorted(serialized.items(), key=lambda kv: _layer_key(kv[0])):
+        layer = _layer_key(key)
+        if layer in tensors:
+            raise ValueError(f"capture layer {layer} appears twice")
+        if not isinstance(info, Mapping):
+            raise ValueError(f"capture layer {layer} payload is not a mapping")
+        if info.get("encoding") != ENCODING:
+            raise ValueError(f"unknown capture wire encoding {info.get('encoding')!r} for layer {layer}; "
+                             "engine and client versions differ")
+        dtype = WIRE_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise ValueError(f"unknown capture wire dtype {info.get('dtype')!r} for layer {layer}")
+        shape = info.get("shape")
+        if (not isinstance(shape, (list, tuple)) or len(shape) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise ValueError(f"capture layer {layer} has invalid shape {shape!r}; expected [rows, width]")
+        rows, width = shape
+        data = info.get("data")
+        raw = _RAW[dtype]
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"capture layer {layer} data is not bytes")
+        if len(data) != rows * width * raw.itemsize:
+            raise ValueError(f"capture layer {layer} carries {len(data)} bytes, expected "
+                             f"{rows}x{width}x{raw.itemsize}")
+        # astype to the native dtype copies: the result is writable and owns its memory.
+        arr = np.frombuffer(data, dtype=raw).astype(raw.newbyteorder("="))
+        tensor = torch.from_numpy(arr).reshape(rows, width)
+        if dtype == torch.bfloat16:
+            tensor = tensor.view(torch.bfloat16)
+        meta = info.get("meta")
+        if not isinstance(meta, Mapping):
+            raise ValueError(f"capture layer {layer} is missing its row labels ('meta'); unlabelled "
+                             "payloads cannot be aligned to requests")
+        table = meta.get("req_table")
+        if not isinstance(table, (list, tuple)) or not all(isinstance(r, str) for r in table):
+            raise ValueError(f"capture layer {layer} has no valid req_table")
+        req_idx = _column(meta, "req_idx", layer, rows)
+        positions = _column(meta, "positions", layer, rows)
+        token_ids = _column(meta, "token_ids", layer, rows)
+        if rows and (req_idx.min() < 0 or req_idx.max() >= len(table)):
+            raise ValueError(f"capture layer {layer} has req_idx outside its req_table of {len(table)}")
+        tensors[layer] = tensor
+        metas[layer] = CaptureMeta([table[i] for i in req_idx.tolist()], torch.from_numpy(positions),
+                                   torch.from_numpy(token_ids))
+    return tensors, metas
+
+
+def match_capture_request_id(label: str, request_id: str) -> bool:
+    """Whether a row label belongs to a client request.
+
+    Rows carry the engine-internal id: the client id, or the client id plus ``-`` and exactly
+    8 lowercase hex chars.  Anything looser (a bare prefix test) would give ``req-1`` the rows
+    of ``req-10-...``.
+    """
+    if label == request_id:
+        return True
+    n = len(request_id)
+    return (len(label) == n + 9 and label.startswith(request_id) and label[n] == "-"
+            and _SUFFIX.fullmatch(label, n + 1) is not None)
