@@ -111,6 +111,10 @@ class LlamaForCausalLM(nn.Module):
             h = layer(positions, h, batch)
         return self.norm(h)
 
+    def router_layers(self) -> list[int]:
+        """Layers whose hook points report MoE router logits (none for dense models)."""
+        return []
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()
 
