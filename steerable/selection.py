@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, fields as _dc_fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np

@@ -1,7 +1,6 @@
 """Invariant 7 (engine core part): bad input raises ValueError naming the field, leaks nothing."""
 
 import json
-import os
 import random
 import shutil
 

@@ -3,7 +3,6 @@ reductions, budgets, steering, prefix cache, preemption, bad input."""
 
 import random
 
-import numpy as np
 import pytest
 import torch
 

@@ -42,7 +42,6 @@ def test_prompt_logits_match_hf(model_dirs, family):
 
 def test_sliding_window_is_applied(model_dirs):
     """Mistral's window (24) is shorter than the prompt + output here, so it must matter."""
-    from steerable.engine.engine import LLMEngine  # noqa: F401  (import check only)
     path = model_dirs["mistral"]
     llm = LLM(path, dtype="float32", device="cpu", kv_cache_tokens=4096)
     prompt = PROMPTS[5]

@@ -104,22 +104,36 @@ class RequestCapture:
 
 
 @dataclass
-class _Staged:
-    destination: _Destination
-    layer: int
-    tensor: torch.Tensor  # device rows
-    request_ids: list[str]  # per run of rows
-    splits: list[int]  # row counts per request run
-    positions: np.ndarray
-    token_ids: np.ndarray
+class _Group:
+    """Destinations that read the same (hook, layers, dtype) share one gather per layer; the union
+    of their rows is gathered once and split on the host."""
+
+    hook: str
+    layers: list[int]
+    dtype: torch.dtype | None
+    rows: np.ndarray  # step rows, sorted, unique
+    positions: np.ndarray  # int32 per row
+    token_ids: np.ndarray  # int32 per row
+    takers: list[tuple[_Destination, str, np.ndarray]]  # destination, request id, its indices into ``rows``
+    index: torch.Tensor | None = None  # device copy of ``rows`` (padded when a CUDA graph replays it)
+
+    @property
+    def signature(self) -> tuple:
+        return self.hook, tuple(self.layers), self.dtype
 
 
 @dataclass
 class StepCapture:
-    """Per-step plan: for each hook site the destinations and the step rows they take."""
+    """Per-step plan: gather groups, which groups read each hook site, and the gathered tensors."""
 
-    sites: dict[tuple[str, int], list[tuple[_Destination, torch.Tensor, Any]]]
-    staged: list[_Staged] = field(default_factory=list)
+    groups: list[_Group]
+    sites: dict[tuple[str, int], list[int]]
+    staged: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (group, layer) -> rows
+
+    @property
+    def signature(self) -> tuple:
+        """Shape of the plan a CUDA graph bakes in (row contents and counts are data)."""
+        return tuple(g.signature for g in self.groups)
 
 
 class CaptureSession:
@@ -301,7 +315,7 @@ class CaptureSession:
                                         for s in batch.scheduled):
             return
         starts = batch.host_query_start
-        picks: dict[tuple, tuple[_Destination, list[np.ndarray], list[str], list[int]]] = {}
+        picks: dict[tuple, list] = {}  # group signature -> [(destination, step rows, request id)]
         for i, item in enumerate(batch.scheduled):
             request = item.request
             destinations = self._destinations(request)
@@ -316,51 +330,59 @@ class CaptureSession:
                 rows = selector.rows(positions, batch.host_token_ids[lo:hi], request.num_prompt_tokens,
                                      request.max_computed_tokens)
                 if len(rows):
-                    entry = picks.setdefault(destination.key, (destination, [], [], []))
-                    entry[1].append(rows + lo)
-                    entry[2].append(request.request_id)
-                    entry[3].append(len(rows))
+                    key = (destination.hook, tuple(destination.layers), destination.dtype)
+                    picks.setdefault(key, []).append((destination, rows + lo, request.request_id))
         if not picks:
             return
-        sites: dict[tuple[str, int], list] = {}
-        for destination, row_lists, request_ids, counts in picks.values():
-            rows = np.concatenate(row_lists)
-            index = torch.from_numpy(rows).to(self.device, non_blocking=True)
-            labels = (request_ids, counts, batch.host_positions[rows].astype(np.int32),
-                      batch.host_token_ids[rows].astype(np.int32))
-            for layer in destination.layers:
-                sites.setdefault((destination.hook, layer), []).append((destination, index, labels))
-        batch.capture = StepCapture(sites)
-        self.eager_capture_forwards += 1
+        groups, sites = [], {}
+        for (hook, layers, dtype), entries in picks.items():
+            rows = np.unique(np.concatenate([e[1] for e in entries]))
+            takers = [(destination, request_id, np.searchsorted(rows, step_rows))
+                      for destination, step_rows, request_id in entries]
+            group = _Group(hook, list(layers), dtype, rows, batch.host_positions[rows].astype(np.int32),
+                           batch.host_token_ids[rows].astype(np.int32), takers)
+            for layer in layers:
+                sites.setdefault((hook, layer), []).append(len(groups))
+            groups.append(group)
+        batch.capture = StepCapture(groups, sites)
+
+    def bind_indices(self, step: StepCapture, device: torch.device, buffers: list[torch.Tensor] | None = None) -> None:
+        """Put each group's row index on the device: fresh tensors for eager steps, or written into
+        persistent (padded) buffers that a CUDA graph reads."""
+        for i, group in enumerate(step.groups):
+            rows = torch.from_numpy(group.rows)
+            if buffers is None:
+                group.index = rows.to(device, non_blocking=True)
+            else:
+                buffers[i][len(rows):].zero_()
+                buffers[i][:len(rows)].copy_(rows, non_blocking=True)
+                group.index = buffers[i]
 
     def record(self, point: str, layer: int, value: torch.Tensor, batch: Any) -> None:
-        """HookPoints reader: gather the planned rows (a fresh tensor, safe to copy later)."""
+        """HookPoints reader: gather the planned rows into a fresh tensor (safe to copy later)."""
         step = batch.capture
         if step is None:
             return
-        plans = step.sites.get((point, layer))
-        if not plans:
-            return
-        for destination, index, (request_ids, counts, positions, token_ids) in plans:
-            rows = value.index_select(0, index)
-            if destination.dtype is not None:
-                rows = rows.to(destination.dtype)
-            step.staged.append(_Staged(destination, layer, rows, request_ids, counts, positions, token_ids))
+        for g in step.sites.get((point, layer), ()):
+            group = step.groups[g]
+            rows = value.index_select(0, group.index)
+            step.staged[(g, layer)] = rows.to(group.dtype) if group.dtype is not None else rows
 
     def deliver(self, batch: Any) -> None:
-        """Copy the step's staged rows to the host in one pinned transfer per dtype (one sync),
-        then hand each request's rows to its destination."""
+        """Copy the step's gathered rows to the host in one pinned transfer per dtype (one sync),
+        then hand each destination its rows, split per request."""
         step = batch.capture
         if step is None or not step.staged:
             return
-        host = _to_host([s.tensor for s in step.staged])
-        for staged, tensor in zip(step.staged, host):
-            offset = 0
-            for request_id, count in zip(staged.request_ids, staged.splits):
-                part = slice(offset, offset + count)
-                self._deliver_rows(staged.destination, staged.layer, request_id, tensor[part],
-                                   staged.positions[part], staged.token_ids[part])
-                offset += count
+        keys = list(step.staged)
+        host = _to_host([step.staged[k][:len(step.groups[k[0]].rows)] for k in keys])
+        for (g, layer), tensor in zip(keys, host):
+            group = step.groups[g]
+            for destination, request_id, where in group.takers:
+                # A compact copy per request: stored rows never pin the whole step buffer.
+                rows = tensor.index_select(0, torch.from_numpy(where))
+                self._deliver_rows(destination, layer, request_id, rows, group.positions[where],
+                                   group.token_ids[where])
         step.staged.clear()
 
     @staticmethod

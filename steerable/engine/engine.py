@@ -133,6 +133,8 @@ class LLMEngine:
         batch = self.runner.prepare(sched)
         self.steering.prepare(batch)
         self.capture.prepare(batch)
+        if batch.capture is not None:
+            self.capture.bind_indices(batch.capture, self.device)
         tokens, logprobs = self.runner.execute(batch)
         self.capture.deliver(batch)
         self.num_steps += 1

@@ -58,7 +58,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Any = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -77,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
         h = self.hooks.residual(PRE_ATTN, self.layer, h, batch)
         h = h + self.self_attn(positions, self.input_layernorm(h), batch)
         h = self.hooks.residual(POST_ATTN, self.layer, h, batch)
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h), batch)
         return self.hooks.residual(POST_MLP, self.layer, h, batch)
 
 
@@ -118,15 +118,26 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        """Row sizes of the checkpoint tensors stacked into a fused parameter."""
+    def shard_sizes(self, module: str) -> list[int] | None:
+        """Row sizes of the checkpoint tensors stacked into a fused module's weight (None: not fused)."""
         cfg = self.cfg
-        if fused == "qkv_proj":
+        if module == "qkv_proj":
             kv = cfg.num_kv_heads * cfg.head_dim
             return [cfg.num_heads * cfg.head_dim, kv, kv]
-        if fused == "gate_up_proj":
+        if module == "gate_up_proj":
             return [cfg.intermediate_size] * 2
-        return [0]
+        return None
+
+    def num_shards(self, name: str) -> int:
+        """How many checkpoint tensors fill our parameter ``name``."""
+        return len(self.shard_sizes(name.split(".")[-2]) or [None])
+
+    def shard_view(self, name: str, param: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """The part of ``param`` that checkpoint shard ``shard`` fills (all of it for None)."""
+        if shard is None:
+            return param
+        sizes = self.shard_sizes(name.split(".")[-2])
+        return param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
     def locate(self, name: str) -> tuple[str, int | None]:
         """Our parameter name for an HF tensor name, and the shard of a fused parameter it fills."""
@@ -138,10 +149,10 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, stacking q/k/v and gate/up into the fused projections; every
-        parameter (and every shard of a fused one) must be filled exactly from the checkpoint."""
+        """Copy HF-named tensors in, stacking shards (q/k/v, gate/up, experts) into fused parameters;
+        every parameter, and every shard of a fused one, must be filled from the checkpoint."""
         params = dict(self.named_parameters())
-        expected = {(name, shard) for name in params for shard in range(len(self.shard_sizes(name.split(".")[-2])))}
+        expected = {(name, s) for name in params for s in range(self.num_shards(name))}
         loaded: set[tuple[str, int]] = set()
         for hf_name, tensor in weights:
             name = self.map_name(hf_name)
@@ -150,14 +161,11 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self.locate(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
-            dest = params[target].data
-            if shard is not None:
-                sizes = self.shard_sizes(target.split(".")[-2])
-                dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+            dest = self.shard_view(target, params[target].data, shard)
             if dest.shape != tensor.shape:
                 raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.add((target, shard or 0))
+            loaded.update((target, s) for s in (range(self.num_shards(target)) if shard is None else [shard]))
         missing = sorted({name for name, _ in expected - loaded})
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
