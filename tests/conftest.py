@@ -12,6 +12,19 @@ import torch
 # Tiny models: one intra-op thread is as fast and immune to oversubscription on shared CPUs.
 torch.set_num_threads(1)
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and importlib.util.find_spec("triton"):
+    # Triton's CPU interpreter (<= 3.6 at least) converts loop bounds with int(array_of_shape_1),
+    # which NumPy >= 2.4 rejects; take the single element explicitly. Test-only shim.
+    from triton.runtime import interpreter as _interp
+
+    _patch_lang_tensor = _interp._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patched
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Steering vectors shift the residual stream of a language model.",

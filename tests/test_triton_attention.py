@@ -29,19 +29,6 @@ if not torch.cuda.is_available() and not INTERPRET:
                 "`TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py`",
                 allow_module_level=True)
 
-if INTERPRET:
-    # Triton's interpreter (<= 3.6 at least) converts loop bounds with int(array_of_shape_1),
-    # which NumPy >= 2.4 rejects. Take the single element explicitly instead. Test-only shim.
-    from triton.runtime import interpreter as _interp
-
-    _orig_patch_lang_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _orig_patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
-
 from steerable.layers.attention_backends import triton_paged as tp  # noqa: E402
 from steerable.layers.attention_backends.triton_paged import (  # noqa: E402
     DecodeWorkspace,

@@ -346,18 +346,6 @@ class CaptureSession:
             groups.append(group)
         batch.capture = StepCapture(groups, sites)
 
-    def bind_indices(self, step: StepCapture, device: torch.device, buffers: list[torch.Tensor] | None = None) -> None:
-        """Put each group's row index on the device: fresh tensors for eager steps, or written into
-        persistent (padded) buffers that a CUDA graph reads."""
-        for i, group in enumerate(step.groups):
-            rows = torch.from_numpy(group.rows)
-            if buffers is None:
-                group.index = rows.to(device, non_blocking=True)
-            else:
-                buffers[i][len(rows):].zero_()
-                buffers[i][:len(rows)].copy_(rows, non_blocking=True)
-                group.index = buffers[i]
-
     def record(self, point: str, layer: int, value: torch.Tensor, batch: Any) -> None:
         """HookPoints reader: gather the planned rows into a fresh tensor (safe to copy later)."""
         step = batch.capture
@@ -374,6 +362,10 @@ class CaptureSession:
         step = batch.capture
         if step is None or not step.staged:
             return
+        if batch.graphed:
+            self.graph_replays += 1
+        else:
+            self.eager_capture_forwards += 1
         keys = list(step.staged)
         host = _to_host([step.staged[k][:len(step.groups[k[0]].rows)] for k in keys])
         for (g, layer), tensor in zip(keys, host):

@@ -133,8 +133,7 @@ class LLMEngine:
         batch = self.runner.prepare(sched)
         self.steering.prepare(batch)
         self.capture.prepare(batch)
-        if batch.capture is not None:
-            self.capture.bind_indices(batch.capture, self.device)
+        self.runner.bind_planes(batch)
         tokens, logprobs = self.runner.execute(batch)
         self.capture.deliver(batch)
         self.num_steps += 1

@@ -3,8 +3,12 @@
 import torch
 import torch.nn.functional as F
 
+from steerable.layers import fused
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] projection."""
+    if fused.enabled(gate_up) and gate_up.dim() == 2:
+        return fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

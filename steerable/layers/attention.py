@@ -25,10 +25,10 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Any) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        """q: [T, Hq, D] (or [T, Hq*D]), k/v: [T, Hkv, D] (or flat) -> [T, Hq*D]."""
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         meta = batch.attn
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

@@ -16,6 +16,7 @@ from torch import nn
 from steerable.config import ModelConfig
 from steerable.hook_points import ATTENTION_HEADS, POST_ATTN, POST_MLP, PRE_ATTN, HookPoints
 from steerable.layers.activation import silu_and_mul
+from steerable.layers import fused
 from steerable.layers.attention import Attention
 from steerable.layers.norm import RMSNorm
 from steerable.layers.rotary import RotaryEmbedding
@@ -41,13 +42,20 @@ class LlamaAttention(nn.Module):
                               cfg.sliding_window, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: Any) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
-        k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        heads = self.attn(q.flatten(1), k.flatten(1), v, batch)
+        qkv = self.qkv_proj(x)
+        if fused.enabled(qkv):
+            norm = self.q_norm is not None
+            q, k, v = fused.qk_norm_rope(qkv, positions, self.rotary.cos, self.rotary.sin, self.attn.num_heads,
+                                         self.attn.num_kv_heads, self.head_dim, self.q_norm.weight if norm else None,
+                                         self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
+            k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+        heads = self.attn(q, k, v, batch)
         self.hooks.observe(ATTENTION_HEADS, self.layer, heads, batch)
         return self.o_proj(heads)
 

@@ -92,6 +92,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False  # expert dispatch reads group sizes on the host
     _EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
     def make_layer(self, cfg: ModelConfig, layer: int, hooks: HookPoints, backend: ModuleType,

@@ -59,10 +59,16 @@ class RequestSteering:
 
 @dataclass
 class StepSteering:
-    """Per-step view read by the hook points."""
+    """Per-step view read by the hook points; the runner puts ``host_index`` on the device."""
 
-    index: torch.Tensor  # int64 [T] row per token
+    host_index: np.ndarray  # int64 [T] row per token
     sites: frozenset[Site]
+    version: int  # of the tables: a CUDA graph captured under another version is stale
+    index: torch.Tensor | None = None  # int64 [T_padded] on the device
+
+    @property
+    def signature(self) -> tuple:
+        return self.sites, self.version
 
 
 class SteeringTables:
@@ -313,8 +319,7 @@ class SteeringManager:
         if not index.any():
             batch.steering = None
             return
-        batch.steering = StepSteering(torch.from_numpy(index).to(batch.input_ids.device, non_blocking=True),
-                                      self.tables.sites)
+        batch.steering = StepSteering(index, self.tables.sites, self.tables.version)
 
     def _rows_for(self, request: Request, state: RequestSteering, positions: np.ndarray,
                   token_ids: np.ndarray) -> np.ndarray | int:

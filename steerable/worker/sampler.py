@@ -1,8 +1,9 @@
 """Turn the logits of the sampled rows into next tokens (and logprobs when asked).
 
-Sampling is the exponential race (argmax of p / E with E ~ Exp(1)), which equals drawing from p.
-A request with a seed draws its noise from its own generator, so its tokens depend only on its
-seed and its own history, not on what else is in the batch.
+Sampling is the exponential race (argmax of p / E with E ~ Exp(1), equivalently argmax of
+logits / T + Gumbel noise), which equals drawing from p. A request's noise depends only on its own
+seed and history, not on what else is in the batch: on the CPU it comes from the request's own
+generator, on the GPU from a Philox stream keyed by (seed, position) inside one fused kernel.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import torch
 
 from steerable.engine.request import Request
+from steerable.layers import fused
+
+_MIX_A, _MIX_B, _MASK = 6364136223846793005, 1442695040888963407, (1 << 63) - 1
 
 
 class Sampler:
@@ -35,6 +39,29 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        if fused.enabled(logits) and not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p
+                                             for r in requests):
+            token_list = self._fused(logits, requests).tolist()
+        else:
+            token_list = self._torch(logits, requests).tolist()
+
+        logprobs: list[dict | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, request in enumerate(requests):
+                if want_logprobs[i]:
+                    logprobs[i] = _top_logprobs(raw_logprobs[i], token_list[i], request.params.logprobs)
+        return token_list, logprobs
+
+    def _fused(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """GPU: one kernel samples every row; the noise of a row depends only on its request's seed
+        and the position being sampled, so it is reproducible and independent of the batch."""
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+        seeds = torch.tensor([((r.params.seed if r.params.seed is not None else r.sampling_seed) * _MIX_A
+                               + r.num_tokens * _MIX_B) & _MASK for r in requests], dtype=torch.int64)
+        return fused.gumbel_argmax(logits, temperature.to(logits.device, non_blocking=True),
+                                   seeds.to(logits.device, non_blocking=True))
+
+    def _torch(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -44,14 +71,7 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
-        token_list = tokens.tolist()
-
-        logprobs: list[dict | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            for i, request in enumerate(requests):
-                if want_logprobs[i]:
-                    logprobs[i] = _top_logprobs(raw_logprobs[i], token_list[i], request.params.logprobs)
-        return token_list, logprobs
+        return tokens
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for i, request in enumerate(requests):

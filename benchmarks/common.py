@@ -1,0 +1,262 @@
+"""Shared pieces of the benchmarks: a Qwen3-0.6B-shaped checkpoint with random weights (built once,
+cached), a seeded workload of token-id prompts, CUDA-synchronised timing and JSON-line output.
+
+Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
+and runs the baseline it is compared with in the same process, so ratios survive shared machines.
+``--smoke`` swaps in a tiny random Qwen3 and a handful of short requests so everything runs on a
+CPU in seconds (the tests use it)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_CACHE = "/tmp/steerable-bench"
+_OUT: str | None = None
+_BENCH = "bench"
+
+# Qwen3-0.6B's shape (DESIGN.md §6) and the tiny one --smoke uses.
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 bos_token_id=151643, eos_token_id=151645)
+QWEN3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                   bos_token_id=1, eos_token_id=2)
+
+
+# ---------------------------------------------------------------- model
+
+def build_random_qwen3(path: str, shape: dict, seed: int = 0) -> str:
+    """Save a random-weight Qwen3 (bf16 safetensors, no tokenizer) at ``path`` unless one is there.
+    Weights are initialised on the GPU when there is one: 0.6B parameters on a CPU take a while."""
+    if os.path.exists(os.path.join(path, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return path
+    import transformers
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+                         architectures=["Qwen3ForCausalLM"])
+    if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    else:
+        config.rope_theta = 1e6
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device), torch.no_grad():
+            model = transformers.Qwen3ForCausalLM(config)
+            for name, p in model.named_parameters():  # explicit: N(0, 0.02) matrices, unit norms
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+    finally:
+        torch.set_default_dtype(previous)
+    model.config.dtype = torch.bfloat16
+    tmp = f"{path}.tmp{os.getpid()}"  # build beside, then rename: a crash leaves no half checkpoint
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    del model
+    free_cuda()  # the engine sizes its KV cache from free GPU memory
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    if args.smoke:
+        return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-smoke-random"), QWEN3_SMOKE)
+    return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-0.6b-random"), QWEN3_06B)
+
+
+def make_llm(args: argparse.Namespace, path: str):
+    """The engine under test, configured from the common flags; its load time is a record."""
+    from steerable import LLM
+
+    llm, seconds = timed(lambda: LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     gpu_memory_utilization=args.gpu_memory_utilization,
+                                     kv_cache_tokens=args.kv_cache_tokens, enforce_eager=args.enforce_eager,
+                                     seed=args.seed))
+    emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
+          "device": str(llm.engine.device)})
+    return llm
+
+
+def prompt_vocab(llm) -> int:
+    """Token ids the prompts may use: the model's vocabulary, capped by its tokenizer if it has one
+    (padded embedding rows have no token, and the detokenizer sees the prompt tail)."""
+    vocab = llm.engine.model_config.vocab_size
+    tok = llm.get_tokenizer()
+    return min(vocab, len(tok)) if tok is not None else vocab
+
+
+# ---------------------------------------------------------------- workload
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    input_lens: list[int]
+    output_lens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def head(self, k: int) -> Workload:
+        return Workload(self.prompts[:k], self.input_lens[:k], self.output_lens[:k])
+
+
+def workload(num_requests: int, seed: int, min_len: int = 100, max_len: int = 1024, vocab: int = 151936) -> Workload:
+    """Random token-id prompts; input and output lengths uniform in [min_len, max_len] (seeded)."""
+    rng = np.random.default_rng(seed)
+    input_lens = rng.integers(min_len, max_len + 1, num_requests).tolist()
+    output_lens = rng.integers(min_len, max_len + 1, num_requests).tolist()
+    prompts = [rng.integers(0, vocab, n).tolist() for n in input_lens]
+    return Workload(prompts, input_lens, output_lens)
+
+
+def sampling_params(w: Workload, salt: str, extra: list[dict] | None = None, **kwargs: Any) -> list:
+    """One SamplingParams per request (temperature 0.6, ignore_eos, max_tokens = its output length,
+    plus ``extra[i]``). ``salt`` keeps timed runs of the same prompts off each other's prefix cache."""
+    from steerable import SamplingParams
+
+    base = dict(temperature=0.6, ignore_eos=True, cache_salt=salt, **kwargs)
+    return [SamplingParams(max_tokens=n, **base, **(extra[i] if extra else {})) for i, n in enumerate(w.output_lens)]
+
+
+def warm_up(llm, w: Workload, args: argparse.Namespace, salt: str = "warmup", extra: list[dict] | None = None) -> None:
+    """Short requests (default: as many as the batch holds), ending one after another, so every
+    decode batch size (and any lazily captured graph or compiled kernel) is touched before timing."""
+    n = min(len(w), args.warmup_requests or args.max_num_seqs)
+    short = Workload([w.prompts[i][:64] for i in range(n)], [], [1 + i % 32 for i in range(n)])
+    llm.generate(short.prompts, sampling_params(short, salt, extra[:n] if extra else None), use_tqdm=False)
+
+
+def generated_tokens(outputs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def throughput(seconds: float, input_tokens: int, output_tokens: int) -> dict:
+    return {"seconds": seconds, "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "output_tok_s": output_tokens / seconds, "total_tok_s": (input_tokens + output_tokens) / seconds}
+
+
+# ---------------------------------------------------------------- timing and output
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn(), wall seconds), with CUDA synchronised on both sides so queued kernels are counted."""
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def emit(record: dict) -> None:
+    """One JSON line on stdout (flushed), also appended to ``--out`` when given."""
+    line = json.dumps({"bench": _BENCH, **record}, default=str)
+    print(line, flush=True)
+    if _OUT:
+        with open(_OUT, "a") as f:
+            f.write(line + "\n")
+
+
+def free_cuda() -> None:
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _commit() -> str | None:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=False)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def header(args: argparse.Namespace, path: str) -> None:
+    import transformers
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    emit({"record": "header", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+          "python": sys.version.split()[0], "commit": _commit(), "model": path, "smoke": args.smoke,
+          "args": vars(args)})
+
+
+# ---------------------------------------------------------------- command line
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """Flags every script shares. Defaults left as None are filled by ``setup`` (full or --smoke)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: random Qwen3-0.6B shape)")
+    p.add_argument("--smoke", action="store_true", help="tiny random model, few short requests (CPU, seconds)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints are kept")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--min-len", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--warmup-requests", type=int, default=None, help="default: min(num requests, max_num_seqs)")
+    return p
+
+
+# (full, --smoke) values for flags left unset.
+COMMON_DEFAULTS = {"num_requests": (256, 6), "min_len": (100, 4), "max_len": (1024, 16),
+                   "kv_cache_tokens": (None, 4096)}
+
+
+def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) -> str:
+    """Fill defaults (full, smoke), open --out, build or find the model, print the header; returns the model path."""
+    global _BENCH, _OUT
+    _BENCH, _OUT = bench, args.out
+    for key, (full, smoke) in {**COMMON_DEFAULTS, **(defaults or {})}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, smoke if args.smoke else full)
+    import transformers
+    transformers.logging.set_verbosity_error()  # stdout stays JSON; HF chatter would go to stderr anyway
+    transformers.utils.logging.disable_progress_bar()
+    if args.smoke:  # tiny matrices: one thread is as fast and immune to oversubscription
+        torch.set_num_threads(1)
+    path = model_path(args)
+    header(args, path)
+    return path

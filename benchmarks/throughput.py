@@ -1,0 +1,84 @@
+"""Offline throughput (DESIGN.md §6): N random requests through steerable, then the same requests
+through HF transformers ``generate`` in the same process, and the ratio.
+
+    PYTHONPATH=. python benchmarks/throughput.py [--num-requests 256] [--hf-requests K] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import common
+import torch
+from common import emit, timed
+
+
+def run_steerable(args, path: str) -> tuple[dict, torch.dtype, common.Workload]:
+    llm = common.make_llm(args, path)
+    w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
+    common.warm_up(llm, w, args)
+    outs, seconds = timed(partial(llm.generate, w.prompts, common.sampling_params(w, "timed"), use_tqdm=False))
+    result = {"record": "steerable", "requests": len(w), **common.throughput(seconds, sum(w.input_lens),
+                                                                             common.generated_tokens(outs))}
+    emit(result)
+    stats = getattr(llm.engine, "stats", None)
+    if stats is not None:
+        emit({"record": "engine_stats", **stats()})
+    dtype = llm.engine.dtype
+    del llm, outs  # the HF baseline needs the GPU memory the KV cache held
+    common.free_cuda()
+    return result, dtype, w
+
+
+def run_hf(args, path: str, dtype: torch.dtype, w: common.Workload) -> dict:
+    """HF ``generate``: sdpa, left padding, batches of requests sorted by output length, each batch
+    run to its longest output; only each request's own output length counts as useful tokens."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    held = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else 0.0  # what steerable failed to free
+    model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: dtype}, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    w = w.head(args.hf_requests or len(w))
+    order = sorted(range(len(w)), key=lambda i: w.output_lens[i])
+    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+
+    def generate(batch: list[int], max_new: int | None = None) -> None:
+        width = max(w.input_lens[i] for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            ids[row, width - w.input_lens[i]:] = torch.tensor(w.prompts[i])
+            mask[row, width - w.input_lens[i]:] = 1
+        new = max_new or max(w.output_lens[i] for i in batch)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
+
+    with torch.inference_mode():
+        generate(batches[0][:4], max_new=8)  # warm-up: kernels, allocator
+        _, seconds = timed(lambda: [generate(b) for b in batches])
+    result = {"record": "hf", "requests": len(w), "batch_size": args.hf_batch_size, "cuda_gib_held_before": held,
+              **common.throughput(seconds, sum(w.input_lens), sum(w.output_lens))}
+    emit(result)
+    return result
+
+
+def main() -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--hf-batch-size", type=int, default=None)
+    p.add_argument("--hf-requests", type=int, default=None, help="run HF on the first K requests only")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+    path = common.setup("throughput", args, {"hf_batch_size": (64, 4)})
+    ours, dtype, w = run_steerable(args, path)
+    if args.skip_hf:
+        return
+    hf = run_hf(args, path, dtype, w)
+    emit({"record": "ratio", "output_tok_s_ratio": ours["output_tok_s"] / hf["output_tok_s"],
+          "total_tok_s_ratio": ours["total_tok_s"] / hf["total_tok_s"]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""CUDA graphs for decode-only steps, with steering and capture inside the graph.
+
+A decode step of n requests is padded to the next size of a ladder and replayed from a graph
+captured the first time that shape is seen. Everything that changes per step lives in persistent
+buffers the graph reads: token ids, positions, slot mapping, block table, sequence lengths, the
+steering row of every token, the capture row indices. What the graph cannot read from a buffer is
+part of its key: the padded size, the steering sites and table version (a table that grew has moved
+in memory), and the shape of the capture plan (which hook sites gather for which groups). Mixed and
+prefill steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from steerable.worker.batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor  # final hidden states [padded, H], owned by the graph
+    staged: dict = field(default_factory=dict)  # capture gathers, owned by the graph
+
+
+class CudaGraphRunner:
+    def __init__(self, model: nn.Module, max_num_seqs: int):
+        self.model = model
+        self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
+                            | {max_num_seqs})
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = None
+        self.num_replays = 0
+        self.num_captures = 0
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return batch.is_decode_only and batch.num_padded_tokens in self.sizes
+
+    @staticmethod
+    def key(batch: StepBatch) -> tuple:
+        steering = batch.steering.signature if batch.steering is not None else None
+        capture = batch.capture.signature if batch.capture is not None else None
+        return batch.num_padded_tokens, steering, capture
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        key = self.key(batch)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(batch, key)
+        entry.graph.replay()
+        self.num_replays += 1
+        if batch.capture is not None:
+            batch.capture.staged = dict(entry.staged)
+        return entry.output
+
+    def _capture(self, batch: StepBatch, key: tuple) -> _Graph:
+        if batch.steering is not None:  # graphs baked against older steering tables are dead
+            version = batch.steering.version
+            for stale in [k for k in self.graphs if k[1] is not None and k[1][1] != version]:
+                del self.graphs[stale]
+        # One eager run compiles every kernel for this shape outside the capture (its K/V writes
+        # are the same values the replay writes again).
+        self.model(batch.input_ids, batch.positions, batch)
+        if batch.capture is not None:
+            batch.capture.staged.clear()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = self.model(batch.input_ids, batch.positions, batch)
+        if self.pool is None:
+            self.pool = graph.pool()
+        entry = _Graph(graph, output, dict(batch.capture.staged) if batch.capture is not None else {})
+        self.graphs[key] = entry
+        self.num_captures += 1
+        logger.debug("captured CUDA graph %s (%d total)", key[0], len(self.graphs))
+        return entry

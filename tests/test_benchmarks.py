@@ -1,0 +1,87 @@
+"""The benchmark scripts run end to end in --smoke mode (tiny random Qwen3, CPU, seconds) and print
+the JSON records the GPU runs are read from; the numbers themselves are only checked for sanity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("bench-cache"))
+
+
+def run(script: str, cache_dir: str, *args: str) -> dict[str, list[dict]]:
+    """Run ``benchmarks/<script>.py --smoke``; stdout must be JSON lines only. Records by type."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--smoke", "--cache-dir", cache_dir, *args]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records: dict[str, list[dict]] = {}
+    for line in proc.stdout.splitlines():
+        record = json.loads(line)
+        assert record["bench"] == script
+        records.setdefault(record["record"], []).append(record)
+    header = records["header"][0]
+    assert header["smoke"] is True and header["torch"] and header["model"]
+    assert records["llm_init"][0]["seconds"] > 0
+    return records
+
+
+def positive(record: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(record[key], (int, float)) and record[key] > 0, (key, record)
+
+
+def test_throughput_with_hf_baseline(cache_dir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    r = run("throughput", cache_dir, "--hf-requests", "4", "--hf-batch-size", "2", "--out", str(out))
+    ours, hf, ratio = r["steerable"][0], r["hf"][0], r["ratio"][0]
+    positive(ours, "seconds", "output_tok_s", "total_tok_s", "output_tokens", "input_tokens")
+    positive(hf, "seconds", "output_tok_s", "total_tok_s", "output_tokens")
+    positive(ratio, "output_tok_s_ratio", "total_tok_s_ratio")
+    assert ours["requests"] == 6 and hf["requests"] == 4 and hf["batch_size"] == 2
+    assert ours["output_tokens"] > hf["output_tokens"]  # HF counted on its first 4 requests only
+    assert r["engine_stats"][0]["num_steps"] > 0
+    assert len(out.read_text().splitlines()) == sum(len(v) for v in r.values())
+
+
+def test_steering_cost(cache_dir):
+    r = run("steering_cost", cache_dir, "--repeats", "2")
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["none", "global_all_layers", "per_request_distinct"]
+    for x in runs.values():
+        positive(x, "seconds", "output_tok_s", "total_tok_s")
+        assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
+    assert runs["none"]["cost_pct"] == 0.0
+    status = r["steering_status"][0]
+    assert status["ok"] and status["rows_in_use"] == 0
+
+
+def test_capture_cost(cache_dir):
+    r = run("capture_cost", cache_dir)
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["none", "stream_last_prompt", "per_request_last_prompt"]
+    for x in runs.values():
+        positive(x, "seconds", "output_tok_s", "total_tok_s")
+    assert runs["stream_last_prompt"]["rows_ok"] and runs["per_request_last_prompt"]["rows_ok"]
+    assert runs["stream_last_prompt"]["tokens_dropped"] == 0
+    assert "graph_replays" in r["capture_status"][0]
+
+
+def test_latency(cache_dir):
+    r = run("latency", cache_dir, "--repeats", "2")
+    modes = {x["mode"]: x for x in r["latency"]}
+    assert set(modes) == {"unsteered", "steered"}
+    for x in modes.values():
+        positive(x, "decode_ms_per_token", "full_s", "first_token_s")
+        assert len(x["decode_ms_per_token_all"]) == 2

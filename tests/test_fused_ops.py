@@ -1,0 +1,93 @@
+"""Fused Triton elementwise kernels vs the PyTorch arithmetic they replace (HF's formulas).
+
+On CUDA they run on the GPU; without CUDA, under `TRITON_INTERPRET=1` (set before Triton loads).
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("no CUDA GPU: run `TRITON_INTERPRET=1 python -m pytest tests/test_fused_ops.py`",
+                allow_module_level=True)
+
+from steerable.layers import fused  # noqa: E402
+from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+
+
+def _ref_rms(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _close(out, ref, dtype):
+    """Against a float32 reference computed from the same (rounded) inputs: float32 agrees to
+    rounding; 16-bit outputs within their precision (relative norm error, METHOD.md's bands)."""
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    return err.item() <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 576), (33, 1024), (4, 1000)])
+def test_rms_norm(dtype, rows, width):
+    g = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
+    w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
+    assert _close(fused.rms_norm(x, w, 1e-6), _ref_rms(x.float(), w.float(), 1e-6), dtype)
+    strided = torch.randn(rows, 2 * width, generator=g).to(DEVICE, dtype)[:, :width]
+    assert _close(fused.rms_norm(strided, w, 1e-6), _ref_rms(strided.float(), w.float(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inter", [(1, 128), (5, 1536), (3, 3000)])
+def test_silu_and_mul(dtype, rows, inter):
+    x = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(DEVICE, dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert _close(fused.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (16, 8, 128)])
+def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * head_dim + qk_norm)
+    tokens = 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0).to(DEVICE)
+    qw = (torch.randn(head_dim, generator=g) + 1).to(DEVICE, dtype) if qk_norm else None
+    kw = (torch.randn(head_dim, generator=g) + 1).to(DEVICE, dtype) if qk_norm else None
+    q, k, v = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw, 1e-6)
+    rq, rk, rv = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    rq, rk = rq.reshape(tokens, heads, head_dim), rk.reshape(tokens, kv_heads, head_dim)
+    if qk_norm:
+        rq, rk = _ref_rms(rq, qw.float(), 1e-6), _ref_rms(rk, kw.float(), 1e-6)
+    rq, rk = rotary(positions, rq, rk)
+    assert _close(q, rq, dtype) and _close(k, rk, dtype)
+    assert torch.equal(v.float(), rv.reshape(tokens, kv_heads, head_dim))
+
+
+def test_gumbel_argmax_greedy_and_distribution():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 5000, generator=g) * 2).to(DEVICE)
+    greedy = fused.gumbel_argmax(logits, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE))
+    assert torch.equal(greedy, logits.argmax(-1))
+    # One row of 8 tokens sampled under 4000 seeds: frequencies follow softmax(logits / T).
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2], device=DEVICE)
+    n = 4000
+    tokens = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
+                                 torch.arange(n, device=DEVICE) * 7919 + 1)
+    freq = torch.bincount(tokens.cpu(), minlength=8).float() / n
+    expected = torch.softmax(row.cpu() / 1.5, -1)
+    assert (freq - expected).abs().max() < 0.03
+    again = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
+                                torch.arange(n, device=DEVICE) * 7919 + 1)
+    assert torch.equal(tokens, again)  # same seeds, same samples

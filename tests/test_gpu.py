@@ -1,0 +1,104 @@
+"""GPU: the CPU fidelity cases on CUDA in float32 (Triton attention, CUDA graphs on), and graph
+replay == eager in bfloat16 with steering and capture inside the graph."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import PROMPTS, hf_greedy, hf_model
+from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap
+from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _vec(seed, scale=3.0):
+    return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_matches_hf_on_gpu(model_dirs, family):
+    llm = LLM(model_dirs[family], dtype="float32", device="cuda", kv_cache_tokens=8192)
+    assert llm.engine.runner.graphs is not None
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(model_dirs[family])
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 16)
+    assert llm.engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_mlp"])
+def test_steering_matches_hf_on_gpu(model_dirs, hook):
+    path = model_dirs["qwen3"]
+    llm, hf = LLM(path, dtype="float32", device="cuda", kv_cache_tokens=8192), hf_model(path)
+    ids = llm.get_tokenizer()(PROMPTS[3]).input_ids
+    v, d = _vec(1), _vec(2)
+    spec = SteeringSpec(interventions=[], vectors={hook: {1: v}},
+                        clamps=[Clamp(2, d, hook=hook, min=-0.5, max=0.5)],
+                        decode_vectors={"pre_attn": {0: _vec(3)}})
+    out = llm.generate([ids], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5,
+                                             steering_vectors=spec), use_tqdm=False)[0]
+    edits = [(hook, 1, add_edit(v), None), (hook, 2, clamp_edit(d, -0.5, 0.5), None),
+             ("pre_attn", 0, add_edit(_vec(3)), SelectSpec(generation="all"))]
+    tokens, lp = HFSteered(hf, edits).greedy(ids, 10)
+    assert out.outputs[0].token_ids == tokens
+    assert max_logprob_gap(out, lp) <= 1e-3  # TF32-free fp32 on GPU, different reduction orders
+
+
+def test_capture_matches_hf_on_gpu(capture_dirs):
+    path = capture_dirs["llama"]
+    llm, hf = LLM(path, dtype="float32", device="cuda", kv_cache_tokens=8192), hf_model(path)
+    outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=[
+        CaptureSpec(layers=[0, 1, 2], select="all"), CaptureSpec("attention_heads", layers=[1], select="all")]),
+        use_tqdm=False)
+    for out in outs:
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        cap = {}
+        HFSteered(hf, []).forward(torch.tensor([ids]), len(out.prompt_token_ids), capture=cap)
+        n = len(ids) - 1
+        for layer in (0, 1, 2):
+            assert out.capture_meta["hidden_states"][layer].positions.tolist() == list(range(n))
+            assert (out.captures["hidden_states"][layer].cpu() - cap[("post_mlp", layer)][:n]).abs().max() <= 1e-4
+        assert (out.captures["attention_heads"][1].cpu() - cap[("attention_heads", 1)][:n]).abs().max() <= 1e-4
+    assert llm.capture_status()["graph_replays"] > 0
+
+
+def test_graph_replay_is_bit_identical_to_eager(model_dirs):
+    """bf16, mixed batch with per-request steering and capture: graphs change nothing."""
+    path = model_dirs["qwen3"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 300) for _ in range(rng.randrange(5, 60))] for _ in range(24)]
+    params = []
+    for i in range(24):
+        kw = dict(max_tokens=20, temperature=0, ignore_eos=True)
+        if i % 3 == 0:
+            kw["steering_vectors"] = {"post_attn": {1: _vec(10 + i, 1.0)}}
+        if i % 4 == 0:
+            kw["capture"] = CaptureSpec(layers=[0, 2], select="all_generated")
+        params.append(SamplingParams(**kw))
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=eager)
+        llm.set_steering_vectors({"pre_attn": {2: _vec(99, 0.5)}})
+        llm.start_capture(layers=[1], select="all_generated")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stream = llm.fetch_captured()
+        results[eager] = (outs, stream, llm.capture_status())
+    (eager_outs, eager_stream, _), (graph_outs, graph_stream, status) = results[True], results[False]
+    assert status["graph_replays"] > 0
+    for a, b in zip(eager_outs, graph_outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for layer, t in a.captures.get("hidden_states", {}).items():
+            assert torch.equal(t, b.captures["hidden_states"][layer])
+    assert torch.equal(eager_stream[0][1], graph_stream[0][1])
+    assert eager_stream[1][1] == graph_stream[1][1]
+
+
+def test_gpu_kv_cache_sized_from_free_memory(model_dirs):
+    llm = LLM(model_dirs["llama"], dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
+    free, total = torch.cuda.mem_get_info()
+    kv_bytes = llm.engine.runner.kv_cache.numel() * 2
+    assert 0.1 * total < kv_bytes < 0.3 * total
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
