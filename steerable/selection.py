@@ -575,6 +575,11 @@ class SelectSpec:
         tokens = torch.as_tensor(prompt_token_ids, dtype=torch.int64).reshape(-1) if self._uses_tokens else None
         return bool(self.mask(positions, P, tokens).any())
 
+    @property
+    def reads_generated_tokens(self) -> bool:
+        """Whether selecting a generated row needs that row's token id (not only its position)."""
+        return self.generation_tokens is not None or self.exclude_generation_tokens is not None
+
     def may_select_generation(self) -> bool:
         """Conservative: False only when no generation row can ever be selected
         (for any prompt length, decode step or token)."""

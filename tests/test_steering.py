@@ -295,3 +295,14 @@ def test_list_layers_and_status(model_dirs):
     llm.set_steering_vectors({1: vec(1)})
     status = llm.get_steering_status()
     assert status["global"]["adds"] == 1 and status["global"]["sites"] == ["post_mlp:1"]
+
+
+def test_generated_token_selection_matches_hf(family):
+    """Selecting generated rows by token id needs each sampled token before the next step is planned
+    (the engine plans that step after the token arrives)."""
+    llm, hf = family
+    ids = _ids(llm, PROMPTS[3])
+    plain = llm.generate([ids], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    sel = SelectSpec(generation_tokens=sorted(set(plain[:5])))
+    v = vec(31)
+    _check(llm, hf, ids, SteeringSpec(interventions=[Add(1, v, select=sel)]), [("post_mlp", 1, add_edit(v), sel)])

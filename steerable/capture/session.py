@@ -21,7 +21,7 @@ import torch
 
 from steerable.capture.serialization import CaptureMeta, deserialize_captured
 from steerable.capture.store import StreamConfig, StreamStore, resolve_storage_dtype
-from steerable.engine.request import Request
+from steerable.engine.request import PLACEHOLDER, Request
 from steerable.hook_points import ATTENTION_HEADS, POST_MLP, RESIDUAL_POINTS, ROUTER_LOGITS
 from steerable.selection import SelectSpec
 
@@ -64,6 +64,15 @@ class RowSelector:
         later = self.prompt_positions[self.prompt_positions >= at_least]
         return int(later[0]) if len(later) else prompt_len
 
+    def next_position(self, at_least: int, prompt_len: int) -> float:
+        """Lowest position >= at_least this selector might pick (inf when none can follow)."""
+        if self.prompt_positions is None:
+            return at_least
+        later = self.prompt_positions[self.prompt_positions >= at_least]
+        if len(later):
+            return int(later[0])
+        return max(at_least, prompt_len) if self.generation else float("inf")
+
     def rows(self, positions: np.ndarray, token_ids: np.ndarray, prompt_len: int, skip_below: int) -> np.ndarray:
         """Indices into this chunk of the rows to record (positions are consecutive)."""
         start, n = int(positions[0]), len(positions)
@@ -100,6 +109,11 @@ class RequestCapture:
 
     destinations: list["_Destination"]
     selectors: dict[tuple, RowSelector] = field(default_factory=dict)  # incl. lazily built stream selectors
+    # No destination wants a row before this position (valid while ``plan_version`` matches the
+    # session's): steps that stay below it skip the request with one comparison.
+    next_position: float = 0
+    plan_version: int = -1
+    reads_generated_tokens: bool = False
     rows: dict[tuple[str, int], list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
 
@@ -114,7 +128,7 @@ class _Group:
     rows: np.ndarray  # step rows, sorted, unique
     positions: np.ndarray  # int32 per row
     token_ids: np.ndarray  # int32 per row
-    takers: list[tuple[_Destination, str, np.ndarray]]  # destination, request id, its indices into ``rows``
+    takers: list[tuple[_Destination, Request, np.ndarray]]  # destination, request, its indices into ``rows``
     index: torch.Tensor | None = None  # device copy of ``rows`` (padded when a CUDA graph replays it)
 
     @property
@@ -129,6 +143,8 @@ class StepCapture:
     groups: list[_Group]
     sites: dict[tuple[str, int], list[int]]
     staged: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (group, layer) -> rows
+    host: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # the same rows on the host
+    copied: Any = None  # event after the device-to-host copies
 
     @property
     def signature(self) -> tuple:
@@ -149,7 +165,8 @@ class CaptureSession:
         self.streams: dict[str, _Destination] = {}
         self.stopped: dict[str, StreamStore] = {}
         self.consumers: list[Any] = []
-        self._serial = 0
+        self._serial = 0  # bumps when a stream starts or stops: cached per-request plans go stale
+        self._token_readers = 0  # live requests whose own selection reads generated token ids
         self.graph_replays = 0
         self.eager_capture_forwards = 0
 
@@ -210,6 +227,7 @@ class CaptureSession:
         """Stop recording; stored rows (and reductions of running requests) stay fetchable."""
         self._component(stream)
         destination = self.streams.pop(stream, None)
+        self._serial += 1
         if destination is not None:
             store = destination.sink
             for request_id in {rid for rid, _ in store.partial}:
@@ -277,6 +295,9 @@ class CaptureSession:
             destinations.append(_Destination(("request", request.request_id, component), component, hook,
                                              layers, dtype, select, None))
         state = RequestCapture(destinations)
+        state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
+                                           for d in destinations)
+        self._token_readers += state.reads_generated_tokens
         for d in destinations:
             d.sink = state
             state.selectors[d.key] = RowSelector.build(d.select, request.prompt_token_ids)
@@ -318,33 +339,46 @@ class CaptureSession:
         picks: dict[tuple, list] = {}  # group signature -> [(destination, step rows, request id)]
         for i, item in enumerate(batch.scheduled):
             request = item.request
+            state = request.capture
+            end = request.num_computed_tokens + item.num_tokens
+            if state is not None and state.plan_version == self._serial and state.next_position >= end:
+                continue
             destinations = self._destinations(request)
             if not destinations:
                 continue
             lo, hi = int(starts[i]), int(starts[i + 1])
             positions = batch.host_positions[lo:hi]
+            prompt_len = request.num_prompt_tokens
+            next_position = float("inf")
             for destination in destinations:
                 selector = self._selector(request, destination)
-                if not selector.generation and positions[0] >= request.num_prompt_tokens:
+                next_position = min(next_position, selector.next_position(end, prompt_len))
+                if not selector.generation and positions[0] >= prompt_len:
                     continue
-                rows = selector.rows(positions, batch.host_token_ids[lo:hi], request.num_prompt_tokens,
+                rows = selector.rows(positions, batch.host_token_ids[lo:hi], prompt_len,
                                      request.max_computed_tokens)
                 if len(rows):
                     key = (destination.hook, tuple(destination.layers), destination.dtype)
-                    picks.setdefault(key, []).append((destination, rows + lo, request.request_id))
+                    picks.setdefault(key, []).append((destination, rows + lo, request))
+            request.capture.next_position, request.capture.plan_version = next_position, self._serial
         if not picks:
             return
         groups, sites = [], {}
         for (hook, layers, dtype), entries in picks.items():
             rows = np.unique(np.concatenate([e[1] for e in entries]))
-            takers = [(destination, request_id, np.searchsorted(rows, step_rows))
-                      for destination, step_rows, request_id in entries]
+            takers = [(destination, request, np.searchsorted(rows, step_rows))
+                      for destination, step_rows, request in entries]
             group = _Group(hook, list(layers), dtype, rows, batch.host_positions[rows].astype(np.int32),
                            batch.host_token_ids[rows].astype(np.int32), takers)
             for layer in layers:
                 sites.setdefault((hook, layer), []).append(len(groups))
             groups.append(group)
         batch.capture = StepCapture(groups, sites)
+
+    def reads_generated_tokens(self) -> bool:
+        """A destination selects generated rows by token id: planning needs sampled tokens on the host."""
+        return self._token_readers > 0 or any(
+            d.select is not None and d.select.reads_generated_tokens for d in self.streams.values())
 
     def record(self, point: str, layer: int, value: torch.Tensor, batch: Any) -> None:
         """HookPoints reader: gather the planned rows into a fresh tensor (safe to copy later)."""
@@ -356,9 +390,10 @@ class CaptureSession:
             rows = value.index_select(0, group.index)
             step.staged[(g, layer)] = rows.to(group.dtype) if group.dtype is not None else rows
 
-    def deliver(self, batch: Any) -> None:
-        """Copy the step's gathered rows to the host in one pinned transfer per dtype (one sync),
-        then hand each destination its rows, split per request."""
+    def copy_out(self, batch: Any) -> None:
+        """Right after the forward is enqueued: start one pinned device-to-host copy per dtype of the
+        step's gathered rows. It must be enqueued before the next step, whose CUDA-graph replay
+        reuses the gather buffers."""
         step = batch.capture
         if step is None or not step.staged:
             return
@@ -367,15 +402,29 @@ class CaptureSession:
         else:
             self.eager_capture_forwards += 1
         keys = list(step.staged)
-        host = _to_host([step.staged[k][:len(step.groups[k[0]].rows)] for k in keys])
-        for (g, layer), tensor in zip(keys, host):
+        step.host = dict(zip(keys, _to_host([step.staged[k][:len(step.groups[k[0]].rows)] for k in keys])))
+        step.copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        if step.copied is not None:
+            step.copied.record()
+        step.staged.clear()
+
+    def deliver(self, batch: Any) -> None:
+        """Once the step has finished: hand each destination its rows, split per request."""
+        step = batch.capture
+        if step is None or not step.host:
+            return
+        if step.copied is not None:
+            step.copied.synchronize()
+        for group in step.groups:
+            _fill_pending_tokens(group)
+        for (g, layer), tensor in step.host.items():
             group = step.groups[g]
-            for destination, request_id, where in group.takers:
+            for destination, request, where in group.takers:
                 # A compact copy per request: stored rows never pin the whole step buffer.
                 rows = tensor.index_select(0, torch.from_numpy(where))
-                self._deliver_rows(destination, layer, request_id, rows, group.positions[where],
+                self._deliver_rows(destination, layer, request.request_id, rows, group.positions[where],
                                    group.token_ids[where])
-        step.staged.clear()
+        step.host.clear()
 
     @staticmethod
     def _deliver_rows(destination: _Destination, layer: int, request_id: str, tensor: torch.Tensor,
@@ -399,6 +448,8 @@ class CaptureSession:
                 store.finish_request(request.request_id)
         state = request.capture
         request.capture = None
+        if state is not None:
+            self._token_readers -= state.reads_generated_tokens
         if state is None or aborted or not state.destinations:
             return {}, {}
         tensors: dict[str, dict[int, torch.Tensor]] = {}
@@ -422,7 +473,17 @@ class CaptureSession:
         return tensors, metas
 
 
+def _fill_pending_tokens(group: _Group) -> None:
+    """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
+    delivery that token is known."""
+    for _, request, where in group.takers:
+        missing = where[group.token_ids[where] == PLACEHOLDER]
+        for i in missing:
+            group.token_ids[i] = request.all_token_ids[group.positions[i]]
+
+
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Enqueue the copies (one pinned buffer per dtype); the caller waits before reading."""
     if not tensors or tensors[0].device.type == "cpu":
         return tensors
     result: list[torch.Tensor | None] = [None] * len(tensors)
@@ -438,5 +499,4 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             n = tensors[i].numel()
             result[i] = pinned[offset:offset + n].view(tensors[i].shape)
             offset += n
-    torch.cuda.current_stream(tensors[0].device).synchronize()
     return result

@@ -10,7 +10,7 @@ from typing import Any
 from steerable.capture.session import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, CaptureSession
 from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.kv_cache import KVCacheManager
-from steerable.engine.request import Request, RequestStatus
+from steerable.engine.request import PLACEHOLDER, Request, RequestStatus
 from steerable.engine.scheduler import Scheduler, SchedulerOutput
 from steerable.engine.tokenizer import Tokenizer
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
@@ -48,14 +48,16 @@ class LLMEngine:
         self.max_model_len = max_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         cfg = self.model_config
-        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, self.device, self.dtype)
+        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, self.device, self.dtype,
+                                        config.max_num_seqs)
         self.capture = self._capture_plane()
         self.runner.hooks.writers.append(self.steering)
         self.runner.hooks.readers.append(self.capture)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit)
         self.requests: dict[str, Request] = {}
         self._streaming: set[str] = set()
+        self._inflight: tuple | None = None  # (schedule, batch, sample handle) launched, not finished
         self._rng = random.Random(config.seed)
         self._arrivals = 0
         self.num_steps = 0
@@ -123,34 +125,72 @@ class LLMEngine:
     # ---------------------------------------------------------------- the loop
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward step. Returns finished requests and progress of streaming ones."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        batch = self.runner.prepare(sched)
-        self.steering.prepare(batch)
-        self.capture.prepare(batch)
-        self.runner.bind_planes(batch)
-        tokens, logprobs = self.runner.execute(batch)
-        self.capture.deliver(batch)
-        self.num_steps += 1
-        return self._update(sched, tokens, logprobs)
+        """Launch the next step, then finish the previous one while the device runs it.
 
-    def _update(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[dict | None]) -> list[RequestOutput]:
+        The step launched here was scheduled before the previous step's tokens reached the host:
+        each running request already holds a placeholder for its pending token, which the device
+        fills in from the previous step's samples. Host bookkeeping (outputs, stop checks,
+        detokenization, the next schedule) thus overlaps device work. A request that stops on a
+        sampled token has one extra row computed and discarded. Returns finished requests and
+        progress of streaming ones.
+        """
         outputs = []
-        sampled = iter(zip(tokens, logprobs))
+        if self._inflight is not None and self._must_sync():
+            outputs += self._complete(*self._inflight)
+            self._inflight = None
+        launched = None
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            batch = self.runner.prepare(sched)
+            self.steering.prepare(batch)
+            self.capture.prepare(batch)
+            self.runner.bind_planes(batch)
+            handle = self.runner.launch(batch)
+            self.capture.copy_out(batch)
+            self._advance(sched)
+            self.num_steps += 1
+            launched = (sched, batch, handle)
+        if self._inflight is not None:
+            outputs += self._complete(*self._inflight)
+        self._inflight = launched
+        return outputs
+
+    def _must_sync(self) -> bool:
+        """Selections that read the token id of generated rows need it on the host before planning."""
+        return self.steering.reads_generated_tokens() or self.capture.reads_generated_tokens()
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        """What the launched step will have computed; sampling rows get a placeholder token."""
         for item in sched.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_tokens
             request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
-            self.kv.cache_computed_blocks(request)
+            if item.samples:
+                item.token_index = request.num_tokens
+                request.all_token_ids.append(PLACEHOLDER)
+                request.num_pending += 1
+
+    def _complete(self, sched: SchedulerOutput, batch: Any, handle: Any) -> list[RequestOutput]:
+        tokens, logprobs = self.runner.finish(handle)
+        self.capture.deliver(batch)
+        outputs = []
+        sampled = iter(zip(tokens, logprobs))
+        for item in sched.scheduled:
+            request = item.request
             if not item.samples:
+                if not request.finished:
+                    self.kv.cache_computed_blocks(request)
                 continue
             token, token_logprobs = next(sampled)
-            self._append_token(request, token, token_logprobs)
+            if request.finished:  # stopped (or aborted) while this step was in flight
+                continue
+            request.all_token_ids[item.token_index] = token
+            request.num_pending -= 1
+            self.kv.cache_computed_blocks(request)
+            self._accept_token(request, token, token_logprobs)
             if request.finish_reason is not None:
                 self._finish(request)
                 outputs.append(self._output(request))
@@ -158,8 +198,7 @@ class LLMEngine:
                 outputs.append(self._output(request))
         return outputs
 
-    def _append_token(self, request: Request, token: int, token_logprobs: dict | None) -> None:
-        request.all_token_ids.append(token)
+    def _accept_token(self, request: Request, token: int, token_logprobs: dict | None) -> None:
         piece = request.detokenizer.step(token)
         request.output_text += piece
         if token_logprobs is not None:
@@ -173,7 +212,8 @@ class LLMEngine:
         if params.stop_strings and piece:
             if self._check_stop_strings(request, len(piece)):
                 return
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        known = request.num_tokens - request.num_pending
+        if known - request.num_prompt_tokens >= params.max_tokens or known >= self.max_model_len:
             request.finish_reason = "length"
 
     @staticmethod
@@ -190,6 +230,9 @@ class LLMEngine:
         return False
 
     def _finish(self, request: Request, aborted: bool = False) -> None:
+        if request.num_pending:  # tokens of steps still in flight will be discarded
+            del request.all_token_ids[request.num_tokens - request.num_pending:]
+            request.num_pending = 0
         self.scheduler.finish(request)
         self.runner.remove_request(request)
         self.steering.release(request)

@@ -54,7 +54,7 @@ class KVCacheManager:
         """Extend the request's hash chain over every full block of its known tokens."""
         bs = self.block_size
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
+        for i in range(len(hashes), (request.num_tokens - request.num_pending) // bs):
             start, end = i * bs, (i + 1) * bs
             keys = [key for first_pos, key in request.hash_keys if first_pos < end]
             parent = hashes[i - 1] if i else _ROOT_HASH
@@ -113,7 +113,7 @@ class KVCacheManager:
         """Publish the request's newly completed full blocks for reuse by later requests."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens - request.num_pending) // self.block_size
         done = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= done:
             return

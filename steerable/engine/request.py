@@ -8,6 +8,9 @@ from typing import Any
 from steerable.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a sampled token still on its way from the device
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -33,6 +36,7 @@ class Request:
         self.sampling_seed = sampling_seed
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing PLACEHOLDER tokens in all_token_ids
         # Highest num_computed_tokens ever reached: rows below it were already delivered to capture.
         self.max_computed_tokens = 0
         self.block_ids: list[int] = []

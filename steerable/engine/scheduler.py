@@ -21,6 +21,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     samples: bool  # this chunk reaches the end of the known tokens, so its last row is sampled
+    token_index: int = -1  # where the sampled token goes in request.all_token_ids
 
 
 @dataclass
@@ -38,13 +39,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  cache_limit: Callable[[Request], int] | None = None):
         """``cache_limit(request)`` caps how many leading tokens a prefix-cache hit may cover
         (capture asks to recompute prompt rows it must see)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.cache_limit = cache_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -65,6 +67,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending and self._done_after_pending(request):
+                i += 1  # its last token is in flight: nothing left to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Most decode steps fit in the request's last block: skip the allocator.
             fits = request.num_computed_tokens + num_new <= len(request.block_ids) * block_size
@@ -84,6 +89,8 @@ class Scheduler:
 
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:  # preempted with a token in flight: resume once it has arrived
+                break
             limit = request.num_tokens - 1
             if self.cache_limit is not None:
                 limit = min(limit, self.cache_limit(request))
@@ -100,6 +107,10 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return out
+
+    def _done_after_pending(self, request: Request) -> bool:
+        return (request.num_output_tokens >= request.params.max_tokens
+                or request.num_tokens >= self.max_model_len)
 
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:

@@ -43,6 +43,7 @@ class ConfigEntry:
     selects: list[SelectSpec]  # distinct selections; bit g of a pattern = selects[g] matched
     requires: list[int]  # per intervention: bit it needs, or -1 when unselective
     generation_uniform: bool
+    reads_generated_tokens: bool
     rows: dict[int, int] = field(default_factory=dict)  # pattern -> row
     refcount: int = 0
 
@@ -54,7 +55,8 @@ class ConfigEntry:
 class RequestSteering:
     config: ConfigEntry
     rows: set[int] = field(default_factory=set)
-    decode_row: int | None = None
+    fixed_row: int | None = None  # the row of every token (a config without selections)
+    decode_row: int | None = None  # the row of every generated token, when selections allow
 
 
 @dataclass
@@ -109,6 +111,8 @@ class SteeringTables:
         self.version += 1
 
     def write(self, row: int, items: Sequence[Intervention]) -> None:
+        """Fill a row. Values go up in one pinned, non-blocking copy: a blocking copy would wait
+        for the step in flight on the device."""
         adds: dict[Site, torch.Tensor] = {}
         clamps: dict[Site, list[Intervention]] = {}
         for item in items:
@@ -116,20 +120,34 @@ class SteeringTables:
                 adds[item.site] = adds.get(item.site, 0) + item.vector
             else:
                 clamps.setdefault(item.site, []).append(item)
-        for site, vector in adds.items():
+        for site in adds:
             if site not in self.add:
                 self.add[site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype, device=self.device)
                 self.version += 1
-            self.add[site][row] = vector.to(self.device, self.dtype)
-            self.add_rows.setdefault(site, set()).add(row)
         for site, group in clamps.items():
             self._ensure_clamp_slots(site, len(group))
+        clamp_items = [item for group in clamps.values() for item in group]
+        vectors = [*adds.values(), *(item.vector for item in clamp_items)]
+        if not vectors:
+            return
+        staged = self._upload(torch.stack(vectors).to(self.dtype))
+        for j, site in enumerate(adds):
+            self.add[site][row].copy_(staged[j])
+            self.add_rows.setdefault(site, set()).add(row)
+        j = len(adds)
+        for site, group in clamps.items():
             for k, item in enumerate(group):
-                self.clamp_dir[site][row, k] = item.vector.to(self.device, self.dtype)
+                self.clamp_dir[site][row, k].copy_(staged[j])
                 self.clamp_lo[site][row, k] = item.lo
                 self.clamp_hi[site][row, k] = item.hi
                 self.clamp_strength[site][row, k] = item.strength
+                j += 1
             self.clamp_rows.setdefault(site, set()).add(row)
+
+    def _upload(self, values: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return values
+        return values.pin_memory().to(self.device, non_blocking=True)
 
     def _ensure_clamp_slots(self, site: Site, slots: int) -> None:
         have = self.clamp_dir[site].shape[1] if site in self.clamp_dir else 0
@@ -164,13 +182,17 @@ class SteeringTables:
 
 
 class SteeringManager:
-    def __init__(self, hidden_size: int, num_layers: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, num_layers: int, device: torch.device, dtype: torch.dtype,
+                 max_num_seqs: int = 256):
         self.parser = SpecParser(hidden_size, num_layers)
         self.num_layers = num_layers
         self.global_items: list[Intervention] = []
         self.modules: dict[str, list[Intervention]] = {}
+        self._scaled_modules: dict[tuple[str, float], list[Intervention]] = {}
         self.configs: dict[bytes, ConfigEntry] = {}
-        self.tables = SteeringTables(hidden_size, device, dtype)
+        # Room for a tiered config per running request before the first growth: growing moves the
+        # tables, which retires every CUDA graph that reads them.
+        self.tables = SteeringTables(hidden_size, device, dtype, capacity=2 * max_num_seqs + 1)
         self.row_refs: dict[int, int] = {}
         self.row_owner: dict[int, tuple[bytes, int]] = {}
         self._free_rows: list[int] = []
@@ -194,6 +216,7 @@ class SteeringManager:
                 raise ValueError(f"modules: module names must be non-empty strings, got {name!r}")
             parsed[name] = self.parser.parse(spec, f"modules[{name!r}]")
         self.modules.update(parsed)
+        self._scaled_modules.clear()
 
     def unregister_modules(self, names: Sequence[str]) -> None:
         """Running requests keep the snapshot they were admitted with; new ones can no longer use it."""
@@ -203,6 +226,7 @@ class SteeringManager:
             raise ValueError(f"modules: unknown module(s) {unknown}; registered: {sorted(self.modules)}")
         for name in names:
             del self.modules[name]
+        self._scaled_modules.clear()
 
     def steerable_layers(self) -> dict[str, list[int]]:
         return {point: list(range(self.num_layers)) for point in RESIDUAL_POINTS}
@@ -234,7 +258,11 @@ class SteeringManager:
             name, scale = (ref, 1.0) if isinstance(ref, str) else (ref[0], float(ref[1]))
             if name not in self.modules:
                 raise ValueError(f"steering_module_ref: unknown module {name!r}; registered: {sorted(self.modules)}")
-            items += [item.scaled(scale, "steering_module_ref") for item in self.modules[name]]
+            scaled = self._scaled_modules.get((name, scale))
+            if scaled is None:  # cached: equal refs share intervention objects and their digests
+                scaled = [item.scaled(scale, "steering_module_ref") for item in self.modules[name]]
+                self._scaled_modules[(name, scale)] = scaled
+            items += scaled
         items += self.parser.parse(params.steering_vectors, "steering_vectors")
         items = [item for item in items if not item.is_noop()]
         if not items:
@@ -258,7 +286,8 @@ class SteeringManager:
                 selects.append(item.select)
             requires.append(selects.index(item.select))
         uniform = all(set(s.to_wire()) <= _GENERATION_UNIFORM_FIELDS for s in selects)
-        return ConfigEntry(identity, items, selects, requires, uniform)
+        return ConfigEntry(identity, items, selects, requires, uniform,
+                           any(s.reads_generated_tokens for s in selects))
 
     @staticmethod
     def _cache_keys(items: list[Intervention], prompt: list[int]) -> list[tuple[int, bytes]]:
@@ -301,6 +330,10 @@ class SteeringManager:
 
     # ------------------------------------------------------------ per step
 
+    def reads_generated_tokens(self) -> bool:
+        """A live config selects generated rows by token id: planning needs sampled tokens on the host."""
+        return any(config.reads_generated_tokens for config in self.configs.values())
+
     def prepare(self, batch: Any) -> None:
         """Resolve every token's row and attach ``batch.steering`` (None when nothing is steered)."""
         scheduled = batch.scheduled
@@ -308,14 +341,23 @@ class SteeringManager:
             batch.steering = None
             return
         starts = batch.host_query_start
-        index = np.zeros(batch.num_tokens, dtype=np.int64)
-        for i, s in enumerate(scheduled):
-            state = s.request.steering
-            if state is None:
-                continue
-            lo, hi = starts[i], starts[i + 1]
-            index[lo:hi] = self._rows_for(s.request, state, batch.host_positions[lo:hi],
-                                          batch.host_token_ids[lo:hi])
+        if batch.is_decode_only:  # one row per request: the common case, kept lean
+            index = np.zeros(batch.num_tokens, dtype=np.int64)
+            for i, s in enumerate(scheduled):
+                state = s.request.steering
+                if state is not None:
+                    row = state.fixed_row
+                    index[i:i + 1] = row if row is not None else self._rows_for(
+                        s.request, state, batch.host_positions[i:i + 1], batch.host_token_ids[i:i + 1])
+        else:
+            index = np.zeros(batch.num_tokens, dtype=np.int64)
+            for i, s in enumerate(scheduled):
+                state = s.request.steering
+                if state is None:
+                    continue
+                lo, hi = starts[i], starts[i + 1]
+                index[lo:hi] = self._rows_for(s.request, state, batch.host_positions[lo:hi],
+                                              batch.host_token_ids[lo:hi])
         if not index.any():
             batch.steering = None
             return
@@ -325,7 +367,8 @@ class SteeringManager:
                   token_ids: np.ndarray) -> np.ndarray | int:
         config = state.config
         if not config.selects:
-            return self._acquire(state, 0)
+            state.fixed_row = self._acquire(state, 0)
+            return state.fixed_row
         prompt_len = request.num_prompt_tokens
         decode_chunk = positions[0] >= prompt_len
         if decode_chunk and config.generation_uniform and state.decode_row is not None:

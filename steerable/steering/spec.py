@@ -3,6 +3,7 @@ validated, canonical form (``Intervention``) that the engine composes, hashes an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -88,21 +89,20 @@ class Intervention:
             return not bool(self.vector.any())
         return self.strength == 0.0
 
-    def digest(self, h: "hashlib._Hash") -> None:
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """Content hash, computed once per intervention (a global spec is shared by every request)."""
+        h = hashlib.blake2b(digest_size=16)
         h.update(f"{self.kind}|{self.point}|{self.layer}|{self.lo}|{self.hi}|{self.strength}|".encode())
         h.update(self.select.key.encode() if self.select is not None else b"*")
         h.update(self.vector.numpy().tobytes())
+        return h.digest()
 
 
 def config_identity(interventions: Sequence[Intervention]) -> bytes:
     """Order-independent hash of a composed config: equal configs share rows and cache blocks."""
-    digests = []
-    for item in interventions:
-        h = hashlib.blake2b(digest_size=16)
-        item.digest(h)
-        digests.append(h.digest())
     h = hashlib.blake2b(digest_size=16)
-    for d in sorted(digests):
+    for d in sorted(item.digest for item in interventions):
         h.update(d)
     return h.digest()
 

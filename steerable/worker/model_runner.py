@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from steerable.config import EngineConfig, ModelConfig
-from steerable.engine.request import Request
+from steerable.engine.request import PLACEHOLDER, Request
 from steerable.engine.scheduler import SchedulerOutput
 from steerable.hook_points import HookPoints
 from steerable.layers.attention import Attention
@@ -19,7 +19,7 @@ from steerable.models.loader import ModelSource, iter_weights
 from steerable.models.registry import model_class
 from steerable.worker.batch import AttentionMetadata, StepBatch, build_host_columns
 from steerable.worker.cuda_graphs import CudaGraphRunner
-from steerable.worker.sampler import Sampler
+from steerable.worker.sampler import SampleHandle, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +43,33 @@ class InputBuffers:
         self.device = device
         pin = device.type == "cuda"
         self.tokens = torch.zeros(4, max_tokens, dtype=torch.int64, device=device)  # ids, pos, slots, steer
-        self.tokens_host = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin)
         self.seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)  # query_start, seq_lens
-        self.seqs_host = torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        # Two sets of host staging, used by alternate steps: while one step's copies may still be
+        # queued behind the step in flight, the next step fills the other set.
+        self._tokens_host = [torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._slot_index_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.parity = 0
         # Each running request owns a row of block ids (the last row stays zero for padding); the
         # step's block table is gathered from it on the device.
         self.request_blocks = torch.zeros(max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
         self.request_blocks_host = np.zeros((max_seqs + 1, max_blocks), dtype=np.int64)
         self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
         self.slot_index = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self.slot_index_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
         self.capture_index: list[torch.Tensor] = []
         self.max_tokens = max_tokens
+
+    @property
+    def tokens_host(self) -> torch.Tensor:
+        return self._tokens_host[self.parity]
+
+    @property
+    def seqs_host(self) -> torch.Tensor:
+        return self._seqs_host[self.parity]
+
+    @property
+    def slot_index_host(self) -> torch.Tensor:
+        return self._slot_index_host[self.parity]
 
     def capture_buffers(self, count: int) -> list[torch.Tensor]:
         while len(self.capture_index) < count:
@@ -92,6 +107,7 @@ class ModelRunner:
             self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, model_config.num_heads,
                                                           model_config.head_dim, device)
         self.sampler = Sampler(device, config.seed)
+        self.last_sampled = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=device)  # per slot
         self.num_blocks = self._allocate_kv_cache()
         self.slots: dict[str, int] = {}  # running request id -> its row in request_blocks
         self.blocks_written: dict[int, int] = {}  # row -> how many of its block ids are on the device
@@ -199,6 +215,7 @@ class ModelRunner:
         slots = self._slot_rows(sched)
         cols = build_host_columns(sched.scheduled, slots, self.buffers.request_blocks_host, self.block_size)
         num_tokens, num_seqs = len(cols.token_ids), len(sched.scheduled)
+        self.buffers.parity ^= 1
         padded = num_tokens
         if self.graphs is not None and cols.max_query_len == 1:
             padded = self.graphs.padded_size(num_seqs) or num_tokens
@@ -209,7 +226,13 @@ class ModelRunner:
         host[2, :num_tokens] = cols.slot_mapping
         host[:, num_tokens:padded] = 0
         host[2, num_tokens:padded] = -1
+        pending = np.flatnonzero(cols.token_ids == PLACEHOLDER)
+        host[0, pending] = 0
         buf.tokens[:3, :padded].copy_(buf.tokens_host[:3, :padded], non_blocking=True)
+        if len(pending):  # tokens sampled by the step still in flight: taken from the device
+            rows = torch.from_numpy(pending).to(self.device, non_blocking=True)
+            owners = torch.from_numpy(slots[cols.token_req[pending]]).to(self.device, non_blocking=True)
+            buf.tokens[0].index_copy_(0, rows, self.last_sampled.index_select(0, owners))
         seq_host = buf.seqs_host.numpy()
         pad_seqs = padded if padded != num_tokens else num_seqs  # a padded decode row is a sequence
         seq_host[0, :num_seqs + 1] = cols.query_start
@@ -254,6 +277,26 @@ class ModelRunner:
     # ------------------------------------------------------------ forward + sample
 
     @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> SampleHandle | None:
+        """Enqueue the forward and the sampler; the tokens stay on the device (and are kept per
+        request row for the next step's inputs) until ``finish`` reads them."""
+        logits = self.forward(batch)
+        sampling = [s for s in batch.scheduled if s.samples]
+        if not sampling:
+            return None
+        handle = self.sampler.sample(logits, [s.request for s in sampling])
+        owners = torch.from_numpy(np.fromiter((self.slots[s.request.request_id] for s in sampling), dtype=np.int64,
+                                              count=len(sampling)))
+        self.last_sampled.index_copy_(0, owners.to(self.device, non_blocking=True), handle.tokens)
+        return handle
+
+    def finish(self, handle: SampleHandle | None) -> tuple[list[int], list[dict | None]]:
+        """Wait for a launched step's samples and bring them to the host."""
+        if handle is None:
+            return [], []
+        return self.sampler.finalize(handle)
+
+    @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits (float32) of the rows that sample this step."""
         batch.graphed = self.graphs is not None and self.graphs.can_run(batch)
@@ -262,13 +305,6 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.sample_rows])
-
-    def execute(self, batch: StepBatch) -> tuple[list[int], list[dict | None]]:
-        logits = self.forward(batch)
-        sampling = [s.request for s in batch.scheduled if s.samples]
-        if not sampling:
-            return [], []
-        return self.sampler(logits, sampling)
 
     def add_request(self, request: Request) -> None:
         self.sampler.add_request(request)

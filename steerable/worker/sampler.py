@@ -8,12 +8,25 @@ generator, on the GPU from a Philox stream keyed by (seed, position) inside one 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from steerable.engine.request import Request
 from steerable.layers import fused
 
 _MIX_A, _MIX_B, _MASK = 6364136223846793005, 1442695040888963407, (1 << 63) - 1
+
+
+@dataclass
+class SampleHandle:
+    """Samples of a launched step: device tokens, their pinned host copy and the event to wait on."""
+
+    tokens: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    raw_logprobs: torch.Tensor | None
+    logprobs: list[int | None]
 
 
 class Sampler:
@@ -33,23 +46,32 @@ class Sampler:
         self.request_generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict | None]]:
-        """logits: float32 [S, V] for the S requests that sample this step, in order."""
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> "SampleHandle":
+        """Enqueue sampling of float32 logits [S, V] (one row per request, in order); nothing here
+        waits for the device. ``finalize`` brings the tokens (and logprobs) to the host."""
         self._suppress_early_stops(logits, requests)
-        want_logprobs = [r.params.logprobs is not None for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-
+        want = [r.params.logprobs for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want) else None
         if fused.enabled(logits) and not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p
                                              for r in requests):
-            token_list = self._fused(logits, requests).tolist()
+            tokens = self._fused(logits, requests)
         else:
-            token_list = self._torch(logits, requests).tolist()
+            tokens = self._torch(logits, requests)
+        host = tokens.to("cpu", non_blocking=True) if tokens.is_cuda else tokens
+        done = torch.cuda.Event() if tokens.is_cuda else None
+        if done is not None:
+            done.record()
+        return SampleHandle(tokens, host, done, raw_logprobs, want)
 
-        logprobs: list[dict | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            for i, request in enumerate(requests):
-                if want_logprobs[i]:
-                    logprobs[i] = _top_logprobs(raw_logprobs[i], token_list[i], request.params.logprobs)
+    def finalize(self, handle: "SampleHandle") -> tuple[list[int], list[dict | None]]:
+        if handle.done is not None:
+            handle.done.synchronize()
+        token_list = handle.host.tolist()
+        logprobs: list[dict | None] = [None] * len(token_list)
+        if handle.raw_logprobs is not None:
+            for i, num in enumerate(handle.logprobs):
+                if num is not None:
+                    logprobs[i] = _top_logprobs(handle.raw_logprobs[i], token_list[i], num)
         return token_list, logprobs
 
     def _fused(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
