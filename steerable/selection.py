@@ -575,6 +575,28 @@ class SelectSpec:
         tokens = torch.as_tensor(prompt_token_ids, dtype=torch.int64).reshape(-1) if self._uses_tokens else None
         return bool(self.mask(positions, P, tokens).any())
 
+    def next_candidate(self, at_least: int, prompt_len: int) -> float:
+        """A lower bound on the next selected position >= ``at_least`` (inf when none can follow).
+
+        Excludes are ignored, so the bound is safe: callers use it to skip rows that certainly are
+        not selected without resolving them one by one.
+        """
+        if not self._has_include:
+            return at_least
+        inc = self._resolve(prompt_len).inc
+        best = float("inf")
+        for a, b in inc.intervals:
+            if b > at_least:
+                best = min(best, max(a, at_least))
+        i = bisect.bisect_left(inc.points, at_least)
+        if i < len(inc.points):
+            best = min(best, inc.points[i])
+        if inc.prompt_tokens and at_least < prompt_len:
+            best = min(best, at_least)
+        if inc.gen_tokens:
+            best = min(best, max(at_least, prompt_len))
+        return best
+
     @property
     def reads_generated_tokens(self) -> bool:
         """Whether selecting a generated row needs that row's token id (not only its position)."""

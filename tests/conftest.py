@@ -107,26 +107,8 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
     build_tokenizer(path)
 
 
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("models")
-    tok_dir = str(root / "tokenizer")
-    build_tokenizer(tok_dir)
-    from transformers import AutoTokenizer
-    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
-    dirs = {}
-    for i, family in enumerate(FAMILIES):
-        path = str(root / family)
-        build_model(family, path, vocab, seed=i)
-        dirs[family] = path
-    return dirs
-
-
-@pytest.fixture(scope="session")
-def capture_dirs(tmp_path_factory) -> dict[str, str]:
-    """Same families with activations of order one, so float32 noise stays far below 1e-5 and
-    captured values can be compared to HF with an absolute tolerance."""
-    root = tmp_path_factory.mktemp("capture_models")
+def build_family_dirs(root, init: float, seed: int) -> dict[str, str]:
+    """One tiny checkpoint per family (plus the shared tokenizer) under ``root``."""
     tok_dir = str(root / "tokenizer")
     build_tokenizer(tok_dir)
     from transformers import AutoTokenizer
@@ -134,18 +116,21 @@ def capture_dirs(tmp_path_factory) -> dict[str, str]:
     dirs = {}
     for i, family in enumerate(FAMILIES):
         dirs[family] = str(root / family)
-        build_model(family, dirs[family], vocab, seed=10 + i, init=0.04)
+        build_model(family, dirs[family], vocab, seed=seed + i, init=init)
     return dirs
 
 
 @pytest.fixture(scope="session")
-def llama_dir(model_dirs) -> str:
-    return model_dirs["llama"]
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Large random weights: peaked output distributions, so steering visibly changes tokens."""
+    return build_family_dirs(tmp_path_factory.mktemp("models"), init=0.15, seed=0)
 
 
 @pytest.fixture(scope="session")
-def qwen3_dir(model_dirs) -> str:
-    return model_dirs["qwen3"]
+def capture_dirs(tmp_path_factory) -> dict[str, str]:
+    """Same families with activations of order one, so float32 noise stays far below 1e-5 and
+    captured values can be compared to HF with an absolute tolerance."""
+    return build_family_dirs(tmp_path_factory.mktemp("capture_models"), init=0.04, seed=10)
 
 
 def hf_model(path: str):

@@ -296,3 +296,16 @@ def test_bad_request_capture(model_dirs, spec, field):
         llm.generate(["hello"], SamplingParams(capture=spec, steering_vectors={0: [0.5] * 64}), use_tqdm=False)
     assert not llm.engine.requests and llm.get_steering_status()["configs_in_use"] == 0
     assert len(llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_draining_forgets_requests_and_fetch_checks_layers(model_dirs):
+    llm = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=2048)
+    llm.start_capture(layers=[0, 1], select="last_prompt")
+    for _ in range(3):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+        tensors, _ = llm.fetch_captured()
+        assert tensors[0].shape[0] == 2
+    status = llm.capture_status()
+    assert status["tokens_stored"] == 0 and status["requests"] == 0
+    with pytest.raises(ValueError, match="layers"):
+        llm.fetch_captured(layers=[2])

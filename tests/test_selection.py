@@ -679,3 +679,24 @@ def test_frozen_hashable_picklable_repr():
     assert repr(SelectSpec()) == "SelectSpec()"
     assert len({s, SelectSpec(prompt_positions=(-1, 3), generation_window=[1, None],
                               exclude_generation="all")}) == 1
+
+
+def test_next_candidate_is_a_lower_bound_on_selected_rows():
+    """Never past a selected row (so skipping below it is safe), and tight for position specs."""
+    import random as _random
+    rng = _random.Random(11)
+    specs = [SelectSpec(positions=[3, 40]), SelectSpec.parse("last_prompt"), SelectSpec(generation_window=(2, 5)),
+             SelectSpec(prompt_tokens=[7]), SelectSpec(generation_tokens=[9]), SelectSpec(),
+             SelectSpec(prompt_window=(1, 4), exclude_prompt_positions=[2]), SelectSpec(generation_positions=[0, 6])]
+    for spec in specs:
+        for _ in range(30):
+            P = rng.randrange(1, 30)
+            n = P + 12
+            tokens = torch.tensor([rng.choice([7, 9, 1]) for _ in range(n)])
+            selected = torch.nonzero(spec.mask(torch.arange(n), P, tokens)).flatten().tolist()
+            for at in range(n):
+                later = [p for p in selected if p >= at]
+                bound = spec.next_candidate(at, P)
+                assert not later or bound <= later[0]
+    assert SelectSpec(positions=[3, 40]).next_candidate(4, 10) == 40
+    assert SelectSpec.parse("last_prompt").next_candidate(10, 10) == float("inf")

@@ -66,12 +66,9 @@ class RowSelector:
 
     def next_position(self, at_least: int, prompt_len: int) -> float:
         """Lowest position >= at_least this selector might pick (inf when none can follow)."""
-        if self.prompt_positions is None:
+        if self.select is None:
             return at_least
-        later = self.prompt_positions[self.prompt_positions >= at_least]
-        if len(later):
-            return int(later[0])
-        return max(at_least, prompt_len) if self.generation else float("inf")
+        return self.select.next_candidate(at_least, prompt_len)
 
     def rows(self, positions: np.ndarray, token_ids: np.ndarray, prompt_len: int, skip_below: int) -> np.ndarray:
         """Indices into this chunk of the rows to record (positions are consecutive)."""
@@ -208,12 +205,7 @@ class CaptureSession:
         component = self._component(stream)
         hook = self._hook(component, hook, "hook")
         layer_list = self._layers(component, layers, "layers")
-        try:
-            config = StreamConfig(layer_list, dtype, reduce, select, budget_rows)
-        except ValueError as err:
-            message = str(err)
-            raise ValueError(message if message.split(":")[0] in ("reduce", "select", "budget_rows", "dtype")
-                             else f"select: {message}") from None
+        config = StreamConfig(layer_list, dtype, reduce, select, budget_rows)  # errors name their field
         store = StreamStore(config, layer_list, self.layouts.get(component, {}))
         # reduce="last" keeps each request's final input row: the last prompt row or a generated one,
         # neither of which a prefix-cache hit can skip, so it must not disable the cache.
@@ -291,7 +283,7 @@ class CaptureSession:
             try:
                 select = SelectSpec.parse(spec.select) if spec.select is not None else None
             except ValueError as err:
-                raise ValueError(f"capture.select: {err}") from None
+                raise ValueError(f"capture.{err}") from None  # "capture.select...: ..."
             destinations.append(_Destination(("request", request.request_id, component), component, hook,
                                              layers, dtype, select, None))
         state = RequestCapture(destinations)

@@ -133,7 +133,10 @@ class StreamStore:
     def serialize(self, layers: list[int] | None = None, req_ids: list[str] | None = None,
                   clear_selected: bool = False) -> dict[int, dict[str, Any]]:
         """Wire dicts per layer (see ``serialize_capture_layer``); ``req_ids`` are client-visible ids."""
-        wanted = self.layers if layers is None else [layer for layer in layers if layer in self.rows]
+        unknown = [] if layers is None else [layer for layer in layers if layer not in self.rows]
+        if unknown:
+            raise ValueError(f"layers: {unknown} are not captured by this stream; captured: {self.layers}")
+        wanted = self.layers if layers is None else list(layers)
         result = {}
         for layer in wanted:
             by_request = self.rows[layer]
@@ -150,6 +153,9 @@ class StreamStore:
             if clear_selected:
                 for rid in ids:
                     self.layer_rows[layer] -= sum(len(r.tensor) for r in by_request.pop(rid))
+        if clear_selected:  # drained requests are forgotten, so a long-running stream stays bounded
+            for rid in [r for r in self.request_order if not any(r in rows for rows in self.rows.values())]:
+                del self.request_order[rid]
         return result
 
     def clear(self) -> None:

@@ -180,7 +180,7 @@ class SpecParser:
             try:
                 select = SelectSpec.parse(item.select)
             except ValueError as err:
-                raise ValueError(f"{where}.select: {err}") from None
+                raise ValueError(f"{where}.{err}") from None  # the message starts with "select"
         if isinstance(item, Add):
             vector = self._vector(item.vector, f"{where}.vector") * _number(item.scale, f"{where}.scale")
             return Intervention("add", item.hook, layer, vector, select)
