@@ -1,4 +1,4 @@
-"""The synchronous engine loop: admit requests, schedule, run a step, turn samples into outputs."""
+"""The engine loop: admit requests, schedule, launch a step, finish the previous one into outputs."""
 
 from __future__ import annotations
 
