@@ -6,7 +6,7 @@ from steerable.sampling_params import SamplingParams
 
 
 def _req(rid, tokens, salt=None, keys=()):
-    r = Request(rid, rid, None, tokens, SamplingParams(cache_salt=salt), 0, 0, [])
+    r = Request(rid, rid, None, tokens, SamplingParams(cache_salt=salt), 0, [])
     r.hash_keys.extend(keys)
     return r
 

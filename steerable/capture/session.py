@@ -151,12 +151,11 @@ class StepCapture:
 
 class CaptureSession:
     def __init__(self, layers: dict[str, list[int]], widths: dict[str, int], layouts: dict[str, dict],
-                 num_layers: int, device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype):
         """``layers[component]``: layers where the model places that component's hook point."""
         self.available = layers
         self.widths = widths
         self.layouts = layouts
-        self.num_layers = num_layers
         self.device = device
         self.dtype = dtype
         self.streams: dict[str, _Destination] = {}

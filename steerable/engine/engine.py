@@ -59,7 +59,6 @@ class LLMEngine:
         self._streaming: set[str] = set()
         self._inflight: tuple | None = None  # (schedule, batch, sample handle) launched, not finished
         self._rng = random.Random(config.seed)
-        self._arrivals = 0
         self.num_steps = 0
 
     # ---------------------------------------------------------------- admission
@@ -74,15 +73,13 @@ class LLMEngine:
         prompt_text, token_ids = self._tokenize(prompt)
         request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
         eos = self.model_config.eos_token_ids
-        request = Request(request_id, client_id, prompt_text, token_ids, params, self._arrivals,
-                          self._rng.getrandbits(63), eos)
+        request = Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63), eos)
         self.steering.admit(request)
         try:
             self.capture.admit(request)
         except ValueError:
             self.steering.release(request)
             raise
-        self._arrivals += 1
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
         self.requests[request_id] = request
         if stream:
@@ -262,7 +259,7 @@ class LLMEngine:
             ROUTER_LOGITS: {layer: {"num_experts": cfg.num_experts, "width": cfg.num_experts}
                             for layer in router_layers},
         }
-        return CaptureSession(layers, widths, layouts, cfg.num_layers, self.device, self.dtype)
+        return CaptureSession(layers, widths, layouts, self.device, self.dtype)
 
     # ---------------------------------------------------------------- introspection
 

@@ -26,13 +26,12 @@ class Request:
     """
 
     def __init__(self, request_id: str, client_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival: int, sampling_seed: int, eos_token_ids: list[int]):
+                 params: SamplingParams, sampling_seed: int, eos_token_ids: list[int]):
         self.request_id = request_id
         self.client_id = client_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.arrival = arrival
         self.sampling_seed = sampling_seed
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -41,7 +40,6 @@ class Request:
         self.max_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
-        self.num_cached_hit_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

@@ -35,6 +35,7 @@ class HostColumns:
     token_ids: np.ndarray  # int64 [T]
     positions: np.ndarray  # int64 [T]
     token_req: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [B]: each request's block-table row in the runner
     slot_mapping: np.ndarray  # int64 [T]
     query_start: np.ndarray  # int64 [B + 1]
     seq_lens: np.ndarray  # int64 [B]
@@ -100,5 +101,5 @@ def build_host_columns(scheduled: list[ScheduledRequest], slots: np.ndarray, blo
             token_ids[query_start[i]:query_start[i + 1]] = s.request.all_token_ids[start:start + s.num_tokens]
     slot_mapping = block_rows[slots[token_req], positions // block_size] * block_size + positions % block_size
     sample_rows = query_start[1:][np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_reqs)] - 1
-    return HostColumns(token_ids, positions, token_req, slot_mapping, query_start, starts + counts, sample_rows,
+    return HostColumns(token_ids, positions, token_req, slots, slot_mapping, query_start, starts + counts, sample_rows,
                        max_query_len)

@@ -285,8 +285,7 @@ class ModelRunner:
         if not sampling:
             return None
         handle = self.sampler.sample(logits, [s.request for s in sampling])
-        owners = torch.from_numpy(np.fromiter((self.slots[s.request.request_id] for s in sampling), dtype=np.int64,
-                                              count=len(sampling)))
+        owners = torch.from_numpy(batch.host.slots[[s.samples for s in batch.scheduled]])
         self.last_sampled.index_copy_(0, owners.to(self.device, non_blocking=True), handle.tokens)
         return handle
 
