@@ -47,6 +47,32 @@ def test_rms_norm(dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tables", [0, 1, 2])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(dtype, num_tables, with_delta):
+    """The residual equals the separate adds bit for bit (same rounding points); the norm equals
+    RMSNorm of it. Row 0 of a steering table is zeros: those rows are left exactly unchanged."""
+    g = torch.Generator().manual_seed(num_tables * 2 + with_delta)
+    rows, width = 9, 576
+    residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
+    delta = torch.randn(rows, width, generator=g).to(DEVICE, dtype) if with_delta else None
+    w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
+    adds = []
+    for _ in range(num_tables):
+        table = torch.randn(4, width, generator=g).to(DEVICE, dtype)
+        table[0] = 0
+        adds.append((table, torch.randint(0, 4, (rows + 3,), generator=g).to(DEVICE)))  # padded index
+    ref = residual if delta is None else residual + delta
+    for table, index in adds:
+        ref = ref + table.index_select(0, index[:rows])
+    out, normed = fused.add_rms_norm(residual, delta, adds, w, 1e-6)
+    assert torch.equal(out, ref)
+    assert _close(normed, _ref_rms(ref.float(), w.float(), 1e-6), dtype)
+    if num_tables:
+        assert not torch.equal(out, residual if delta is None else residual + delta)  # the tables did act
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, inter", [(1, 128), (5, 1536), (3, 3000)])
 def test_silu_and_mul(dtype, rows, inter):
     x = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(DEVICE, dtype)
@@ -77,9 +103,18 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
 
 def test_gumbel_argmax_greedy_and_distribution():
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(4, 5000, generator=g) * 2).to(DEVICE)
+    logits = (torch.randn(4, 20000, generator=g) * 2).to(DEVICE)  # three vocabulary chunks
     greedy = fused.gumbel_argmax(logits, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE))
     assert torch.equal(greedy, logits.argmax(-1))
+    tied = torch.zeros(2, 20000, device=DEVICE)
+    tied[0, [7, 5, 9000]] = 1.0  # maxima in different Philox lanes and chunks
+    tied[1, [19999, 8193]] = 1.0
+    ties = fused.gumbel_argmax(tied, torch.zeros(2, device=DEVICE), torch.arange(2, device=DEVICE))
+    assert ties.tolist() == [5, 8193] == tied.argmax(-1).tolist()  # the lowest index, as torch
+    if DEVICE == "cuda":  # 16-bit logits are read as they are, upcast in registers
+        half = logits.bfloat16()
+        assert torch.equal(fused.gumbel_argmax(half, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE)),
+                           half.float().argmax(-1))
     # One row of 8 tokens sampled under 4000 seeds: frequencies follow softmax(logits / T).
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2], device=DEVICE)
     n = 4000

@@ -371,6 +371,10 @@ class CaptureSession:
         return self._token_readers > 0 or any(
             d.select is not None and d.select.reads_generated_tokens for d in self.streams.values())
 
+    def wants(self, point: str, layer: int, batch: Any) -> bool:
+        step = batch.capture
+        return step is not None and (point, layer) in step.sites
+
     def record(self, point: str, layer: int, value: torch.Tensor, batch: Any) -> None:
         """HookPoints reader: gather the planned rows into a fresh tensor (safe to copy later)."""
         step = batch.capture

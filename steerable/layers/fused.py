@@ -9,6 +9,8 @@ The PyTorch implementations stay the CPU path and the reference in tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 try:
@@ -40,6 +42,30 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_kernel(res_ptr, delta_ptr, t1_ptr, i1_ptr, t2_ptr, i2_ptr, w_ptr, out_ptr, y_ptr,
+                             stride_res, stride_delta, stride_t1, stride_t2, stride_out, stride_y, H, eps,
+                             HAS_DELTA: tl.constexpr, NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
+            x = (x + d).to(dtype).to(tl.float32)
+        if NUM_TABLES >= 1:
+            r1 = tl.load(i1_ptr + row)
+            x = (x + tl.load(t1_ptr + r1 * stride_t1 + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        if NUM_TABLES >= 2:
+            r2 = tl.load(i2_ptr + row)
+            x = (x + tl.load(t2_ptr + r2 * stride_t2 + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
+        xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = w * xhat.to(dtype).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -52,35 +78,38 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                              stride_qkv, stride_q, stride_k, stride_cos, eps,
-                             NUM_Q: tl.constexpr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
-                             QK_NORM: tl.constexpr):
+                             NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
+                             HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+        # One program per token: every q and k head of it as a [heads, head_dim / 2] pair of tiles.
         token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        mask = offs < HEAD_D // 2
+        head = tl.arange(0, HEADS_PAD)[:, None]
+        offs = tl.arange(0, HALF)[None, :]
+        col_mask = offs < HEAD_D // 2
+        mask = (head < NUM_QK) & col_mask
+        is_q = head < NUM_Q
         src = qkv_ptr + token * stride_qkv + head * HEAD_D
         x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HEAD_D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
-        if head < NUM_Q:
-            dst = q_ptr + token * stride_q + head * HEAD_D
-            w_ptr = qw_ptr
-        else:
-            dst = k_ptr + token * stride_k + (head - NUM_Q) * HEAD_D
-            w_ptr = kw_ptr
         dtype = q_ptr.dtype.element_ty
         if QK_NORM:
-            w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + HEAD_D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
-            inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_D + eps)
+            w1 = tl.where(is_q, tl.load(qw_ptr + offs, mask=col_mask, other=0.0),
+                          tl.load(kw_ptr + offs, mask=col_mask, other=0.0)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(qw_ptr + HEAD_D // 2 + offs, mask=col_mask, other=0.0),
+                          tl.load(kw_ptr + HEAD_D // 2 + offs, mask=col_mask, other=0.0)).to(tl.float32)
+            inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_D + eps)[:, None]
             x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         pos = tl.load(pos_ptr + token)
-        c = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-        out1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-        out2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-        tl.store(dst + offs, out1.to(dtype), mask=mask)
-        tl.store(dst + HEAD_D // 2 + offs, out2.to(dtype), mask=mask)
+        c = tl.load(cos_ptr + pos * stride_cos + offs, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + offs, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+        out1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
+        out2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+        q_dst = q_ptr + token * stride_q + head * HEAD_D
+        k_dst = k_ptr + token * stride_k + (head - NUM_Q) * HEAD_D
+        tl.store(q_dst + offs, out1, mask=mask & is_q)
+        tl.store(q_dst + HEAD_D // 2 + offs, out2, mask=mask & is_q)
+        tl.store(k_dst + offs, out1, mask=mask & ~is_q)
+        tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,6 +123,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
                                          BLOCK=_pow2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
     return y.view(shape)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
+                 table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + delta + table_1[index_1] + table_2[index_2]`` (each part optional, rounded
+    to the activation dtype after every add as the separate ops would round) and ``rms_norm(h)``,
+    in one kernel: the residual add and additive steering cost no pass of their own.
+    residual/delta: [N, H]; tables [R, H] with int64 row indices [>= N]; at most two tables."""
+    if len(table_adds) > 2:
+        raise ValueError(f"add_rms_norm takes at most two tables, got {len(table_adds)}")
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    if delta is not None and delta.stride(-1) != 1:
+        delta = delta.contiguous()
+    n, width = residual.shape
+    out = torch.empty_like(residual)
+    y = torch.empty_like(residual)
+    if n:
+        (t1, i1), (t2, i2) = [*table_adds, *[(residual, residual)] * (2 - len(table_adds))]
+        _add_rms_norm_kernel[(n,)](
+            residual, delta if delta is not None else residual, t1, i1, t2, i2, weight, out, y,
+            residual.stride(0), delta.stride(0) if delta is not None else 0, t1.stride(0), t2.stride(0),
+            out.stride(0), y.stride(0), width, eps, HAS_DELTA=delta is not None, NUM_TABLES=len(table_adds),
+            BLOCK=_pow2(width), num_warps=4 if width <= 4096 else 8)
+    return out, y
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -119,44 +173,67 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
     if tokens:
         norm = q_weight is not None
-        _qk_norm_rope_kernel[(tokens, num_heads + num_kv_heads)](
+        _qk_norm_rope_kernel[(tokens,)](
             qkv, q, k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
             qkv.stride(0), q.stride(0), k.stride(0), cos.stride(0), eps,
-            NUM_Q=num_heads, HEAD_D=head_dim, HALF=_pow2(head_dim // 2), QK_NORM=norm, num_warps=1)
+            NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=_pow2(num_heads + num_kv_heads),
+            HEAD_D=head_dim, HALF=_pow2(head_dim // 2), QK_NORM=norm, num_warps=4)
     return q, k, v
 
 
 if triton is not None:
 
     @triton.jit
-    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, seed_ptr, out_ptr, stride, V, BLOCK: tl.constexpr):
+    def _race_step(logits_ptr, offs, V, temp, u, best_val, best_idx):
+        """Fold the vocabulary entries ``offs`` (with uniforms ``u``) into the running best; ties
+        go to the lowest index, as ``torch.argmax`` breaks them."""
+        mask = offs < V
+        x = tl.load(logits_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        if temp > 0:
+            x = tl.where(mask, x / temp - tl.log(-tl.log(tl.maximum(u, 1e-20))), -float("inf"))
+        value = tl.max(x, axis=0)
+        index = tl.min(tl.where(x == value, offs, V), axis=0)
+        better = (value > best_val) | ((value == best_val) & (index < best_idx))
+        return tl.where(better, value, best_val), tl.where(better, index, best_idx)
+
+    @triton.jit
+    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, seed_ptr, val_ptr, idx_ptr, stride, V, CHUNK: tl.constexpr,
+                              BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
         temp = tl.load(temp_ptr + row)
         seed = tl.load(seed_ptr + row)
+        row_ptr = logits_ptr + row * stride
         best_val = -float("inf")
-        best_idx = 0
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < V
-            x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=-float("inf"))
-            if temp > 0:
-                u = tl.rand(seed, offs)
-                x = x / temp - tl.log(-tl.log(tl.maximum(u, 1e-20)))
-                x = tl.where(mask, x, -float("inf"))
-            value = tl.max(x, axis=0)
-            index = tl.argmax(x, axis=0) + start
-            better = value > best_val
-            best_idx = tl.where(better, index, best_idx)
-            best_val = tl.where(better, value, best_val)
-        tl.store(out_ptr + row, best_idx)
+        best_idx = V
+        for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), 4 * BLOCK):
+            # One Philox draw gives the uniforms of four neighbouring entries: index 4i + k gets
+            # lane k of counter i.
+            base = start + 4 * tl.arange(0, BLOCK)
+            u0, u1, u2, u3 = tl.rand4x(seed, base // 4)
+            best_val, best_idx = _race_step(row_ptr, base, V, temp, u0, best_val, best_idx)
+            best_val, best_idx = _race_step(row_ptr, base + 1, V, temp, u1, best_val, best_idx)
+            best_val, best_idx = _race_step(row_ptr, base + 2, V, temp, u2, best_val, best_idx)
+            best_val, best_idx = _race_step(row_ptr, base + 3, V, temp, u3, best_val, best_idx)
+        chunks = tl.num_programs(1)
+        tl.store(val_ptr + row * chunks + chunk, best_val)
+        tl.store(idx_ptr + row * chunks + chunk, best_idx)
+
+
+_GUMBEL_CHUNK = 8192
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One pass per row: argmax of logits (temperature 0) or of logits / T + Gumbel noise drawn from
-    Philox(seed, vocab index), which samples softmax(logits / T) without materialising it."""
+    """Argmax of logits (temperature 0) or of logits / T + Gumbel noise drawn from Philox(seed, vocab
+    index), which samples softmax(logits / T) without materialising it. Logits are read once in
+    their own dtype (upcast in registers); the vocabulary is split into chunks so a small batch
+    still fills the GPU, and the per-chunk winners are reduced (ties go to the lowest index)."""
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _gumbel_argmax_kernel[(rows,)](logits, temperature, seeds, out, logits.stride(0), vocab, BLOCK=4096,
-                                       num_warps=8)
-    return out
+    chunks = triton.cdiv(vocab, _GUMBEL_CHUNK)
+    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+    if not rows:
+        return indices[:, 0]
+    _gumbel_argmax_kernel[(rows, chunks)](logits, temperature, seeds, values, indices, logits.stride(0), vocab,
+                                          CHUNK=_GUMBEL_CHUNK, BLOCK=512, num_warps=4)
+    return indices.gather(1, values.argmax(1, keepdim=True)).squeeze(1)

@@ -80,13 +80,18 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer, hooks, backend, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        # The previous layer's output is formed here, inside this layer's first norm.
+        self.entry_sites = [(POST_MLP, layer - 1)] * (layer > 0) + [(PRE_ATTN, layer)]
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: Any) -> torch.Tensor:
-        h = self.hooks.residual(PRE_ATTN, self.layer, h, batch)
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        h = self.hooks.residual(POST_ATTN, self.layer, h, batch)
-        h = h + self.mlp(self.post_attention_layernorm(h), batch)
-        return self.hooks.residual(POST_MLP, self.layer, h, batch)
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, mlp_out: torch.Tensor | None,
+                batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual adds are deferred into the following norm: the stream entering this layer is
+        ``h + mlp_out`` (the previous layer's MLP output, None for layer 0), and this layer returns
+        its own ``(h, mlp_out)``."""
+        h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, batch)
+        attn_out = self.self_attn(positions, x, batch)
+        h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn_out, self.post_attention_layernorm, batch)
+        return h, self.mlp(x, batch)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,17 +119,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
         """Final-normed hidden states of every row; logits are computed only for sampled rows."""
-        h = self.embed_tokens(input_ids)
+        h, mlp_out = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h, batch)
-        return self.norm(h)
+            h, mlp_out = layer(positions, h, mlp_out, batch)
+        return self.hooks.residual_norm([(POST_MLP, len(self.layers) - 1)], h, mlp_out, self.norm, batch)[1]
 
     def router_layers(self) -> list[int]:
         """Layers whose hook points report MoE router logits (none for dense models)."""
         return []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        """Logits in the model dtype, as HF computes them; the sampler upcasts where it needs to."""
+        return F.linear(hidden, self.lm_head.weight)
 
     def shard_sizes(self, module: str) -> list[int] | None:
         """Row sizes of the checkpoint tensors stacked into a fused module's weight (None: not fused)."""

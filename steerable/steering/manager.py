@@ -64,13 +64,15 @@ class StepSteering:
     """Per-step view read by the hook points; the runner puts ``host_index`` on the device."""
 
     host_index: np.ndarray  # int64 [T] row per token
-    sites: frozenset[Site]
+    add_sites: frozenset[Site]  # sites with a live additive row
+    clamp_sites: frozenset[Site]  # sites with a live clamp row
     version: int  # of the tables: a CUDA graph captured under another version is stale
     index: torch.Tensor | None = None  # int64 [T_padded] on the device
 
     @property
     def signature(self) -> tuple:
-        return self.sites, self.version
+        """What a CUDA graph bakes in: which op runs at which site, and where the tables live."""
+        return self.add_sites, self.clamp_sites, self.version
 
 
 class SteeringTables:
@@ -88,11 +90,15 @@ class SteeringTables:
         self.clamp_strength: dict[Site, torch.Tensor] = {}
         self.add_rows: dict[Site, set[int]] = {}
         self.clamp_rows: dict[Site, set[int]] = {}
+        # Additive rows written or cleared since the last flush: site -> row -> float32 vector
+        # (None: zeros). Sent up once per step rather than one copy per (row, site).
+        self._pending: dict[Site, dict[int, torch.Tensor | None]] = {}
         self.version = 0  # bumps whenever a tensor is reallocated (graphs must be re-captured)
 
-    @property
-    def sites(self) -> frozenset[Site]:
-        return frozenset(s for s, rows in (*self.add_rows.items(), *self.clamp_rows.items()) if rows)
+    def live_sites(self) -> tuple[frozenset[Site], frozenset[Site]]:
+        """(sites with a live additive row, sites with a live clamp row)."""
+        return (frozenset(s for s, rows in self.add_rows.items() if rows),
+                frozenset(s for s, rows in self.clamp_rows.items() if rows))
 
     def grow(self, min_capacity: int) -> None:
         capacity = self.capacity
@@ -111,8 +117,8 @@ class SteeringTables:
         self.version += 1
 
     def write(self, row: int, items: Sequence[Intervention]) -> None:
-        """Fill a row. Values go up in one pinned, non-blocking copy: a blocking copy would wait
-        for the step in flight on the device."""
+        """Fill a row: additive vectors wait for ``flush``; clamps go up now in one pinned,
+        non-blocking copy (a blocking copy would wait for the step in flight on the device)."""
         adds: dict[Site, torch.Tensor] = {}
         clamps: dict[Site, list[Intervention]] = {}
         for item in items:
@@ -124,17 +130,15 @@ class SteeringTables:
             if site not in self.add:
                 self.add[site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype, device=self.device)
                 self.version += 1
+        for site, vector in adds.items():
+            self._pending.setdefault(site, {})[row] = vector
+            self.add_rows.setdefault(site, set()).add(row)
         for site, group in clamps.items():
             self._ensure_clamp_slots(site, len(group))
-        clamp_items = [item for group in clamps.values() for item in group]
-        vectors = [*adds.values(), *(item.vector for item in clamp_items)]
-        if not vectors:
+        if not clamps:
             return
-        staged = self._upload(torch.stack(vectors).to(self.dtype))
-        for j, site in enumerate(adds):
-            self.add[site][row].copy_(staged[j])
-            self.add_rows.setdefault(site, set()).add(row)
-        j = len(adds)
+        staged = self._upload(torch.stack([item.vector for group in clamps.values() for item in group]).to(self.dtype))
+        j = 0
         for site, group in clamps.items():
             for k, item in enumerate(group):
                 self.clamp_dir[site][row, k].copy_(staged[j])
@@ -143,6 +147,22 @@ class SteeringTables:
                 self.clamp_strength[site][row, k] = item.strength
                 j += 1
             self.clamp_rows.setdefault(site, set()).add(row)
+
+    def flush(self) -> None:
+        """Apply the pending additive rows: one pinned upload and one scatter per site."""
+        if not self._pending:
+            return
+        zeros = torch.zeros(self.hidden_size)
+        rows = [row for entries in self._pending.values() for row in entries]
+        values = [zeros if v is None else v for entries in self._pending.values() for v in entries.values()]
+        staged_rows = self._upload(torch.tensor(rows, dtype=torch.int64))
+        staged_values = self._upload(torch.stack(values).to(self.dtype))
+        start = 0
+        for site, entries in self._pending.items():
+            end = start + len(entries)
+            self.add[site].index_copy_(0, staged_rows[start:end], staged_values[start:end])
+            start = end
+        self._pending.clear()
 
     def _upload(self, values: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -170,7 +190,7 @@ class SteeringTables:
     def clear(self, row: int) -> None:
         for site, rows in self.add_rows.items():
             if row in rows:
-                self.add[site][row] = 0
+                self._pending.setdefault(site, {})[row] = None
                 rows.discard(row)
         for site, rows in self.clamp_rows.items():
             if row in rows:
@@ -243,7 +263,7 @@ class SteeringManager:
             "configs_in_use": len(self.configs),
             "rows_in_use": len(self.row_refs),
             "row_capacity": self.tables.capacity,
-            "active_sites": sorted(f"{p}:{l}" for p, l in self.tables.sites),
+            "active_sites": sorted(f"{p}:{l}" for p, l in frozenset().union(*self.tables.live_sites())),
         }
 
     # ------------------------------------------------------------ admission
@@ -335,11 +355,15 @@ class SteeringManager:
         return any(config.reads_generated_tokens for config in self.configs.values())
 
     def prepare(self, batch: Any) -> None:
-        """Resolve every token's row and attach ``batch.steering`` (None when nothing is steered)."""
+        """Resolve every token's row, attach ``batch.steering`` (None when nothing is steered) and
+        send the step's new rows to the device ahead of its forward."""
+        batch.steering = self._step_rows(batch)
+        self.tables.flush()
+
+    def _step_rows(self, batch: Any) -> StepSteering | None:
         scheduled = batch.scheduled
         if not any(s.request.steering is not None for s in scheduled):
-            batch.steering = None
-            return
+            return None
         starts = batch.host_query_start
         if batch.is_decode_only:  # one row per request: the common case, kept lean
             index = np.zeros(batch.num_tokens, dtype=np.int64)
@@ -359,9 +383,8 @@ class SteeringManager:
                 index[lo:hi] = self._rows_for(s.request, state, batch.host_positions[lo:hi],
                                               batch.host_token_ids[lo:hi])
         if not index.any():
-            batch.steering = None
-            return
-        batch.steering = StepSteering(index, self.tables.sites, self.tables.version)
+            return None
+        return StepSteering(index, *self.tables.live_sites(), self.tables.version)
 
     def _rows_for(self, request: Request, state: RequestSteering, positions: np.ndarray,
                   token_ids: np.ndarray) -> np.ndarray | int:
@@ -411,15 +434,28 @@ class SteeringManager:
 
     # ------------------------------------------------------------ data plane (HookPoints writer)
 
+    def acts_at(self, point: str, layer: int, batch: Any) -> bool:
+        step = batch.steering
+        return step is not None and ((point, layer) in step.add_sites or (point, layer) in step.clamp_sites)
+
+    def table_add(self, point: str, layer: int, batch: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The site's steering as ``(table, index)`` when it only adds (no clamp row is live there),
+        so the fused residual add + norm can apply it."""
+        step = batch.steering
+        site = (point, layer)
+        if site in step.clamp_sites or site not in step.add_sites:
+            return None
+        return self.tables.add[site], step.index
+
     def apply(self, point: str, layer: int, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
         step = batch.steering
-        if step is None or (point, layer) not in step.sites:
+        if step is None:
             return hidden
         site = (point, layer)
         tables = self.tables
-        if site in tables.add and tables.add_rows.get(site):
+        if site in step.add_sites:
             hidden = add_rows(hidden, tables.add[site], step.index)
-        if site in tables.clamp_dir and tables.clamp_rows.get(site):
+        if site in step.clamp_sites:
             hidden = clamp_rows(hidden, tables.clamp_dir[site], tables.clamp_lo[site], tables.clamp_hi[site],
                                 tables.clamp_strength[site], step.index)
         return hidden

@@ -3,7 +3,6 @@ validated, canonical form (``Intervention``) that the engine composes, hashes an
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,8 @@ from steerable.selection import SelectSpec
 
 PREFILL = SelectSpec(prompt="all")
 DECODE = SelectSpec(generation="all")
+
+Seen = dict[tuple, tuple[Any, torch.Tensor, bytes]]  # one parse's vectors: key -> (given, checked copy, hash)
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,18 @@ class Intervention:
     point: str
     layer: int
     vector: torch.Tensor  # add: the vector to add; clamp: the unit direction
+    vector_hash: bytes  # _vector_hash(vector), computed once per vector rather than per layer it is given for
     select: SelectSpec | None
     lo: float = -math.inf
     hi: float = math.inf
     strength: float = 1.0
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The content hash, computed once per intervention (a global spec is shared by every request).
+        select = self.select.key if self.select is not None else "*"
+        head = f"{self.kind}|{self.point}|{self.layer}|{self.lo}|{self.hi}|{self.strength}|{select}"
+        object.__setattr__(self, "digest", _hash(head.encode() + self.vector_hash))
 
     @property
     def site(self) -> tuple[str, int]:
@@ -78,33 +87,36 @@ class Intervention:
 
     def scaled(self, scale: float, where: str) -> "Intervention":
         if self.kind == "add":
-            return Intervention("add", self.point, self.layer, self.vector * scale, self.select)
+            vector = self.vector * scale
+            return Intervention("add", self.point, self.layer, vector, _vector_hash(vector), self.select)
         strength = self.strength * scale
         if not 0.0 <= strength <= 1.0:
             raise ValueError(f"{where}: clamp strength {self.strength} x scale {scale} is outside [0, 1]")
-        return Intervention("clamp", self.point, self.layer, self.vector, self.select, self.lo, self.hi, strength)
+        return Intervention("clamp", self.point, self.layer, self.vector, self.vector_hash, self.select,
+                            self.lo, self.hi, strength)
 
     def is_noop(self) -> bool:
         if self.kind == "add":
-            return not bool(self.vector.any())
+            return self.vector_hash == _ZERO_HASH
         return self.strength == 0.0
-
-    @functools.cached_property
-    def digest(self) -> bytes:
-        """Content hash, computed once per intervention (a global spec is shared by every request)."""
-        h = hashlib.blake2b(digest_size=16)
-        h.update(f"{self.kind}|{self.point}|{self.layer}|{self.lo}|{self.hi}|{self.strength}|".encode())
-        h.update(self.select.key.encode() if self.select is not None else b"*")
-        h.update(self.vector.numpy().tobytes())
-        return h.digest()
 
 
 def config_identity(interventions: Sequence[Intervention]) -> bytes:
     """Order-independent hash of a composed config: equal configs share rows and cache blocks."""
-    h = hashlib.blake2b(digest_size=16)
-    for d in sorted(item.digest for item in interventions):
-        h.update(d)
-    return h.digest()
+    return _hash(b"".join(sorted([item.digest for item in interventions])))
+
+
+def _hash(data: bytes | np.ndarray) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+_ZERO_HASH = bytes(16)
+
+
+def _vector_hash(vector: torch.Tensor) -> bytes:
+    """Hash of the values; every all-zero vector gets ``_ZERO_HASH``, so ``is_noop`` needs no pass over them."""
+    values = vector.numpy()
+    return _hash(values) if values.any() else _ZERO_HASH
 
 
 class SpecParser:
@@ -120,28 +132,30 @@ class SpecParser:
             return []
         if isinstance(spec, (Add, Clamp)):
             spec = [spec]
+        seen: Seen = {}
         if isinstance(spec, SteeringSpec):
-            return self._parse_spec(spec, where)
+            return self._parse_spec(spec, where, seen)
         if isinstance(spec, Mapping):
-            return self._parse_vectors(spec, None, where)
+            return self._parse_vectors(spec, None, where, seen)
         if isinstance(spec, (list, tuple)) and all(isinstance(i, (Add, Clamp)) for i in spec):
-            return [self._parse_item(item, f"{where}[{i}]") for i, item in enumerate(spec)]
+            return [self._parse_item(item, f"{where}[{i}]", seen) for i, item in enumerate(spec)]
         raise ValueError(f"{where}: expected a SteeringSpec, Add/Clamp items or a dict of vectors, "
                          f"got {type(spec).__name__}")
 
-    def _parse_spec(self, spec: SteeringSpec, where: str) -> list[Intervention]:
+    def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
         scale = _number(spec.scale, f"{where}.scale")
-        items = [self._parse_item(item, f"{where}.interventions[{i}]") for i, item in enumerate(spec.interventions)]
-        items += self._parse_vectors(spec.vectors, None, f"{where}.vectors")
-        items += self._parse_vectors(spec.prefill_vectors, PREFILL, f"{where}.prefill_vectors")
-        items += self._parse_vectors(spec.decode_vectors, DECODE, f"{where}.decode_vectors")
+        items = [self._parse_item(item, f"{where}.interventions[{i}]", seen)
+                 for i, item in enumerate(spec.interventions)]
+        items += self._parse_vectors(spec.vectors, None, f"{where}.vectors", seen)
+        items += self._parse_vectors(spec.prefill_vectors, PREFILL, f"{where}.prefill_vectors", seen)
+        items += self._parse_vectors(spec.decode_vectors, DECODE, f"{where}.decode_vectors", seen)
         for i, clamp in enumerate(spec.clamps or []):
             if not isinstance(clamp, Clamp):
                 raise ValueError(f"{where}.clamps[{i}]: expected a Clamp, got {type(clamp).__name__}")
-            items.append(self._parse_item(clamp, f"{where}.clamps[{i}]"))
+            items.append(self._parse_item(clamp, f"{where}.clamps[{i}]", seen))
         return [item.scaled(scale, f"{where}.scale") for item in items] if scale != 1.0 else items
 
-    def _parse_vectors(self, vectors: Any, select: SelectSpec | None, where: str) -> list[Intervention]:
+    def _parse_vectors(self, vectors: Any, select: SelectSpec | None, where: str, seen: Seen) -> list[Intervention]:
         """``{layer: v}`` (post_mlp) or ``{hook: {layer: v | {"vector": v, "scale": s}}}``."""
         if vectors is None:
             return []
@@ -164,27 +178,17 @@ class SpecParser:
                         raise ValueError(f"{here}: expected {{'vector': ..., 'scale': ...}}, got keys {sorted(entry)}")
                     scale = _number(entry.get("scale", 1.0), f"{here}.scale")
                     entry = entry["vector"]
-                items.append(self._parse_item(Add(layer, entry, hook=hook, scale=scale, select=select), here))
+                item = self._add(hook, layer, entry, select, here, seen)
+                items.append(item.scaled(scale, here) if scale != 1.0 else item)
         return items
 
-    def _parse_item(self, item: Add | Clamp, where: str) -> Intervention:
-        if item.hook not in RESIDUAL_POINTS:
-            raise ValueError(f"{where}.hook: unknown hook {item.hook!r}; expected one of {list(RESIDUAL_POINTS)}")
-        layer = item.layer
-        if isinstance(layer, str) and layer.lstrip("-").isdigit():
-            layer = int(layer)
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"{where}.layer: {item.layer!r} is not a layer index in [0, {self.num_layers})")
-        select = None
-        if item.select is not None:
-            try:
-                select = SelectSpec.parse(item.select)
-            except ValueError as err:
-                raise ValueError(f"{where}.{err}") from None  # the message starts with "select"
+    def _parse_item(self, item: Add | Clamp, where: str, seen: Seen) -> Intervention:
         if isinstance(item, Add):
-            vector = self._vector(item.vector, f"{where}.vector") * _number(item.scale, f"{where}.scale")
-            return Intervention("add", item.hook, layer, vector, select)
-        direction = self._vector(item.direction, f"{where}.direction")
+            add = self._add(item.hook, item.layer, item.vector, item.select, where, seen)
+            scale = _number(item.scale, f"{where}.scale")
+            return add.scaled(scale, where) if scale != 1.0 else add
+        layer, select = self._site(item.hook, item.layer, item.select, where)
+        direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         norm = float(direction.norm())
         if norm == 0.0:
             raise ValueError(f"{where}.direction: must not be the zero vector")
@@ -195,22 +199,57 @@ class SpecParser:
         strength = _number(item.strength, f"{where}.strength")
         if not 0.0 <= strength <= 1.0:
             raise ValueError(f"{where}.strength: {strength} is outside [0, 1]")
-        return Intervention("clamp", item.hook, layer, direction / norm, select, lo, hi, strength)
+        direction = direction / norm
+        return Intervention("clamp", item.hook, layer, direction, _vector_hash(direction), select, lo, hi, strength)
 
-    def _vector(self, value: Any, where: str) -> torch.Tensor:
+    def _add(self, hook: str, layer: Any, vector: Any, select: Any, where: str, seen: Seen) -> Intervention:
+        """The unscaled ``Add``: the dict shorthand comes here directly, without building one."""
+        layer, select = self._site(hook, layer, select, where)
+        vector, vector_hash = self._vector(vector, f"{where}.vector", seen)
+        return Intervention("add", hook, layer, vector, vector_hash, select)
+
+    def _site(self, hook: str, layer: Any, select: Any, where: str) -> tuple[int, SelectSpec | None]:
+        """Checks the hook and the layer (a digit string is accepted) and parses the selection."""
+        if hook not in RESIDUAL_POINTS:
+            raise ValueError(f"{where}.hook: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+        index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
+            raise ValueError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
+        if select is None:
+            return index, None
+        try:
+            return index, SelectSpec.parse(select)
+        except ValueError as err:
+            raise ValueError(f"{where}.{err}") from None  # the message starts with "select"
+
+    def _vector(self, value: Any, where: str, seen: Seen) -> tuple[torch.Tensor, bytes]:
+        """A float32 CPU copy (later in-place changes by the caller never reach an admitted config)
+        and its hash, checked with numpy (a small torch op costs microseconds). A vector given for
+        many layers is checked, copied and hashed once per parse: ``seen`` knows a tensor by the
+        memory it views (``t[i]`` is a new object at each layer) and anything else by identity, and
+        holds the given value, so no other object can take over its id or memory meanwhile."""
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            key = value.data_ptr(), value.dtype, value.device, value.shape, value.stride(), value.is_neg()
+        else:
+            key = (id(value),)
+        if key in seen:
+            return seen[key][1:]
         try:
             if isinstance(value, torch.Tensor):
-                tensor = value.detach().to("cpu", torch.float32)
+                array = value.detach().to("cpu", torch.float32).numpy(force=True)
             else:
-                tensor = torch.as_tensor(np.asarray(value, dtype=np.float32))
+                array = np.asarray(value, dtype=np.float32)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: not a numeric vector ({err})") from None
-        if tensor.dim() != 1 or tensor.numel() != self.hidden_size:
+        if array.ndim != 1 or array.size != self.hidden_size:
             raise ValueError(f"{where}: expected {self.hidden_size} values (the hidden size), "
-                             f"got shape {tuple(tensor.shape)}")
-        if not torch.isfinite(tensor).all():
+                             f"got shape {array.shape}")
+        if not np.isfinite(array).all():
             raise ValueError(f"{where}: contains NaN or Inf")
-        return tensor.contiguous()
+        tensor = torch.from_numpy(array.copy())
+        vector_hash = _vector_hash(tensor)
+        seen[key] = value, tensor, vector_hash
+        return tensor, vector_hash
 
 
 def _number(value: Any, where: str) -> float:

@@ -4,9 +4,9 @@ A decode step of n requests is padded to the next size of a ladder and replayed 
 captured the first time that shape is seen. Everything that changes per step lives in persistent
 buffers the graph reads: token ids, positions, slot mapping, block table, sequence lengths, the
 steering row of every token, the capture row indices. What the graph cannot read from a buffer is
-part of its key: the padded size, the steering sites and table version (a table that grew has moved
-in memory), and the shape of the capture plan (which hook sites gather for which groups). Mixed and
-prefill steps run eagerly.
+part of its key: the padded size, the steering signature (which op runs at which site, and the
+table version: a table that grew has moved in memory), and the shape of the capture plan (which
+hook sites gather for which groups). Mixed and prefill steps run eagerly.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class CudaGraphRunner:
     def _capture(self, batch: StepBatch, key: tuple) -> _Graph:
         if batch.steering is not None:  # graphs baked against older steering tables are dead
             version = batch.steering.version
-            for stale in [k for k in self.graphs if k[1] is not None and k[1][1] != version]:
+            for stale in [k for k in self.graphs if k[1] is not None and k[1][-1] != version]:
                 del self.graphs[stale]
         # One eager run compiles every kernel for this shape outside the capture (its K/V writes
         # are the same values the replay writes again).

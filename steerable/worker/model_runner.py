@@ -168,7 +168,7 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         batch = StepBatch(ids, ids, meta, torch.arange(seqs, device=self.device), [], tokens)
         hidden = self.model(ids, ids, batch)
-        logits = self.model.compute_logits(hidden[:seqs])
+        logits = self.model.compute_logits(hidden[:seqs]).float()  # the torch sampler path works in float32
         probs = logits.softmax(-1)
         torch.empty_like(probs).exponential_()
         del hidden, logits, probs
@@ -297,7 +297,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Logits (float32) of the rows that sample this step."""
+        """Logits (model dtype) of the rows that sample this step."""
         batch.graphed = self.graphs is not None and self.graphs.can_run(batch)
         if batch.graphed:
             hidden = self.graphs.run(batch)

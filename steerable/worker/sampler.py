@@ -47,16 +47,17 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> "SampleHandle":
-        """Enqueue sampling of float32 logits [S, V] (one row per request, in order); nothing here
-        waits for the device. ``finalize`` brings the tokens (and logprobs) to the host."""
+        """Enqueue sampling of logits [S, V] (one row per request, in order; any float dtype, used
+        as float32); nothing here waits for the device. ``finalize`` brings the tokens (and
+        logprobs) to the host."""
         self._suppress_early_stops(logits, requests)
         want = [r.params.logprobs for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want) else None
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
         if fused.enabled(logits) and not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p
                                              for r in requests):
-            tokens = self._fused(logits, requests)
+            tokens = self._fused(logits, requests)  # reads the logits in their own dtype
         else:
-            tokens = self._torch(logits, requests)
+            tokens = self._torch(logits.float(), requests)
         host = tokens.to("cpu", non_blocking=True) if tokens.is_cuda else tokens
         done = torch.cuda.Event() if tokens.is_cuda else None
         if done is not None:

@@ -21,10 +21,11 @@ Kernel design
 *Unified kernel* (any batch): a program owns ``BLOCK_Q`` consecutive query tokens of ONE
 sequence and ALL query heads that share one KV head (GQA packing), i.e. an
 ``[BLOCK_M = BLOCK_Q * GQA_PAD, D]`` tile of Q, so ``tl.dot`` runs on tensor cores even for
-decode. Grid = ``(T // BLOCK_Q + B, Hkv)``: query-block ``j`` of sequence ``b`` gets program id
-``query_start_loc[b] // BLOCK_Q + b + j`` (a strictly increasing start per sequence, so a
-binary search over ``query_start_loc`` inside the kernel recovers ``b``); surplus programs exit
-at once. (With ``BLOCK_Q == 1`` no partial blocks exist and the grid is ``(T, Hkv)``.) The
+decode. Grid = ``(T // BLOCK_Q + B) * Hkv`` programs, the KV head varying fastest: query-block
+``j`` of sequence ``b`` gets block id ``query_start_loc[b] // BLOCK_Q + b + j`` (a strictly
+increasing start per sequence, so a binary search over ``query_start_loc`` inside the kernel
+recovers ``b``); surplus programs exit at once. (With ``BLOCK_Q == 1`` no partial blocks exist
+and there are ``T * Hkv`` programs.) The
 program streams KV tiles of ``TILE_N`` positions through the block table with an online
 softmax (exp2 domain, fp32 accumulators), visiting only tiles up to its last query's causal
 limit (and from its first query's window start when a sliding window is set).
@@ -73,6 +74,9 @@ class TritonAttentionConfig:
     prefill_num_stages: int = 2
     # Unified kernel, decode batches (max_query_len == 1): one token x GQA group per program.
     decode_tile_n: int = 64
+    # Fewer programs than this (B * Hkv) stream longer KV tiles, keeping more bytes in flight.
+    decode_long_tile_n: int = 128
+    decode_long_tile_max_programs: int = 256
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # Split-KV decode.
@@ -260,9 +264,12 @@ def _unified_attention_kernel(
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
+    # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
+    pid_q = tl.program_id(0) // NUM_KV_HEADS
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
 
     # Find the sequence owning this query block: the largest b with
     # qsl[b] // BLOCK_Q + b * (BLOCK_Q > 1) <= pid_q.
@@ -531,14 +538,15 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
 
     if max_query_len <= 1:
         block_q = 1
-        tile_n, num_warps, num_stages = cfg.decode_tile_n, cfg.decode_num_warps, cfg.decode_num_stages
+        tile_n = cfg.decode_long_tile_n if B * num_kv_heads <= cfg.decode_long_tile_max_programs else cfg.decode_tile_n
+        num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_q = min(_next_pow2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
         tile_n, num_warps, num_stages = (cfg.prefill_tile_n, cfg.prefill_num_warps,
                                          cfg.prefill_num_stages)
     block_m = max(16, block_q * gqa_pad)
     num_q_blocks = T if block_q == 1 else T // block_q + B
-    _unified_attention_kernel[(num_q_blocks, num_kv_heads)](
+    _unified_attention_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table,
         B, qk_scale, window,
@@ -549,5 +557,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
+        NUM_KV_HEADS=num_kv_heads,
         num_warps=num_warps, num_stages=num_stages,
     )
