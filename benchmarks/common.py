@@ -198,6 +198,9 @@ def free_cuda() -> None:
 
 
 def _commit() -> str | None:
+    """The checkout's commit; ``STEERABLE_COMMIT`` names it where the tree was copied without git."""
+    if os.environ.get("STEERABLE_COMMIT"):
+        return os.environ["STEERABLE_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
