@@ -100,6 +100,21 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
     assert _close(q, rq, dtype) and _close(k, rk, dtype)
     assert torch.equal(v.float(), rv.reshape(tokens, kv_heads, head_dim))
 
+    # Writing K/V straight into the paged cache gives the same q and exactly the same k and v,
+    # at their slots; slot -1 (a padding row) writes nothing.
+    block_size = 4
+    k_cache = torch.zeros(6, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(6 * block_size, generator=g)[:tokens].to(DEVICE)
+    slots[3] = -1
+    q2, k2, v2 = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw,
+                                    1e-6, kv_cache=(k_cache, v_cache, slots))
+    assert k2 is None and v2 is None and torch.equal(q2, q)
+    written = slots >= 0
+    assert torch.equal(k_cache.flatten(0, 1)[slots[written]], k[written])
+    assert torch.equal(v_cache.flatten(0, 1)[slots[written]], v[written])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == int(written.sum())  # nothing else was touched
+
 
 def test_gumbel_argmax_greedy_and_distribution():
     g = torch.Generator().manual_seed(0)

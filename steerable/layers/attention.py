@@ -24,13 +24,19 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Any) -> torch.Tensor:
-        """q: [T, Hq, D] (or [T, Hq*D]), k/v: [T, Hkv, D] (or flat) -> [T, Hq*D]."""
+    def cache_slots(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache, slot_mapping): where a fused kernel may write this step's K/V itself."""
+        return self.k_cache, self.v_cache, batch.attn.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, batch: Any) -> torch.Tensor:
+        """q: [T, Hq, D] (or [T, Hq*D]), k/v: [T, Hkv, D] (or flat), or None when they are already
+        in the cache (see ``cache_slots``) -> [T, Hq*D]."""
         q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         meta = batch.attn
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if k is not None:
+            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                      meta.block_table, meta.max_query_len, self.scale, self.sliding_window,

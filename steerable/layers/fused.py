@@ -77,9 +77,12 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                             stride_qkv, stride_q, stride_k, stride_cos, eps,
+                             kc_ptr, vc_ptr, slot_ptr, stride_qkv, stride_q, stride_k, stride_cos, eps,
+                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
                              NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
-                             HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                             HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                             STORE_KV: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr):
         # One program per token: every q and k head of it as a [heads, head_dim / 2] pair of tiles.
         token = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS_PAD)[:, None]
@@ -105,11 +108,26 @@ if triton is not None:
         out1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
         out2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
         q_dst = q_ptr + token * stride_q + head * HEAD_D
-        k_dst = k_ptr + token * stride_k + (head - NUM_Q) * HEAD_D
         tl.store(q_dst + offs, out1, mask=mask & is_q)
         tl.store(q_dst + HEAD_D // 2 + offs, out2, mask=mask & is_q)
-        tl.store(k_dst + offs, out1, mask=mask & ~is_q)
-        tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
+        if STORE_KV:  # k and v go straight to their paged-cache slot (-1: a padding row, skipped)
+            slot = tl.load(slot_ptr + token)
+            if slot >= 0:
+                block = slot // BLOCK_SIZE
+                offset = slot % BLOCK_SIZE
+                k_dst = kc_ptr + block * stride_kcb + offset * stride_kco + (head - NUM_Q) * stride_kch
+                tl.store(k_dst + offs, out1, mask=mask & ~is_q)
+                tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
+                kv_head = tl.arange(0, KV_PAD)[:, None]
+                dim = tl.arange(0, D_PAD)[None, :]
+                v_mask = (kv_head < NUM_QK - NUM_Q) & (dim < HEAD_D)
+                v = tl.load(qkv_ptr + token * stride_qkv + (NUM_QK + kv_head) * HEAD_D + dim, mask=v_mask)
+                tl.store(vc_ptr + block * stride_vcb + offset * stride_vco + kv_head * stride_vch + dim, v,
+                         mask=v_mask)
+        else:
+            k_dst = k_ptr + token * stride_k + (head - NUM_Q) * HEAD_D
+            tl.store(k_dst + offs, out1, mask=mask & ~is_q)
+            tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,20 +182,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
-                 k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 k_weight: torch.Tensor | None, eps: float,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split a fused qkv projection [T, (Hq + 2 Hkv) D] into q, k (optionally RMS-normed per head,
-    then rotated) and a view of v, in one kernel for q and k."""
+    then rotated) and a view of v, in one kernel for q and k. Given ``kv_cache = (k_cache,
+    v_cache, slot_mapping)`` (caches [blocks, block_size, Hkv, D]) the same kernel writes k and v
+    into their cache slots instead and returns ``(q, None, None)``: no separate KV-store pass."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    store = kv_cache is not None
+    if store:
+        k = v = None
+        k_cache, v_cache, slots = kv_cache
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    else:
+        k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+        k_cache, v_cache, slots, cache_strides = q, q, positions, (0,) * 6  # unread without the store
     if tokens:
         norm = q_weight is not None
         _qk_norm_rope_kernel[(tokens,)](
-            qkv, q, k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
-            qkv.stride(0), q.stride(0), k.stride(0), cos.stride(0), eps,
+            qkv, q, q if store else k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
+            k_cache, v_cache, slots, qkv.stride(0), q.stride(0), 0 if store else k.stride(0), cos.stride(0), eps,
+            *cache_strides,
             NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=_pow2(num_heads + num_kv_heads),
-            HEAD_D=head_dim, HALF=_pow2(head_dim // 2), QK_NORM=norm, num_warps=4)
+            HEAD_D=head_dim, HALF=_pow2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
+            KV_PAD=_pow2(num_kv_heads), D_PAD=_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
+            num_warps=4)
     return q, k, v
 
 

@@ -47,7 +47,8 @@ class LlamaAttention(nn.Module):
             norm = self.q_norm is not None
             q, k, v = fused.qk_norm_rope(qkv, positions, self.rotary.cos, self.rotary.sin, self.attn.num_heads,
                                          self.attn.num_kv_heads, self.head_dim, self.q_norm.weight if norm else None,
-                                         self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+                                         self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                         kv_cache=self.attn.cache_slots(batch))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)

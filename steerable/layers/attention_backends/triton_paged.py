@@ -264,26 +264,29 @@ def _unified_attention_kernel(
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr,
 ):
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
     pid_q = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
 
-    # Find the sequence owning this query block: the largest b with
-    # qsl[b] // BLOCK_Q + b * (BLOCK_Q > 1) <= pid_q.
-    lo = pid_q * 0
-    hi = lo + num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        mid_start = tl.load(qsl_ptr + mid) // BLOCK_Q
-        if BLOCK_Q > 1:
-            mid_start += mid
-        go_right = mid_start <= pid_q
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    seq = tl.maximum(lo - 1, 0)
+    if ONE_TOKEN_PER_SEQ:
+        seq = pid_q  # a pure decode batch: query token b belongs to sequence b
+    else:
+        # Find the sequence owning this query block: the largest b with
+        # qsl[b] // BLOCK_Q + b * (BLOCK_Q > 1) <= pid_q.
+        lo = pid_q * 0
+        hi = lo + num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_start = tl.load(qsl_ptr + mid) // BLOCK_Q
+            if BLOCK_Q > 1:
+                mid_start += mid
+            go_right = mid_start <= pid_q
+            lo = tl.where(go_right, mid + 1, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq = tl.maximum(lo - 1, 0)
 
     q_seq_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_seq_start
@@ -469,9 +472,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     Path: split-KV decode when ``max_query_len <= 1`` and ``workspace`` is given and
     ``B * Hkv <= CONFIG.split_kv_max_programs`` and ``B <= workspace.max_num_seqs`` (then every
     sequence must have query_len <= 1); otherwise the unified kernel, which is correct for any
-    ``max_query_len`` hint (the hint only shapes the tiles / grid). Host-side decisions use
-    only static values; run each static shape once before CUDA-graph capture so that Triton
-    compiles outside the capture.
+    ``max_query_len`` hint (the hint only shapes the tiles / grid), except that a hint of 1 with
+    as many tokens as sequences is read as one token per sequence (no sequence lookup).
+    Host-side decisions use only static values; run each static shape once before CUDA-graph
+    capture so that Triton compiles outside the capture.
     """
     T, num_q_heads, head_d = q.shape
     _, block_size, num_kv_heads, head_d_k = k_cache.shape
@@ -557,6 +561,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
-        NUM_KV_HEADS=num_kv_heads,
+        # At most one query token per sequence and as many tokens as sequences: exactly one each.
+        NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B,
         num_warps=num_warps, num_stages=num_stages,
     )
