@@ -145,10 +145,11 @@ def sampling_params(w: Workload, salt: str, extra: list[dict] | None = None, **k
 
 
 def warm_up(llm, w: Workload, args: argparse.Namespace, salt: str = "warmup", extra: list[dict] | None = None) -> None:
-    """Short requests (default: as many as the batch holds), ending one after another, so every
-    decode batch size (and any lazily captured graph or compiled kernel) is touched before timing."""
+    """The workload's own prompts (default: as many as the batch holds) with short outputs ending one
+    after another: every prefill chunk shape and every decode batch size runs once, so lazily
+    captured CUDA graphs, kernel specialisations and first GEMM calls are paid before timing."""
     n = min(len(w), args.warmup_requests or args.max_num_seqs)
-    short = Workload([w.prompts[i][:64] for i in range(n)], [], [1 + i % 32 for i in range(n)])
+    short = Workload(w.prompts[:n], [], [1 + i % 32 for i in range(n)])
     llm.generate(short.prompts, sampling_params(short, salt, extra[:n] if extra else None), use_tqdm=False)
 
 

@@ -1,7 +1,7 @@
 """Offline throughput (DESIGN.md §6): N random requests through steerable, then the same requests
 through HF transformers ``generate`` in the same process, and the ratio.
 
-    PYTHONPATH=. python benchmarks/throughput.py [--num-requests 256] [--hf-requests K] [--skip-hf]
+    PYTHONPATH=. python benchmarks/throughput.py [--num-requests 256] [--repeats R] [--hf-requests K] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ def run_steerable(args, path: str) -> tuple[dict, torch.dtype, common.Workload]:
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
     common.warm_up(llm, w, args)
-    outs, seconds = timed(partial(llm.generate, w.prompts, common.sampling_params(w, "timed"), use_tqdm=False))
-    result = {"record": "steerable", "requests": len(w), **common.throughput(seconds, sum(w.input_lens),
-                                                                             common.generated_tokens(outs))}
+    times = []
+    for r in range(args.repeats):
+        outs, seconds = timed(partial(llm.generate, w.prompts, common.sampling_params(w, f"timed-{r}"),
+                                      use_tqdm=False))
+        times.append(seconds)
+    result = {"record": "steerable", "requests": len(w), "repeats": args.repeats, "seconds_all": times,
+              **common.throughput(common.median(times), sum(w.input_lens), common.generated_tokens(outs))}
     emit(result)
     stats = getattr(llm.engine, "stats", None)
     if stats is not None:
@@ -70,6 +74,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=None)
     p.add_argument("--hf-requests", type=int, default=None, help="run HF on the first K requests only")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--repeats", type=int, default=1, help="timed steerable runs; the median is reported")
     args = p.parse_args()
     path = common.setup("throughput", args, {"hf_batch_size": (64, 4)})
     ours, dtype, w = run_steerable(args, path)
