@@ -146,10 +146,13 @@ def sampling_params(w: Workload, salt: str, extra: list[dict] | None = None, **k
 
 def warm_up(llm, w: Workload, args: argparse.Namespace, salt: str = "warmup", extra: list[dict] | None = None) -> None:
     """The workload's own prompts (default: as many as the batch holds) with short outputs ending one
-    after another: every prefill chunk shape and every decode batch size runs once, so lazily
-    captured CUDA graphs, kernel specialisations and first GEMM calls are paid before timing."""
+    after another: every prefill chunk shape and every decode batch size, down to a single request,
+    runs once, so lazily captured CUDA graphs, kernel specialisations (Triton compiles a variant for
+    a batch of one) and first GEMM calls are paid before timing."""
     n = min(len(w), args.warmup_requests or args.max_num_seqs)
-    short = Workload(w.prompts[:n], [], [1 + i % 32 for i in range(n)])
+    tail = min(n, 8)  # the last ones finish one per step: batches of 8, 7, ..., 1
+    outputs = [1 + i * 32 // n if i < n - tail else 33 + i - (n - tail) for i in range(n)]
+    short = Workload(w.prompts[:n], [], outputs)
     llm.generate(short.prompts, sampling_params(short, salt, extra[:n] if extra else None), use_tqdm=False)
 
 
