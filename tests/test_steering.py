@@ -306,3 +306,42 @@ def test_generated_token_selection_matches_hf(family):
     sel = SelectSpec(generation_tokens=sorted(set(plain[:5])))
     v = vec(31)
     _check(llm, hf, ids, SteeringSpec(interventions=[Add(1, v, select=sel)]), [("post_mlp", 1, add_edit(v), sel)])
+
+
+def _interventions(parser, spec):
+    return parser.parse(spec, "steering_vectors")
+
+
+def test_table_rows_reused_after_a_clear_hold_only_the_new_values():
+    """Writes and clears wait for the per-step flush; a row freed and reused before the flush must
+    end up with the new config's values at its sites and zeros everywhere else."""
+    from steerable.steering.manager import SteeringTables
+    from steerable.steering.spec import SpecParser
+
+    parser, tables = SpecParser(8, 4), SteeringTables(8, torch.device("cpu"), torch.float32, capacity=4)
+    first = _interventions(parser, {"post_mlp": {0: [1.0] * 8}, "pre_attn": {2: [2.0] * 8}})
+    tables.write(1, first)
+    tables.flush()
+    assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8
+    tables.clear(1)
+    tables.write(1, _interventions(parser, {"pre_attn": {2: [3.0] * 8}}))
+    assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8  # nothing moves before the flush
+    tables.flush()
+    assert tables.add[("post_mlp", 0)][1].tolist() == [0.0] * 8
+    assert tables.add[("pre_attn", 2)][1].tolist() == [3.0] * 8
+    assert tables.add[("pre_attn", 2)][0].tolist() == [0.0] * 8  # row 0 stays zero
+
+
+def test_graph_key_tells_an_added_clamp_from_an_add_at_the_same_site():
+    """A CUDA graph bakes in which op runs at each site: a clamp joining a site that only added
+    before must change the steering signature, or a stale graph would skip the clamp."""
+    from steerable.steering.manager import SteeringTables
+    from steerable.steering.spec import SpecParser
+
+    parser, tables = SpecParser(8, 4), SteeringTables(8, torch.device("cpu"), torch.float32, capacity=4)
+    tables.write(1, _interventions(parser, {"post_mlp": {0: [1.0] * 8}}))
+    before = tables.live_sites()
+    tables.write(2, _interventions(parser, [Clamp(0, [1.0] + [0.0] * 7, hook="post_mlp", max=0.0)]))
+    after = tables.live_sites()
+    assert before == (frozenset({("post_mlp", 0)}), frozenset())
+    assert after == (frozenset({("post_mlp", 0)}), frozenset({("post_mlp", 0)}))
