@@ -1,5 +1,12 @@
 """steerable: an LLM inference engine where activation steering and capture are first-class."""
 
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("steerable")
+except PackageNotFoundError:  # a source tree on sys.path without an install
+    __version__ = "0.0.0+unknown"
+
 from steerable import capture
 from steerable.capture import CaptureSpec, capture_batches
 from steerable.entrypoints.llm import LLM
@@ -9,4 +16,4 @@ from steerable.selection import SelectSpec
 from steerable.steering.spec import Add, Clamp, SteeringSpec
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SelectSpec", "SteeringSpec",
-           "Add", "Clamp", "CaptureSpec", "capture", "capture_batches"]
+           "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]

@@ -21,6 +21,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when logprobs were asked
 
 
 @dataclass

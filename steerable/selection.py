@@ -21,6 +21,7 @@ prompt length is resolved once per prompt length and cached on the spec.
 
 from __future__ import annotations
 
+from steerable.errors import InvalidRequestError
 import bisect
 import json
 from dataclasses import dataclass
@@ -84,8 +85,8 @@ def _base(name: str) -> str:
     return name[len("exclude_"):] if name.startswith("exclude_") else name
 
 
-def _err(name: str, msg: str) -> ValueError:
-    return ValueError(f"select.{name}: {msg}")
+def _err(name: str, msg: str) -> InvalidRequestError:
+    return InvalidRequestError(f"select.{name}: {msg}")
 
 
 def _as_int(value: Any, name: str, what: str) -> int:
@@ -344,14 +345,14 @@ class SelectSpec:
             try:
                 kwargs = SHORTCUTS[value]
             except KeyError:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"select: unknown selection {value!r}; valid shortcuts are "
                     f"{', '.join(repr(s) for s in SHORTCUTS)} (or pass a SelectSpec / wire dict)"
                 ) from None
             return cls(**kwargs)
         if isinstance(value, Mapping):
             return cls.from_wire(value)
-        raise ValueError(
+        raise InvalidRequestError(
             f"select: expected a shortcut string ({', '.join(repr(s) for s in SHORTCUTS)}), "
             f"a SelectSpec or a wire dict, got {type(value).__name__} {value!r}"
         )
@@ -361,10 +362,10 @@ class SelectSpec:
         """Inverse of :meth:`to_wire`.  Unknown keys are rejected; None values
         mean unset; values are validated as in the constructor."""
         if not isinstance(d, Mapping):
-            raise ValueError(f"select: wire form must be a dict, got {type(d).__name__} {d!r}")
+            raise InvalidRequestError(f"select: wire form must be a dict, got {type(d).__name__} {d!r}")
         unknown = sorted(str(k) for k in d if k not in SELECT_FIELDS)
         if unknown:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"select: unknown key(s) {unknown}; valid keys are {list(SELECT_FIELDS)}"
             )
         return cls(**dict(d))
@@ -411,7 +412,7 @@ class SelectSpec:
         if r is not None:
             return r
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len < 0:
-            raise ValueError(f"select: prompt_len must be a non-negative int, got {prompt_len!r}")
+            raise InvalidRequestError(f"select: prompt_len must be a non-negative int, got {prompt_len!r}")
         P = int(prompt_len)
 
         def side(prefix: str) -> _Side:
@@ -503,9 +504,9 @@ class SelectSpec:
     @staticmethod
     def _check_tokens(token_ids: Optional[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
         if token_ids is None:
-            raise ValueError("select: token_ids are required to resolve a token-based selection")
+            raise InvalidRequestError("select: token_ids are required to resolve a token-based selection")
         if token_ids.shape != positions.shape:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"select: token_ids shape {tuple(token_ids.shape)} != positions shape {tuple(positions.shape)}"
             )
         return token_ids

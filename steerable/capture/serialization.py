@@ -19,6 +19,7 @@ Label columns are little-endian int32; ``req_idx`` indexes ``req_table``.
 
 from __future__ import annotations
 
+from steerable.errors import InvalidRequestError
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -66,7 +67,7 @@ class CaptureMeta:
         self.token_ids: torch.Tensor = torch.as_tensor(token_ids, dtype=torch.int32)
         n = len(self.req_ids)
         if self.positions.shape != (n,) or self.token_ids.shape != (n,):
-            raise ValueError(f"CaptureMeta columns disagree: {n} req_ids, positions "
+            raise InvalidRequestError(f"CaptureMeta columns disagree: {n} req_ids, positions "
                              f"{tuple(self.positions.shape)}, token_ids {tuple(self.token_ids.shape)}")
 
     def __len__(self) -> int:
@@ -91,7 +92,7 @@ class CaptureMeta:
         rows = torch.as_tensor(rows)
         idx = rows.nonzero().flatten() if rows.dtype == torch.bool else rows.long().flatten()
         if rows.dtype == torch.bool and rows.shape != (len(self),):
-            raise ValueError(f"mask of shape {tuple(rows.shape)} for {len(self)} rows")
+            raise InvalidRequestError(f"mask of shape {tuple(rows.shape)} for {len(self)} rows")
         return CaptureMeta([self.req_ids[i] for i in idx.tolist()], self.positions[idx],
                            self.token_ids[idx])
 
@@ -122,23 +123,23 @@ def serialize_capture_layer(tensor: torch.Tensor, labels: torch.Tensor, req_tabl
     Everything is validated here so a malformed capture fails at its source, not in a client.
     """
     if not isinstance(tensor, torch.Tensor) or tensor.ndim != 2:
-        raise ValueError(f"capture tensor must be a 2-D [rows, width] tensor, got "
+        raise InvalidRequestError(f"capture tensor must be a 2-D [rows, width] tensor, got "
                          f"{getattr(tensor, 'shape', type(tensor).__name__)}")
     if tensor.dtype not in _WIRE_NAMES:
-        raise ValueError(f"unsupported capture dtype {tensor.dtype}; expected one of {list(WIRE_DTYPES)}")
+        raise InvalidRequestError(f"unsupported capture dtype {tensor.dtype}; expected one of {list(WIRE_DTYPES)}")
     if (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int32 or labels.ndim != 2
             or labels.shape[1] != 3):
-        raise ValueError(f"capture labels must be int32 [rows, 3], got "
+        raise InvalidRequestError(f"capture labels must be int32 [rows, 3], got "
                          f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
     rows = tensor.shape[0]
     if labels.shape[0] != rows:
-        raise ValueError(f"capture labels have {labels.shape[0]} rows but data has {rows}")
+        raise InvalidRequestError(f"capture labels have {labels.shape[0]} rows but data has {rows}")
     table = list(req_table)
     if not all(isinstance(r, str) for r in table):
-        raise ValueError("req_table must contain request id strings")
+        raise InvalidRequestError("req_table must contain request id strings")
     labels = labels.detach().cpu()
     if rows and (int(labels[:, 0].min()) < 0 or int(labels[:, 0].max()) >= len(table)):
-        raise ValueError(f"capture req_idx outside req_table of {len(table)} entries")
+        raise InvalidRequestError(f"capture req_idx outside req_table of {len(table)} entries")
     raw = _RAW[tensor.dtype]
     data = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
@@ -161,15 +162,15 @@ def _layer_key(key: object) -> int:
         return key
     if isinstance(key, str) and key.isascii() and key.isdecimal():
         return int(key)
-    raise ValueError(f"capture layer key {key!r} is not a layer number")
+    raise InvalidRequestError(f"capture layer key {key!r} is not a layer number")
 
 
 def _column(meta: Mapping[str, Any], name: str, layer: int, rows: int) -> np.ndarray:
     buf = meta.get(name)
     if not isinstance(buf, (bytes, bytearray, memoryview)):
-        raise ValueError(f"capture layer {layer} label column {name!r} is missing or not bytes")
+        raise InvalidRequestError(f"capture layer {layer} label column {name!r} is missing or not bytes")
     if len(buf) != rows * _I32.itemsize:
-        raise ValueError(f"capture layer {layer} label column {name!r} has {len(buf)} bytes "
+        raise InvalidRequestError(f"capture layer {layer} label column {name!r} has {len(buf)} bytes "
                          f"for {rows} rows; labels are inconsistent with the data")
     return np.frombuffer(buf, dtype=_I32).astype(np.int32)
 
@@ -185,26 +186,26 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
     for key, info in sorted(serialized.items(), key=lambda kv: _layer_key(kv[0])):
         layer = _layer_key(key)
         if layer in tensors:
-            raise ValueError(f"capture layer {layer} appears twice")
+            raise InvalidRequestError(f"capture layer {layer} appears twice")
         if not isinstance(info, Mapping):
-            raise ValueError(f"capture layer {layer} payload is not a mapping")
+            raise InvalidRequestError(f"capture layer {layer} payload is not a mapping")
         if info.get("encoding") != ENCODING:
-            raise ValueError(f"unknown capture wire encoding {info.get('encoding')!r} for layer {layer}; "
+            raise InvalidRequestError(f"unknown capture wire encoding {info.get('encoding')!r} for layer {layer}; "
                              "engine and client versions differ")
         dtype = WIRE_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
         if dtype is None:
-            raise ValueError(f"unknown capture wire dtype {info.get('dtype')!r} for layer {layer}")
+            raise InvalidRequestError(f"unknown capture wire dtype {info.get('dtype')!r} for layer {layer}")
         shape = info.get("shape")
         if (not isinstance(shape, (list, tuple)) or len(shape) != 2
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise ValueError(f"capture layer {layer} has invalid shape {shape!r}; expected [rows, width]")
+            raise InvalidRequestError(f"capture layer {layer} has invalid shape {shape!r}; expected [rows, width]")
         rows, width = shape
         data = info.get("data")
         raw = _RAW[dtype]
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ValueError(f"capture layer {layer} data is not bytes")
+            raise InvalidRequestError(f"capture layer {layer} data is not bytes")
         if len(data) != rows * width * raw.itemsize:
-            raise ValueError(f"capture layer {layer} carries {len(data)} bytes, expected "
+            raise InvalidRequestError(f"capture layer {layer} carries {len(data)} bytes, expected "
                              f"{rows}x{width}x{raw.itemsize}")
         # astype to the native dtype copies: the result is writable and owns its memory.
         arr = np.frombuffer(data, dtype=raw).astype(raw.newbyteorder("="))
@@ -213,16 +214,16 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
             tensor = tensor.view(torch.bfloat16)
         meta = info.get("meta")
         if not isinstance(meta, Mapping):
-            raise ValueError(f"capture layer {layer} is missing its row labels ('meta'); unlabelled "
+            raise InvalidRequestError(f"capture layer {layer} is missing its row labels ('meta'); unlabelled "
                              "payloads cannot be aligned to requests")
         table = meta.get("req_table")
         if not isinstance(table, (list, tuple)) or not all(isinstance(r, str) for r in table):
-            raise ValueError(f"capture layer {layer} has no valid req_table")
+            raise InvalidRequestError(f"capture layer {layer} has no valid req_table")
         req_idx = _column(meta, "req_idx", layer, rows)
         positions = _column(meta, "positions", layer, rows)
         token_ids = _column(meta, "token_ids", layer, rows)
         if rows and (req_idx.min() < 0 or req_idx.max() >= len(table)):
-            raise ValueError(f"capture layer {layer} has req_idx outside its req_table of {len(table)}")
+            raise InvalidRequestError(f"capture layer {layer} has req_idx outside its req_table of {len(table)}")
         tensors[layer] = tensor
         metas[layer] = CaptureMeta([table[i] for i in req_idx.tolist()], torch.from_numpy(positions),
                                    torch.from_numpy(token_ids))

@@ -12,6 +12,7 @@ destination needs are never skipped by a prefix-cache hit (the scheduler asks ``
 
 from __future__ import annotations
 
+from steerable.errors import InvalidRequestError
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,10 +171,10 @@ class CaptureSession:
 
     def _component(self, stream: str, field_name: str = "stream") -> str:
         if stream not in COMPONENTS:
-            raise ValueError(f"{field_name}: unknown capture stream {stream!r}; expected one of {list(COMPONENTS)}")
+            raise InvalidRequestError(f"{field_name}: unknown capture stream {stream!r}; expected one of {list(COMPONENTS)}")
         if not self.available.get(stream):
             what = "a mixture-of-experts model" if stream == ROUTER_LOGITS else "attention heads"
-            raise ValueError(f"{field_name}: {stream!r} needs {what}; this model has no such layers")
+            raise InvalidRequestError(f"{field_name}: {stream!r} needs {what}; this model has no such layers")
         return stream
 
     def _layers(self, component: str, layers: Sequence[int] | None, field_name: str) -> list[int]:
@@ -185,7 +186,7 @@ class CaptureSession:
         bad = [layer for layer in layers if not isinstance(layer, int) or isinstance(layer, bool)
                or layer not in available]
         if bad or not layers:
-            raise ValueError(f"{field_name}: layers {bad or layers} are not capturable for {component!r}; "
+            raise InvalidRequestError(f"{field_name}: layers {bad or layers} are not capturable for {component!r}; "
                              f"available: {available}")
         return sorted(set(layers))
 
@@ -193,7 +194,7 @@ class CaptureSession:
         if component != HIDDEN_STATES:
             return component
         if hook not in RESIDUAL_POINTS:
-            raise ValueError(f"{field_name}: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+            raise InvalidRequestError(f"{field_name}: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
         return hook
 
     # ------------------------------------------------------------ streams (control plane)
@@ -270,19 +271,19 @@ class CaptureSession:
         if isinstance(specs, CaptureSpec):
             specs = [specs]
         if not isinstance(specs, (list, tuple)) or not all(isinstance(s, CaptureSpec) for s in specs):
-            raise ValueError("capture: expected a CaptureSpec or a list of them")
+            raise InvalidRequestError("capture: expected a CaptureSpec or a list of them")
         destinations = []
         for spec in specs:
             component = self._component(spec.stream, "capture.stream")
             if any(d.component == component for d in destinations):
-                raise ValueError(f"capture.stream: {component!r} requested twice")
+                raise InvalidRequestError(f"capture.stream: {component!r} requested twice")
             hook = self._hook(component, spec.hook, "capture.hook")
             layers = self._layers(component, spec.layers, "capture.layers")
             dtype = resolve_storage_dtype(spec.dtype, "capture.dtype")
             try:
                 select = SelectSpec.parse(spec.select) if spec.select is not None else None
             except ValueError as err:
-                raise ValueError(f"capture.{err}") from None  # "capture.select...: ..."
+                raise InvalidRequestError(f"capture.{err}") from None  # "capture.select...: ..."
             destinations.append(_Destination(("request", request.request_id, component), component, hook,
                                              layers, dtype, select, None))
         state = RequestCapture(destinations)
@@ -415,6 +416,8 @@ class CaptureSession:
         for (g, layer), tensor in step.host.items():
             group = step.groups[g]
             for destination, request, where in group.takers:
+                if request.finished:  # its last row fed the stop token back, or it was aborted
+                    continue
                 # A compact copy per request: stored rows never pin the whole step buffer.
                 rows = tensor.index_select(0, torch.from_numpy(where))
                 self._deliver_rows(destination, layer, request.request_id, rows, group.positions[where],
@@ -472,6 +475,8 @@ def _fill_pending_tokens(group: _Group) -> None:
     """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
     delivery that token is known."""
     for _, request, where in group.takers:
+        if request.finished:
+            continue
         missing = where[group.token_ids[where] == PLACEHOLDER]
         for i in missing:
             group.token_ids[i] = request.all_token_ids[group.positions[i]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from steerable.errors import InvalidRequestError
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ def resolve_storage_dtype(dtype: str | torch.dtype | None, field: str = "dtype")
         return dtype
     name = str(dtype).removeprefix("torch.")
     if name not in _STORAGE_DTYPES:
-        raise ValueError(f"{field}: unsupported storage dtype {dtype!r}; expected one of {sorted(_STORAGE_DTYPES)}")
+        raise InvalidRequestError(f"{field}: unsupported storage dtype {dtype!r}; expected one of {sorted(_STORAGE_DTYPES)}")
     return _STORAGE_DTYPES[name]
 
 
@@ -38,14 +39,14 @@ class StreamConfig:
     def __init__(self, layers: list[int] | None = None, dtype: str | None = None, reduce: str = "all",
                  select: Any = None, budget_rows: int | None = None):
         if reduce not in REDUCTIONS:
-            raise ValueError(f"reduce: must be one of {list(REDUCTIONS)}, got {reduce!r}")
+            raise InvalidRequestError(f"reduce: must be one of {list(REDUCTIONS)}, got {reduce!r}")
         if reduce != "all" and select is not None:
-            raise ValueError("select: row selection cannot be combined with reduce='last'/'mean'; "
+            raise InvalidRequestError("select: row selection cannot be combined with reduce='last'/'mean'; "
                              "use reduce='all' with a select clause")
         self.select = SelectSpec.parse(select) if select is not None else None
         if budget_rows is not None and (not isinstance(budget_rows, int) or isinstance(budget_rows, bool)
                                         or budget_rows < 0):
-            raise ValueError(f"budget_rows: must be a non-negative integer or None, got {budget_rows!r}")
+            raise InvalidRequestError(f"budget_rows: must be a non-negative integer or None, got {budget_rows!r}")
         self.layers = sorted(set(layers)) if layers is not None else None
         self.dtype = resolve_storage_dtype(dtype)
         self.reduce = reduce
@@ -135,7 +136,7 @@ class StreamStore:
         """Wire dicts per layer (see ``serialize_capture_layer``); ``req_ids`` are client-visible ids."""
         unknown = [] if layers is None else [layer for layer in layers if layer not in self.rows]
         if unknown:
-            raise ValueError(f"layers: {unknown} are not captured by this stream; captured: {self.layers}")
+            raise InvalidRequestError(f"layers: {unknown} are not captured by this stream; captured: {self.layers}")
         wanted = self.layers if layers is None else list(layers)
         result = {}
         for layer in wanted:

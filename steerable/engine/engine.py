@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from steerable.capture.serialization import CaptureMeta
 from steerable.capture.session import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, CaptureSession
 from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.kv_cache import KVCacheManager
-from steerable.engine.request import PLACEHOLDER, Request, RequestStatus
+from steerable.engine.lock import EngineLock
+from steerable.engine.request import PLACEHOLDER, Request, RequestGroup
 from steerable.engine.scheduler import Scheduler, SchedulerOutput
 from steerable.engine.tokenizer import Tokenizer
+from steerable.errors import EngineDeadError, InvalidRequestError
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
 from steerable.models.registry import model_class
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
@@ -55,38 +61,167 @@ class LLMEngine:
         self.runner.hooks.readers.append(self.capture)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit)
-        self.requests: dict[str, Request] = {}
-        self._streaming: set[str] = set()
+        self.requests: dict[str, Request] = {}  # by engine id
+        self.groups: dict[str, RequestGroup] = {}  # by client id
         self._inflight: tuple | None = None  # (schedule, batch, sample handle) launched, not finished
         self._rng = random.Random(config.seed)
         self.num_steps = 0
+        self.lock = EngineLock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- public, thread-safe
+
+    def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    stream: bool = False) -> RequestGroup:
+        """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token."""
+        with self.lock.call():
+            self._check_open()
+            return self._add_request(client_id, prompt, params, stream)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort by client id (every completion) or engine id; everything held is freed now."""
+        with self.lock.call():
+            return self._abort_request(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (see ``_step``); control-plane calls from other threads go in between."""
+        with self.lock.step():
+            self._check_open()
+            return self._step()
+
+    def finish_inflight(self) -> list[RequestOutput]:
+        """Complete the step still on the device, if any, so no row of it is left to deliver later."""
+        with self.lock.call():
+            if self._inflight is None:
+                return []
+            outputs = self._complete(*self._inflight)
+            self._inflight = None
+            return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine is shut down; create a new LLM")
+
+    # ---------------------------------------------------------------- control planes
+
+    def set_steering_vectors(self, spec: Any, replace: bool = True) -> None:
+        with self.lock.call():
+            self.steering.set_global(spec, replace)
+
+    def clear_steering_vectors(self) -> None:
+        with self.lock.call():
+            self.steering.clear_global()
+
+    def register_steering_modules(self, modules: dict[str, Any]) -> None:
+        with self.lock.call():
+            self.steering.register_modules(modules)
+
+    def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
+        with self.lock.call():
+            self.steering.unregister_modules(names)
+
+    def list_steerable_layers(self) -> dict[str, list[int]]:
+        return self.steering.steerable_layers()
+
+    def get_steering_status(self) -> dict[str, Any]:
+        with self.lock.call():
+            return self.steering.status()
+
+    def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
+                      budget_rows: int | None, hook: str) -> None:
+        with self.lock.call():
+            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook)
+
+    def stop_capture(self, stream: str) -> None:
+        with self.lock.call():
+            self.capture.stop(stream)
+
+    def fetch_captured(self, stream: str, clear: bool, layers: Sequence[int] | None,
+                       req_ids: Sequence[str] | None) -> tuple[dict, dict]:
+        with self.lock.call():
+            return self.capture.fetch(stream, clear, layers, req_ids)
+
+    def clear_captured(self, stream: str) -> None:
+        with self.lock.call():
+            self.capture.clear(stream)
+
+    def capture_status(self, stream: str) -> dict[str, Any]:
+        with self.lock.call():
+            return self.capture.status(stream)
+
+    def add_capture_consumer(self, consumer: Any) -> None:
+        with self.lock.call():
+            self.capture.consumers.append(consumer)
+
+    def remove_capture_consumer(self, consumer: Any) -> None:
+        with self.lock.call():
+            self.capture.consumers.remove(consumer)
+
+    def shutdown(self) -> None:
+        """Abort what is running, close capture consumers, free the model and the KV cache.
+        Idempotent; afterwards every call that needs the engine raises ``EngineDeadError``."""
+        with self.lock.call():
+            if self._closed:
+                return
+            self._closed = True
+            self._inflight = None
+            self._abort_request(list(self.groups))
+            for consumer in self.capture.consumers:
+                consumer.close()
+            self.capture.consumers.clear()
+            self.runner.shutdown()
 
     # ---------------------------------------------------------------- admission
 
-    def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False) -> Request:
-        """Validate and queue one request. Raises ValueError (naming the field) and keeps nothing."""
+    def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    stream: bool = False) -> RequestGroup:
+        """Validate and queue one prompt's ``params.n`` completions. Raises ``InvalidRequestError``
+        (naming the field) and keeps nothing."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if client_id in self.groups:
+            raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         prompt_text, token_ids = self._tokenize(prompt)
+        children: list[Request] = []
+        try:
+            for index in range(params.n):
+                children.append(self._admit(client_id, index, prompt_text, token_ids, _child_params(params, index)))
+        except BaseException:
+            for child in children:
+                self._release_planes(child)
+            raise
+        group = RequestGroup(client_id, children, stream)
+        self.groups[client_id] = group
+        for child in children:
+            child.group = group
+            self.requests[child.request_id] = child
+            self.runner.add_request(child)
+            self.scheduler.add(child)
+        return group
+
+    def _admit(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
+               params: SamplingParams) -> Request:
         request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
         eos = self.model_config.eos_token_ids
-        request = Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63), eos)
+        request = Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63), eos,
+                          index)
         self.steering.admit(request)
         try:
             self.capture.admit(request)
-        except ValueError:
+        except BaseException:
             self.steering.release(request)
             raise
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
-        self.requests[request_id] = request
-        if stream:
-            self._streaming.add(request_id)
-        self.runner.add_request(request)
-        self.scheduler.add(request)
         return request
+
+    def _release_planes(self, request: Request) -> None:
+        self.steering.release(request)
+        self.capture.finish(request, aborted=True)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -108,23 +243,26 @@ class LLMEngine:
                              "(at least one token must be generated)")
         return text, ids
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
-        """Abort by engine or client id; frees everything the request held."""
+    def _abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort by client id (every completion of it) or by engine id; frees everything held."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for rid in ids:
-            for request in [r for r in self.requests.values() if rid in (r.request_id, r.client_id)]:
-                request.finish_reason = "abort"
-                self._finish(request, aborted=True)
-                outputs.append(self._output(request))
+            group = self.groups.get(rid)
+            if group is None and rid in self.requests:
+                group = self.requests[rid].group
+            if group is None:
+                continue
+            for child in group.children:
+                if not child.finished:
+                    child.finish_reason = "abort"
+                    self._finish(child, aborted=True)
+            outputs.append(self._output(group))
         return outputs
 
     # ---------------------------------------------------------------- the loop
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
-
-    def step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one while the device runs it.
 
         The step launched here was scheduled before the previous step's tokens reached the host:
@@ -188,11 +326,14 @@ class LLMEngine:
             request.num_pending -= 1
             self.kv.cache_computed_blocks(request)
             self._accept_token(request, token, token_logprobs)
+            group = request.group
             if request.finish_reason is not None:
                 self._finish(request)
-                outputs.append(self._output(request))
-            elif request.request_id in self._streaming:
-                outputs.append(self._output(request))
+                if group.finished:
+                    outputs.append(self._output(group))
+                    continue
+            if group.stream:
+                outputs.append(self._output(group))
         return outputs
 
     def _accept_token(self, request: Request, token: int, token_logprobs: dict | None) -> None:
@@ -201,6 +342,7 @@ class LLMEngine:
         if token_logprobs is not None:
             request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t], False))
                                      for t, (lp, rank) in token_logprobs.items()})
+            request.cumulative_logprob += token_logprobs[token][0]
         params = request.params
         if token in request.stop_token_ids:  # the sampler masks them until min_tokens
             request.finish_reason = "stop"
@@ -235,14 +377,19 @@ class LLMEngine:
         self.steering.release(request)
         request.captures, request.capture_meta = self.capture.finish(request, aborted)
         self.requests.pop(request.request_id, None)
-        self._streaming.discard(request.request_id)
+        if request.group.finished:
+            self.groups.pop(request.client_id, None)
 
-    def _output(self, request: Request) -> RequestOutput:
-        completion = CompletionOutput(0, request.output_text, request.output_token_ids, request.finish_reason,
-                                      request.logprobs, request.stop_reason)
-        finished = request.status is RequestStatus.FINISHED
-        return RequestOutput(request.client_id, request.prompt, request.prompt_token_ids, [completion], finished,
-                             request.captures if finished else {}, request.capture_meta if finished else {})
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        """The group's cumulative state; captures (of every completion, by index) once all finished."""
+        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason, r.logprobs,
+                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None)
+                       for r in group.children]
+        first = group.children[0]
+        finished = group.finished
+        captures, capture_meta = _merge_captures(group.children) if finished else ({}, {})
+        return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
+                             capture_meta)
 
     def _capture_plane(self) -> CaptureSession:
         cfg = self.model_config
@@ -274,3 +421,26 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index`` of ``n``: its own copy, seeded ``seed + index`` as vLLM seeds siblings."""
+    if params.n == 1:
+        return params
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _merge_captures(children: list[Request]) -> tuple[dict, dict]:
+    """One request's captures as they are; several completions' rows concatenated by index, each
+    row still labelled with its own engine request id."""
+    if len(children) == 1:
+        return children[0].captures, children[0].capture_meta
+    tensors: dict[str, dict[int, Any]] = {}
+    metas: dict[str, dict[int, Any]] = {}
+    for stream in children[0].captures:
+        tensors[stream], metas[stream] = {}, {}
+        for layer in children[0].captures[stream]:
+            tensors[stream][layer] = torch.cat([c.captures[stream][layer] for c in children])
+            metas[stream][layer] = CaptureMeta.concat([c.capture_meta[stream][layer] for c in children])
+    return tensors, metas

@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """Tokens, KV blocks and progress of one sequence.
+    """Tokens, KV blocks and progress of one sequence (one of the ``n`` completions of a group).
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler asks for the rest.
     After a recompute preemption it drops to 0 and the prompt *and* the generated tokens are
@@ -26,9 +26,11 @@ class Request:
     """
 
     def __init__(self, request_id: str, client_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, sampling_seed: int, eos_token_ids: list[int]):
+                 params: SamplingParams, sampling_seed: int, eos_token_ids: list[int], index: int = 0):
         self.request_id = request_id
         self.client_id = client_id
+        self.index = index  # which of the group's completions this is
+        self.group: "RequestGroup | None" = None
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -50,6 +52,7 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.output_text = ""
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
         self.detokenizer: Any = None
         # Prefix-cache identity beyond the tokens: (first position affected, key). A block's hash
         # includes every key whose position falls inside or before it (cache salt from 0, steering
@@ -85,3 +88,21 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"status={self.status.value})")
+
+
+class RequestGroup:
+    """What a caller submitted under one client id: ``n`` sibling requests sharing the prompt,
+    reported together as one ``RequestOutput`` with ``n`` completions."""
+
+    def __init__(self, client_id: str, children: list[Request], stream: bool):
+        self.client_id = client_id
+        self.children = children
+        self.stream = stream
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [child.request_id for child in self.children]
+
+    @property
+    def finished(self) -> bool:
+        return all(child.finished for child in self.children)

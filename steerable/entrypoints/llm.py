@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from steerable.config import EngineConfig
+from steerable.errors import InvalidRequestError
 from steerable.engine.engine import LLMEngine
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
@@ -34,30 +35,45 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under the name vLLM gives it."""
+        return self.engine
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer.hf
+
+    def shutdown(self) -> None:
+        """Close capture consumers and free device memory (idempotent); the LLM is unusable after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------ steering control plane
 
     def set_steering_vectors(self, spec: Any, replace: bool = True) -> None:
         """Global steering for every request admitted from now on (running ones keep theirs)."""
-        self.engine.steering.set_global(spec, replace)
+        self.engine.set_steering_vectors(spec, replace)
 
     def clear_steering_vectors(self) -> None:
-        self.engine.steering.clear_global()
+        self.engine.clear_steering_vectors()
 
     def register_steering_modules(self, modules: dict[str, Any]) -> None:
         """Named specs that requests reference with ``SamplingParams(steering_module_ref=name | (name, scale))``."""
-        self.engine.steering.register_modules(modules)
+        self.engine.register_steering_modules(modules)
 
     def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
-        self.engine.steering.unregister_modules(names)
+        self.engine.unregister_steering_modules(names)
 
     def list_steerable_layers(self) -> dict[str, list[int]]:
-        return self.engine.steering.steerable_layers()
+        return self.engine.list_steerable_layers()
 
     def get_steering_status(self) -> dict[str, Any]:
-        return self.engine.steering.status()
+        return self.engine.get_steering_status()
 
     # ------------------------------------------------------------ capture streams
 
@@ -65,32 +81,32 @@ class LLM:
                       dtype: str | None = None, reduce: str = "all", select: Any = None,
                       budget_rows: int | None = None, hook: str = "post_mlp") -> None:
         """Record ``stream`` for every request from now on until ``stop_capture``."""
-        self.engine.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook)
+        self.engine.start_capture(stream, layers, dtype, reduce, select, budget_rows, hook)
 
     def stop_capture(self, stream: str = "hidden_states") -> None:
-        self.engine.capture.stop(stream)
+        self.engine.stop_capture(stream)
 
     def fetch_captured(self, stream: str = "hidden_states", clear: bool = True, layers: Sequence[int] | None = None,
                        req_ids: Sequence[str] | None = None) -> tuple[dict, dict]:
         """(tensors, meta) per layer; ``req_ids`` (client ids) drains request by request."""
-        return self.engine.capture.fetch(stream, clear, layers, req_ids)
+        return self.engine.fetch_captured(stream, clear, layers, req_ids)
 
     def clear_captured(self, stream: str = "hidden_states") -> None:
-        self.engine.capture.clear(stream)
+        self.engine.clear_captured(stream)
 
     def capture_status(self, stream: str = "hidden_states") -> dict[str, Any]:
-        return self.engine.capture.status(stream)
+        return self.engine.capture_status(stream)
 
     def add_capture_consumer(self, consumer: Any) -> None:
         """Every finished request's own captures (``SamplingParams(capture=...)``) also go to ``consumer``."""
-        self.engine.capture.consumers.append(consumer)
+        self.engine.add_capture_consumer(consumer)
 
     def remove_capture_consumer(self, consumer: Any) -> None:
-        self.engine.capture.consumers.remove(consumer)
+        self.engine.remove_capture_consumer(consumer)
 
     # ------------------------------------------------------------ generation
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         prompt_list = _as_prompt_list(prompts)
@@ -107,26 +123,26 @@ class LLM:
         return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.engine
+        engine = self.llm_engine
         added = []
         try:
             for prompt, p in zip(prompts, params):
                 added.append(engine.add_request(str(next(self._ids)), prompt, p))
         except Exception:
-            engine.abort_request([r.request_id for r in added])
+            engine.abort_request([g.client_id for g in added])
             raise
-        order = {r.client_id: i for i, r in enumerate(added)}
+        order = {g.client_id: i for i, g in enumerate(added)}
         results: list[RequestOutput | None] = [None] * len(added)
-        pending = {r.request_id for r in added}
+        pending = set(order)
         bar = tqdm(total=len(added), desc="Generating", disable=not use_tqdm, unit="req")
         try:
             while pending:
                 for out in engine.step():
-                    if out.finished:
-                        index = order[out.request_id]
-                        results[index] = out
-                        pending.discard(added[index].request_id)
+                    if out.finished and out.request_id in pending:
+                        results[order[out.request_id]] = out
+                        pending.discard(out.request_id)
                         bar.update(1)
+            engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
         except BaseException:
             engine.abort_request(list(pending))
             raise
@@ -135,15 +151,45 @@ class LLM:
         return results
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    if not prompts:
-        raise ValueError("prompts: at least one prompt is required")
-    return prompts
+def _as_prompt_list(prompts: Any) -> list[Prompt]:
+    """vLLM's prompt forms: a string, a token-id list, ``{"prompt": str}``, ``{"prompt_token_ids":
+    [...]}``, or a list of any of them; anything else is an error naming ``prompt``."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("prompt: at least one prompt is required")
+        if all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompts):
+            return [_one_prompt(prompts)]
+        return [_one_prompt(p) for p in prompts]
+    raise InvalidRequestError(f"prompt: expected a string, a list of token ids, a prompt dict or a list of them, "
+                              f"got {type(prompts).__name__}")
+
+
+def _one_prompt(prompt: Any) -> Prompt:
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return _one_prompt(prompt["prompt_token_ids"]) if not isinstance(prompt["prompt_token_ids"], str) else \
+                _bad_prompt(prompt)
+        return _bad_prompt(prompt)
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
+        return ids
+    return _bad_prompt(prompt)
+
+
+def _bad_prompt(prompt: Any) -> Prompt:
+    shown = sorted(prompt) if isinstance(prompt, dict) else type(prompt).__name__
+    raise InvalidRequestError(f"prompt: expected a string, a list of token ids, {{'prompt': str}} or "
+                              f"{{'prompt_token_ids': [int, ...]}}, got {shown}")
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -153,6 +199,5 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+        raise InvalidRequestError(f"sampling_params: got {len(params)} for {n} prompts")
     return params
-

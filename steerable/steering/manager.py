@@ -11,6 +11,7 @@ distinct configs other than memory.
 
 from __future__ import annotations
 
+from steerable.errors import InvalidRequestError
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -229,11 +230,11 @@ class SteeringManager:
 
     def register_modules(self, modules: Mapping[str, Any]) -> None:
         if not isinstance(modules, Mapping):
-            raise ValueError(f"modules: expected {{name: spec}}, got {type(modules).__name__}")
+            raise InvalidRequestError(f"modules: expected {{name: spec}}, got {type(modules).__name__}")
         parsed = {}
         for name, spec in modules.items():
             if not isinstance(name, str) or not name:
-                raise ValueError(f"modules: module names must be non-empty strings, got {name!r}")
+                raise InvalidRequestError(f"modules: module names must be non-empty strings, got {name!r}")
             parsed[name] = self.parser.parse(spec, f"modules[{name!r}]")
         self.modules.update(parsed)
         self._scaled_modules.clear()
@@ -243,7 +244,7 @@ class SteeringManager:
         names = [names] if isinstance(names, str) else list(names)
         unknown = [n for n in names if n not in self.modules]
         if unknown:
-            raise ValueError(f"modules: unknown module(s) {unknown}; registered: {sorted(self.modules)}")
+            raise InvalidRequestError(f"modules: unknown module(s) {unknown}; registered: {sorted(self.modules)}")
         for name in names:
             del self.modules[name]
         self._scaled_modules.clear()
@@ -277,7 +278,7 @@ class SteeringManager:
         if ref is not None:
             name, scale = (ref, 1.0) if isinstance(ref, str) else (ref[0], float(ref[1]))
             if name not in self.modules:
-                raise ValueError(f"steering_module_ref: unknown module {name!r}; registered: {sorted(self.modules)}")
+                raise InvalidRequestError(f"steering_module_ref: unknown module {name!r}; registered: {sorted(self.modules)}")
             scaled = self._scaled_modules.get((name, scale))
             if scaled is None:  # cached: equal refs share intervention objects and their digests
                 scaled = [item.scaled(scale, "steering_module_ref") for item in self.modules[name]]

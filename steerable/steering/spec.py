@@ -3,6 +3,7 @@ validated, canonical form (``Intervention``) that the engine composes, hashes an
 
 from __future__ import annotations
 
+from steerable.errors import InvalidRequestError
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -91,7 +92,7 @@ class Intervention:
             return Intervention("add", self.point, self.layer, vector, _vector_hash(vector), self.select)
         strength = self.strength * scale
         if not 0.0 <= strength <= 1.0:
-            raise ValueError(f"{where}: clamp strength {self.strength} x scale {scale} is outside [0, 1]")
+            raise InvalidRequestError(f"{where}: clamp strength {self.strength} x scale {scale} is outside [0, 1]")
         return Intervention("clamp", self.point, self.layer, self.vector, self.vector_hash, self.select,
                             self.lo, self.hi, strength)
 
@@ -139,7 +140,7 @@ class SpecParser:
             return self._parse_vectors(spec, None, where, seen)
         if isinstance(spec, (list, tuple)) and all(isinstance(i, (Add, Clamp)) for i in spec):
             return [self._parse_item(item, f"{where}[{i}]", seen) for i, item in enumerate(spec)]
-        raise ValueError(f"{where}: expected a SteeringSpec, Add/Clamp items or a dict of vectors, "
+        raise InvalidRequestError(f"{where}: expected a SteeringSpec, Add/Clamp items or a dict of vectors, "
                          f"got {type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
@@ -151,7 +152,7 @@ class SpecParser:
         items += self._parse_vectors(spec.decode_vectors, DECODE, f"{where}.decode_vectors", seen)
         for i, clamp in enumerate(spec.clamps or []):
             if not isinstance(clamp, Clamp):
-                raise ValueError(f"{where}.clamps[{i}]: expected a Clamp, got {type(clamp).__name__}")
+                raise InvalidRequestError(f"{where}.clamps[{i}]: expected a Clamp, got {type(clamp).__name__}")
             items.append(self._parse_item(clamp, f"{where}.clamps[{i}]", seen))
         return [item.scaled(scale, f"{where}.scale") for item in items] if scale != 1.0 else items
 
@@ -160,7 +161,7 @@ class SpecParser:
         if vectors is None:
             return []
         if not isinstance(vectors, Mapping):
-            raise ValueError(f"{where}: expected a dict of vectors, got {type(vectors).__name__}")
+            raise InvalidRequestError(f"{where}: expected a dict of vectors, got {type(vectors).__name__}")
         if vectors and all(isinstance(k, str) and not k.lstrip("-").isdigit() for k in vectors):
             by_hook = vectors
         else:
@@ -168,14 +169,14 @@ class SpecParser:
         items = []
         for hook, layers in by_hook.items():
             if not isinstance(layers, Mapping):
-                raise ValueError(f"{where}.{hook}: expected {{layer: vector}}, got {type(layers).__name__}")
+                raise InvalidRequestError(f"{where}.{hook}: expected {{layer: vector}}, got {type(layers).__name__}")
             for layer, entry in layers.items():
                 here = f"{where}.{hook}[{layer}]"
                 scale = 1.0
                 if isinstance(entry, Mapping):
                     unknown = set(entry) - {"vector", "scale"}
                     if unknown or "vector" not in entry:
-                        raise ValueError(f"{here}: expected {{'vector': ..., 'scale': ...}}, got keys {sorted(entry)}")
+                        raise InvalidRequestError(f"{here}: expected {{'vector': ..., 'scale': ...}}, got keys {sorted(entry)}")
                     scale = _number(entry.get("scale", 1.0), f"{here}.scale")
                     entry = entry["vector"]
                 item = self._add(hook, layer, entry, select, here, seen)
@@ -191,14 +192,14 @@ class SpecParser:
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         norm = float(direction.norm())
         if norm == 0.0:
-            raise ValueError(f"{where}.direction: must not be the zero vector")
+            raise InvalidRequestError(f"{where}.direction: must not be the zero vector")
         lo = -math.inf if item.min is None else _number(item.min, f"{where}.min")
         hi = math.inf if item.max is None else _number(item.max, f"{where}.max")
         if lo > hi:
-            raise ValueError(f"{where}.min: {lo} is greater than max {hi}")
+            raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
         strength = _number(item.strength, f"{where}.strength")
         if not 0.0 <= strength <= 1.0:
-            raise ValueError(f"{where}.strength: {strength} is outside [0, 1]")
+            raise InvalidRequestError(f"{where}.strength: {strength} is outside [0, 1]")
         direction = direction / norm
         return Intervention("clamp", item.hook, layer, direction, _vector_hash(direction), select, lo, hi, strength)
 
@@ -211,16 +212,16 @@ class SpecParser:
     def _site(self, hook: str, layer: Any, select: Any, where: str) -> tuple[int, SelectSpec | None]:
         """Checks the hook and the layer (a digit string is accepted) and parses the selection."""
         if hook not in RESIDUAL_POINTS:
-            raise ValueError(f"{where}.hook: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+            raise InvalidRequestError(f"{where}.hook: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
         index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
-            raise ValueError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
+            raise InvalidRequestError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
         if select is None:
             return index, None
         try:
             return index, SelectSpec.parse(select)
         except ValueError as err:
-            raise ValueError(f"{where}.{err}") from None  # the message starts with "select"
+            raise InvalidRequestError(f"{where}.{err}") from None  # the message starts with "select"
 
     def _vector(self, value: Any, where: str, seen: Seen) -> tuple[torch.Tensor, bytes]:
         """A float32 CPU copy (later in-place changes by the caller never reach an admitted config)
@@ -240,12 +241,12 @@ class SpecParser:
             else:
                 array = np.asarray(value, dtype=np.float32)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{where}: not a numeric vector ({err})") from None
+            raise InvalidRequestError(f"{where}: not a numeric vector ({err})") from None
         if array.ndim != 1 or array.size != self.hidden_size:
-            raise ValueError(f"{where}: expected {self.hidden_size} values (the hidden size), "
+            raise InvalidRequestError(f"{where}: expected {self.hidden_size} values (the hidden size), "
                              f"got shape {array.shape}")
         if not np.isfinite(array).all():
-            raise ValueError(f"{where}: contains NaN or Inf")
+            raise InvalidRequestError(f"{where}: contains NaN or Inf")
         tensor = torch.from_numpy(array.copy())
         vector_hash = _vector_hash(tensor)
         seen[key] = value, tensor, vector_hash
@@ -254,5 +255,5 @@ class SpecParser:
 
 def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{where}: expected a finite number, got {value!r}")
+        raise InvalidRequestError(f"{where}: expected a finite number, got {value!r}")
     return float(value)

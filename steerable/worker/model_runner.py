@@ -308,6 +308,15 @@ class ModelRunner:
     def add_request(self, request: Request) -> None:
         self.sampler.add_request(request)
 
+    def shutdown(self) -> None:
+        """Drop the model, the KV cache and the graphs so their device memory can be reused."""
+        self.graphs = None
+        self.model = None
+        self.kv_cache = None
+        self.attention_layers = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def remove_request(self, request: Request) -> None:
         self.sampler.remove_request(request.request_id)
         self._release_slot(request.request_id)

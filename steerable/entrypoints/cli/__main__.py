@@ -1,0 +1,5 @@
+import sys
+
+from steerable.entrypoints.cli import main
+
+sys.exit(main())

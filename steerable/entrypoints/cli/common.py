@@ -1,0 +1,66 @@
+"""Arguments shared by the verbs that load a model, checked before the model is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from steerable.config import EngineConfig
+from steerable.models.loader import DEFAULT_MODEL
+
+
+class CliError(Exception):
+    """A bad command-line argument: printed as ``error: ...`` with exit status 2."""
+
+
+def add_model_arg(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    help_text = f"HF directory, .gguf file or demo name (default: {DEFAULT_MODEL})"
+    if positional:
+        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=help_text)
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help=help_text)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The knobs of ``LLM(...)``."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens (default: sized "
+                       "by a memory profile on GPU, 1 GiB on CPU)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    group.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from the parsed flags, validated (CliError) without loading."""
+    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                  kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=args.enable_prefix_caching,
+                  enforce_eager=args.enforce_eager, seed=args.seed,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  pipeline_parallel_size=args.pipeline_parallel_size)
+    try:
+        EngineConfig(**kwargs).validate()
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    return kwargs
+
+
+def run_checked(func: Any, args: argparse.Namespace) -> int:
+    """Run a verb; ``CliError`` and a ``ValueError`` from the engine print one line, status 2."""
+    try:
+        return func(args)
+    except (CliError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
