@@ -294,8 +294,10 @@ class LLMEngine:
         return outputs
 
     def _must_sync(self) -> bool:
-        """Selections that read the token id of generated rows need it on the host before planning."""
-        return self.steering.reads_generated_tokens() or self.capture.reads_generated_tokens()
+        """Selections that read the token id of generated rows, and penalties that count generated
+        tokens, need the last sampled token on the host before planning."""
+        return (self.steering.reads_generated_tokens() or self.capture.reads_generated_tokens()
+                or any(r.params.has_penalties for r in self.scheduler.running))
 
     def _advance(self, sched: SchedulerOutput) -> None:
         """What the launched step will have computed; sampling rows get a placeholder token."""

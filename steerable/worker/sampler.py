@@ -14,6 +14,7 @@ import torch
 
 from steerable.engine.request import Request
 from steerable.layers import fused
+from steerable.worker.penalties import apply_penalties
 
 _MIX_A, _MIX_B, _MASK = 6364136223846793005, 1442695040888963407, (1 << 63) - 1
 
@@ -53,6 +54,8 @@ class Sampler:
         self._suppress_early_stops(logits, requests)
         want = [r.params.logprobs for r in requests]
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
+        if any(r.params.has_penalties for r in requests):
+            logits = self._penalised(logits, requests)
         if fused.enabled(logits) and not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p
                                              for r in requests):
             tokens = self._fused(logits, requests)  # reads the logits in their own dtype
@@ -95,6 +98,20 @@ class Sampler:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
         return tokens
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """A float32 copy with each request's penalties applied (its output tokens are all known:
+        the engine keeps such requests in step with the host)."""
+        logits = logits.float()
+        rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        chosen = [requests[i] for i in rows]
+        penalised = logits[rows]
+        apply_penalties(penalised, [r.prompt_token_ids for r in chosen], [r.output_token_ids for r in chosen],
+                        [r.params.repetition_penalty for r in chosen], [r.params.frequency_penalty for r in chosen],
+                        [r.params.presence_penalty for r in chosen])
+        logits[rows] = penalised
+        return logits
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for i, request in enumerate(requests):
