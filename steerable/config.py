@@ -47,7 +47,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size} tokens)")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:  # issue 11
             raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
 
     def resolve_device(self) -> torch.device:
@@ -69,7 +69,9 @@ class EngineConfig:
 
 @dataclass
 class ModelConfig:
-    """The handful of architecture facts the engine needs, read once from the HF config."""
+    """The architecture facts the engine and a model need, read once from the HF config by the
+    family's config adapter (``models/registry.py`` names one per architecture). Families with
+    more knobs subclass it."""
 
     hf_config: Any
     architecture: str
@@ -85,52 +87,46 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
     eos_token_ids: list[int]
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
-    @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    @staticmethod
+    def architecture_of(hf_config: Any) -> str:
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError("config.architectures is missing; cannot choose a model implementation")
-        heads = hf_config.num_attention_heads
-        hidden = hf_config.hidden_size
-        theta, scaling = rope_parameters(hf_config)
-        model_type = getattr(hf_config, "model_type", "")
+        return architectures[0]
+
+    @classmethod
+    def common(cls, hf_config: Any) -> dict[str, Any]:
+        """The fields every decoder-only family names the same way (from ``text_config`` when the
+        checkpoint is multimodal, keeping the outer config's architecture and EOS ids)."""
+        text = getattr(hf_config, "text_config", None) or hf_config
+        heads = text.num_attention_heads
+        hidden = text.hidden_size
+        theta, scaling = rope_parameters(text)
         eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        window = getattr(hf_config, "sliding_window", None)
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
-            window = None
-        return cls(
+        if eos is None:
+            eos = getattr(text, "eos_token_id", None)
+        return dict(
             hf_config=hf_config,
-            architecture=architectures[0],
+            architecture=cls.architecture_of(hf_config),
             hidden_size=hidden,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=text.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
-            intermediate_size=getattr(hf_config, "intermediate_size", 0),
-            vocab_size=hf_config.vocab_size,
-            rms_norm_eps=hf_config.rms_norm_eps,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or hidden // heads,
+            intermediate_size=getattr(text, "intermediate_size", 0),
+            vocab_size=text.vocab_size,
+            rms_norm_eps=text.rms_norm_eps,
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_window=window,
-            eos_token_ids=eos_ids,
-            num_experts=getattr(hf_config, "num_experts", 0) or 0,
-            num_experts_per_tok=getattr(hf_config, "num_experts_per_tok", 0) or 0,
-            moe_intermediate_size=getattr(hf_config, "moe_intermediate_size", 0) or 0,
-            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings",
+                                                                                       False))),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 
 

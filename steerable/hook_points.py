@@ -1,97 +1,134 @@
-"""The named points where the forward pass hands activations to the steering and capture planes.
+"""The named points where the forward pass hands activations to steering and capture.
 
-Model files only call ``hooks.residual_norm(...)`` / ``hooks.observe(...)``; what happens there is
-decided per step by the planes attached to the ``HookPoints`` object and the ``StepBatch``.
+Model files call ``hooks.residual_norm(...)`` / ``hooks.observe(...)`` and declare a
+``HookLayout`` (which components they offer at which layers, and their widths). What happens at a
+point is decided per step by the forward context's views: ``ctx.steering`` writes (additive rows,
+projection clamps), then ``ctx.capture`` reads, so captured activations are the steered ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from steerable.layers import fused
-
 PRE_ATTN = "pre_attn"  # residual stream entering layer L (HF hidden_states[L])
 POST_ATTN = "post_attn"  # residual after the attention residual add
 POST_MLP = "post_mlp"  # layer output (HF hidden_states[L + 1], before any final norm)
 RESIDUAL_POINTS = (PRE_ATTN, POST_ATTN, POST_MLP)
+HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated
 ROUTER_LOGITS = "router_logits"  # MoE gate logits before top-k
+COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS)
 
 Site = tuple[str, int]
 
 
-class Writer(Protocol):
-    def apply(self, point: str, layer: int, hidden: torch.Tensor, batch: Any) -> torch.Tensor: ...
+@dataclass(frozen=True)
+class ComponentLayout:
+    """Where a model offers one capture component and what a row of it looks like."""
 
-    def acts_at(self, point: str, layer: int, batch: Any) -> bool:
-        """Whether ``apply`` may change anything at this site in this step."""
+    layers: tuple[int, ...]
+    width: int
+    shape: dict[str, int] = field(default_factory=dict)  # e.g. num_heads/head_size, num_experts
 
-    def table_add(self, point: str, layer: int, batch: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(table, index)`` when the effect here is exactly ``h + table[index]``, else None."""
+    def describe(self) -> dict[int, dict[str, int]]:
+        """Per layer, the layout reported with captured rows."""
+        return {layer: {**self.shape, "width": self.width} for layer in self.layers}
 
 
-class Reader(Protocol):
-    def record(self, point: str, layer: int, hidden: torch.Tensor, batch: Any) -> None: ...
+@dataclass(frozen=True)
+class HookLayout:
+    """What a model offers the planes: steerable residual points at every layer and the capture
+    components it places. Known from the config alone, so a driver that holds no weights knows it."""
 
-    def wants(self, point: str, layer: int, batch: Any) -> bool:
-        """Whether ``record`` reads anything at this site in this step."""
+    num_layers: int
+    hidden_size: int
+    components: dict[str, ComponentLayout]
+
+    @classmethod
+    def build(cls, num_layers: int, hidden_size: int, num_heads: int, head_dim: int,
+              router_layers: Sequence[int] = (), num_experts: int = 0) -> "HookLayout":
+        layers = tuple(range(num_layers))
+        components = {
+            HIDDEN_STATES: ComponentLayout(layers, hidden_size),
+            ATTENTION_HEADS: ComponentLayout(layers, num_heads * head_dim,
+                                             {"num_heads": num_heads, "head_size": head_dim}),
+        }
+        if router_layers:
+            components[ROUTER_LOGITS] = ComponentLayout(tuple(router_layers), num_experts,
+                                                        {"num_experts": num_experts})
+        return cls(num_layers, hidden_size, components)
+
+
+class SteeringView(Protocol):
+    def acts_at(self, site: Site) -> bool: ...
+
+    def table_add(self, site: Site) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(table, index)`` when the effect at ``site`` is exactly ``h + table[index]``."""
+
+    def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class CaptureView(Protocol):
+    def wants(self, site: Site) -> bool: ...
+
+    def record(self, site: Site, value: torch.Tensor) -> None: ...
 
 
 class HookPoints:
-    """Dispatches each hook point to the attached planes: writers first (steering), then readers
-    (capture), so captured activations are the steered ones."""
+    """Dispatches each hook point to the step's steering and capture views (``ctx.steering``,
+    ``ctx.capture``; None when a plane has nothing to do this step)."""
 
-    def __init__(self) -> None:
-        self.writers: list[Writer] = []
-        self.readers: list[Reader] = []
-
-    def residual(self, point: str, layer: int, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
-        for writer in self.writers:
-            hidden = writer.apply(point, layer, hidden, batch)
-        for reader in self.readers:
-            reader.record(point, layer, hidden, batch)
+    def residual(self, point: str, layer: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        site = (point, layer)
+        if ctx.steering is not None and ctx.steering.acts_at(site):
+            hidden = ctx.steering.apply(site, hidden)
+        if ctx.capture is not None:
+            ctx.capture.record(site, hidden)
         return hidden
 
     def residual_norm(self, sites: Sequence[Site], residual: torch.Tensor, delta: torch.Tensor | None,
-                      norm: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                      norm: nn.Module, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``residual + delta`` passes the hook points ``sites`` in order and is
-        then normalised by ``norm`` (an RMSNorm): returns (the residual, its norm).
+        then normalised by ``norm``: returns (the residual, its norm).
 
-        On the GPU, when every writer's effect is a table lookup to add and no reader needs a value
-        that a later write changes, this is one kernel (add, steer, norm); otherwise each point is
-        applied in turn. Both give the same values."""
-        adds = self._table_adds(sites, batch) if fused.enabled(residual) else None
+        When every write at the sites is a table lookup to add and no read needs a value that a
+        later write changes, the norm may do all of it in one kernel (``norm.fused_add_norm``);
+        otherwise each point is applied in turn. Both give the same values."""
+        adds = self._table_adds(sites, ctx)
         if adds is not None:
-            hidden, normed = fused.add_rms_norm(residual, delta, adds, norm.weight, norm.eps)
-            for point, layer in sites:
-                for reader in self.readers:
-                    reader.record(point, layer, hidden, batch)
-            return hidden, normed
+            fused = norm.fused_add_norm(residual, delta, adds)
+            if fused is not None:
+                hidden, normed = fused
+                if ctx.capture is not None:
+                    for site in sites:
+                        ctx.capture.record(site, hidden)
+                return hidden, normed
         hidden = residual if delta is None else residual + delta
         for point, layer in sites:
-            hidden = self.residual(point, layer, hidden, batch)
+            hidden = self.residual(point, layer, hidden, ctx)
         return hidden, norm(hidden)
 
-    def observe(self, component: str, layer: int, value: torch.Tensor, batch: Any) -> None:
-        for reader in self.readers:
-            reader.record(component, layer, value, batch)
+    def observe(self, component: str, layer: int, value: torch.Tensor, ctx: Any) -> None:
+        if ctx.capture is not None:
+            ctx.capture.record((component, layer), value)
 
-    def _table_adds(self, sites: Sequence[Site], batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The writers' effect at ``sites`` as at most two table lookups, or None when it is not
+    @staticmethod
+    def _table_adds(sites: Sequence[Site], ctx: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The writes at ``sites`` as at most two table lookups, or None when they are not
         expressible so (a non-additive write, a read between two writes, more than two tables)."""
+        steering, capture = ctx.steering, ctx.capture
         adds = []
         read = False
-        for point, layer in sites:
-            for writer in self.writers:
-                if not writer.acts_at(point, layer, batch):
-                    continue
-                add = writer.table_add(point, layer, batch)
+        for site in sites:
+            if steering is not None and steering.acts_at(site):
+                add = steering.table_add(site)
                 if add is None or read:
                     return None
                 adds.append(add)
-            read = read or any(reader.wants(point, layer, batch) for reader in self.readers)
+            read = read or (capture is not None and capture.wants(site))
         return adds if len(adds) <= 2 else None

@@ -47,7 +47,7 @@ def test_bad_prompts(llm):
 def test_bad_request_in_a_batch_admits_nothing(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", "", "also fine"], use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.stats()["num_requests"] == 0
     out = llm.generate(["fine"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
 
@@ -116,5 +116,4 @@ def test_hundred_mixed_requests_leave_nothing_allocated(llm):
     assert rejected > 10 and aborted > 5 and finished > 30
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
-    assert not engine.requests and not engine.runner.sampler.request_generators
-    assert all(c == 0 for c in engine.kv.ref_counts)
+    assert stats["num_requests"] == 0 and stats["num_running"] == stats["num_waiting"] == 0

@@ -182,14 +182,16 @@ def test_capture_sees_steered_activations(model_dirs):
 
 def test_prefix_cache_recomputes_needed_prompt_rows(model_dirs):
     llm = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=8192)
-    kv = llm.engine.kv
+    def hit_tokens():
+        return llm.llm_engine.stats()["prefix_cache_hit_tokens"]
+
     prompt = list(range(30, 100))  # 70 tokens, 4 full blocks
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)
-    hits = kv.hit_tokens
+    hits = hit_tokens()
     full = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=CaptureSpec(
         layers=[0, 2], select="all_prompt")), use_tqdm=False)[0]
-    assert kv.hit_tokens == hits  # every prompt row was needed: nothing served from cache
+    assert hit_tokens() == hits  # every prompt row was needed: nothing served from cache
     cold = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=8192, enable_prefix_caching=False)
     ref = cold.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=CaptureSpec(
         layers=[0, 2], select="all_prompt")), use_tqdm=False)[0]
@@ -199,16 +201,16 @@ def test_prefix_cache_recomputes_needed_prompt_rows(model_dirs):
     # Rows from position 40 on: the cache may serve the first 32 tokens (2 blocks).
     late = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=CaptureSpec(
         layers=[2], select=SelectSpec(prompt_window=(40, None)))), use_tqdm=False)[0]
-    assert kv.hit_tokens == hits + 32
+    assert hit_tokens() == hits + 32
     assert torch.equal(late.captures[HIDDEN_STATES][2], ref.captures[HIDDEN_STATES][2][40:])
     # Generated rows only: the cache is used fully.
     gen = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=CaptureSpec(
         layers=[2], select="all_generated")), use_tqdm=False)[0]
-    assert kv.hit_tokens == hits + 32 + 64
+    assert hit_tokens() == hits + 32 + 64
     assert gen.capture_meta[HIDDEN_STATES][2].positions.tolist() == [70, 71]
     # skip_reading_prefix_cache is honoured.
     llm.generate([prompt], SamplingParams(max_tokens=2, skip_reading_prefix_cache=True), use_tqdm=False)
-    assert kv.hit_tokens == hits + 96
+    assert hit_tokens() == hits + 96
 
 
 def test_preemption_delivers_each_row_once(capture_dirs):
@@ -294,7 +296,7 @@ def test_bad_request_capture(model_dirs, spec, field):
     llm = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=2048)
     with pytest.raises(ValueError, match=field):
         llm.generate(["hello"], SamplingParams(capture=spec, steering_vectors={0: [0.5] * 64}), use_tqdm=False)
-    assert not llm.engine.requests and llm.get_steering_status()["configs_in_use"] == 0
+    assert llm.llm_engine.stats()["num_requests"] == 0 and llm.get_steering_status()["configs_in_use"] == 0
     assert len(llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 

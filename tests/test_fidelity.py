@@ -1,5 +1,8 @@
 """Invariant 1: float32 greedy output equals HF transformers with the same weights."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -40,14 +43,18 @@ def test_prompt_logits_match_hf(model_dirs, family):
         assert ours[token].rank == 1
 
 
-def test_sliding_window_is_applied(model_dirs):
+def test_sliding_window_is_applied(model_dirs, tmp_path):
     """Mistral's window (24) is shorter than the prompt + output here, so it must matter."""
     path = model_dirs["mistral"]
-    llm = LLM(path, dtype="float32", device="cpu", kv_cache_tokens=4096)
+    unwindowed = tmp_path / "mistral_full"
+    shutil.copytree(path, unwindowed)
+    config = json.loads((unwindowed / "config.json").read_text())
+    config["sliding_window"] = None
+    (unwindowed / "config.json").write_text(json.dumps(config))
     prompt = PROMPTS[5]
-    windowed = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
-    for layer in llm.engine.runner.attention_layers:
-        layer.sliding_window = None
-    full = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    windowed = LLM(path, dtype="float32", device="cpu", kv_cache_tokens=4096).generate(prompt, params, use_tqdm=False)
+    full = LLM(str(unwindowed), dtype="float32", device="cpu", kv_cache_tokens=4096).generate(prompt, params,
+                                                                                               use_tqdm=False)
     assert len(windowed[0].prompt_token_ids) > 24
     assert windowed[0].outputs[0].token_ids != full[0].outputs[0].token_ids

@@ -20,12 +20,11 @@ def _vec(seed, scale=3.0):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_greedy_matches_hf_on_gpu(model_dirs, family):
     llm = LLM(model_dirs[family], dtype="float32", device="cuda", kv_cache_tokens=8192)
-    assert llm.engine.runner.graphs is not None
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
     hf = hf_model(model_dirs[family])
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 16)
-    assert llm.engine.runner.graphs.num_replays > 0
+    assert llm.llm_engine.stats()["graph_replays"] > 0
 
 
 @pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_mlp"])
@@ -98,7 +97,7 @@ def test_graph_replay_is_bit_identical_to_eager(model_dirs):
 def test_gpu_kv_cache_sized_from_free_memory(model_dirs):
     llm = LLM(model_dirs["llama"], dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()
-    kv_bytes = llm.engine.runner.kv_cache.numel() * 2
+    kv_bytes = llm.llm_engine.stats()["kv_cache_bytes"]
     assert 0.1 * total < kv_bytes < 0.3 * total
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)

@@ -1,7 +1,7 @@
 """Block manager: ref counts, LRU reuse, chained hashes with extra keys, the last-token rule."""
 
 from steerable.engine.kv_cache import KVCacheManager
-from steerable.engine.request import Request
+from steerable.request import Request
 from steerable.sampling_params import SamplingParams
 
 
@@ -76,10 +76,10 @@ def test_cache_salt_end_to_end(model_dirs):
     prompt = list(range(5, 60))
     p = SamplingParams(max_tokens=2, temperature=0)
     base = llm.generate([prompt], p, use_tqdm=False)
-    hits = llm.engine.kv.hit_tokens
+    hits = llm.llm_engine.stats()["prefix_cache_hit_tokens"]
     salted = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"),
                           use_tqdm=False)
-    assert llm.engine.kv.hit_tokens == hits
+    assert llm.llm_engine.stats()["prefix_cache_hit_tokens"] == hits
     llm.generate([prompt], p, use_tqdm=False)
-    assert llm.engine.kv.hit_tokens > hits
+    assert llm.llm_engine.stats()["prefix_cache_hit_tokens"] > hits
     assert salted[0].outputs[0].token_ids == base[0].outputs[0].token_ids

@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
-from steerable import LLM, SamplingParams
-from steerable.hook_points import ROUTER_LOGITS
+from steerable import LLM, CaptureSpec, SamplingParams
+from steerable.hook_points import ROUTER_LOGITS, HookPoints
+from steerable.layers.attention_backends import torch_ref
+from steerable.models.registry import model_class
 
 CONFIGS = {
     # layer 1 dense through mlp_only_layers; renormalised top-k weights
@@ -62,27 +64,22 @@ def hfs(moe_dirs):
     return {name: hf_model(path) for name, path in moe_dirs.items()}
 
 
-class RouterReader:
-    """Test-only capture plane: keeps every router_logits tensor per layer, in call order."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, list[torch.Tensor]] = {}
-
-    def record(self, point, layer, value, batch) -> None:
-        if point == ROUTER_LOGITS:
-            self.seen.setdefault(layer, []).append(value.detach().clone())
-
-
 def _sparse_layers(llm: LLM) -> list[int]:
-    from steerable.models.qwen3_moe import Qwen3MoeSparseBlock
-    return [i for i, layer in enumerate(llm.engine.runner.model.layers) if isinstance(layer.mlp, Qwen3MoeSparseBlock)]
+    return llm.capture_status(ROUTER_LOGITS)["hooked_layers"]
+
+
+def _router_logits(llm: LLM, prompts, max_tokens: int):
+    """Every row's router logits at every sparse layer, through the public capture plane."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, skip_reading_prefix_cache=True,
+                            capture=CaptureSpec(ROUTER_LOGITS))
+    return llm.generate(prompts, params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sparse_layer_placement_matches_hf(llms, hfs, name):
     hf_sparse = [i for i, layer in enumerate(hfs[name].model.layers) if hasattr(layer.mlp, "gate")]
     assert _sparse_layers(llms[name]) == hf_sparse == EXPECTED_SPARSE[name]
-    assert llms[name].engine.runner.model.cfg.norm_topk_prob == CONFIGS[name]["norm_topk_prob"]
+    assert llms[name].llm_engine.model_config.norm_topk_prob == CONFIGS[name]["norm_topk_prob"]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -99,22 +96,14 @@ def test_greedy_matches_hf_generate(llms, hfs, name):
 def test_router_logits_match_hf(llms, hfs, name):
     llm = llms[name]
     ids = llm.get_tokenizer()(PROMPTS[5]).input_ids
-    reader = RouterReader()
-    readers = llm.engine.runner.hooks.readers
-    readers.append(reader)
-    try:
-        # no prefix-cache read, so the whole prompt is computed (earlier tests may have cached it)
-        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
-                                           skip_reading_prefix_cache=True), use_tqdm=False)
-    finally:
-        readers.remove(reader)
+    seen = _router_logits(llm, [ids], 1)[0].captures[ROUTER_LOGITS]
     with torch.no_grad():
         ref = hfs[name](torch.tensor([ids]), output_router_logits=True).router_logits
     ref = [r for r in ref if r is not None]  # one [T, E] tensor per sparse layer (4.x may pad with None)
     sparse = _sparse_layers(llm)
-    assert sorted(reader.seen) == sparse and len(ref) == len(sparse)
+    assert sorted(seen) == sparse and len(ref) == len(sparse)
     for layer, expected in zip(sparse, ref):
-        ours = reader.seen[layer][0]  # the whole prompt is one prefill step
+        ours = seen[layer]
         expected = expected.reshape(-1, expected.shape[-1])
         assert ours.shape == expected.shape == (len(ids), 8)
         assert expected.std() > 0.1  # the router is not trivially zero
@@ -123,24 +112,19 @@ def test_router_logits_match_hf(llms, hfs, name):
 
 def test_dense_layer_emits_no_router_logits(llms):
     for name, llm in llms.items():
-        reader = RouterReader()
-        llm.engine.runner.hooks.readers.append(reader)
-        try:
-            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
-                                                     skip_reading_prefix_cache=True), use_tqdm=False)
-        finally:
-            llm.engine.runner.hooks.readers.remove(reader)
-        dense = set(range(len(llm.engine.runner.model.layers))) - set(EXPECTED_SPARSE[name])
-        assert dense and not dense & set(reader.seen)
-        assert sorted(reader.seen) == EXPECTED_SPARSE[name]
-        # prefill step plus two decode steps, each [T, num_experts]
-        assert all(len(v) == 3 and all(t.shape[-1] == 8 for t in v) for v in reader.seen.values())
+        outs = _router_logits(llm, PROMPTS[:2], 3)
+        dense = set(range(llm.llm_engine.model_config.num_layers)) - set(EXPECTED_SPARSE[name])
+        for out in outs:
+            seen = out.captures[ROUTER_LOGITS]
+            assert dense and not dense & set(seen)
+            assert sorted(seen) == EXPECTED_SPARSE[name]
+            rows = len(out.prompt_token_ids) + 2  # the prompt and two generated inputs
+            assert all(t.shape == (rows, 8) for t in seen.values())
 
 
 def _fresh_model(llm: LLM):
-    runner = llm.engine.runner
-    cls = type(runner.model)
-    return cls(runner.model_config, runner.hooks, runner.backend, 512)
+    cfg = llm.llm_engine.model_config
+    return model_class(cfg.architecture)(cfg, HookPoints(), torch_ref, 512)
 
 
 def test_loads_fused_3d_expert_names(moe_dirs, llms):
@@ -163,7 +147,9 @@ def test_loads_fused_3d_expert_names(moe_dirs, llms):
         fused[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(n)])
     model = _fresh_model(llms["mlp_only"])
     model.load_weights(fused.items())
-    reference = dict(llms["mlp_only"].engine.runner.model.named_parameters())
+    per_expert_model = _fresh_model(llms["mlp_only"])
+    per_expert_model.load_weights(state.items())
+    reference = dict(per_expert_model.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param, reference[name]), name
 
@@ -195,7 +181,7 @@ def test_router_logits_capture_stream(llms, hfs):
     if not hasattr(capture, "CaptureSpec"):
         pytest.skip("capture plane not available")
     llm = llms["mlp_only"]
-    assert llm.engine.runner.model.router_layers() == EXPECTED_SPARSE["mlp_only"]
+    assert llm.llm_engine.model_config.router_layers == EXPECTED_SPARSE["mlp_only"]
     ids = llm.get_tokenizer()(PROMPTS[3]).input_ids
     out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, skip_reading_prefix_cache=True,
                                              capture=capture.CaptureSpec("router_logits")), use_tqdm=False)[0]

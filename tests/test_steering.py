@@ -3,6 +3,8 @@ cache safety, preemption and bad input."""
 
 import random
 
+import math
+
 import pytest
 import torch
 
@@ -194,16 +196,18 @@ def test_mixed_batch_of_64_isolation_and_equivalence(model_dirs):
 
 def test_prefix_cache_respects_prefill_steering(model_dirs):
     llm = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=8192)
-    kv = llm.engine.kv
+    def hit_tokens():
+        return llm.llm_engine.stats()["prefix_cache_hit_tokens"]
+
     prefix = list(range(20, 84))  # 64 tokens = 4 full blocks
     p1, p2 = prefix + [7, 8, 9], prefix + [10, 11, 12]
     v = vec(20)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([p1], plain, use_tqdm=False)
-    hits = kv.hit_tokens
+    hits = hit_tokens()
     steered = llm.generate([p2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                                 steering_vectors={1: v}), use_tqdm=False)[0]
-    assert kv.hit_tokens == hits, "prefill-steered request must not reuse unsteered prompt blocks"
+    assert hit_tokens() == hits, "prefill-steered request must not reuse unsteered prompt blocks"
     # Its output equals a cold run of the same steered request.
     cold = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=8192, enable_prefix_caching=False)
     assert steered.outputs[0].token_ids == cold.generate(
@@ -212,14 +216,14 @@ def test_prefix_cache_respects_prefill_steering(model_dirs):
     # Decode-only steering shares the prompt blocks.
     llm.generate([p2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                       steering_vectors=SteeringSpec(decode_vectors={1: v})), use_tqdm=False)
-    assert kv.hit_tokens >= hits + 64
+    assert hit_tokens() >= hits + 64
     # Global prefill steering changes: no reuse of KV computed under the old one.
     llm.set_steering_vectors({0: vec(21)})
-    hits = kv.hit_tokens
+    hits = hit_tokens()
     a = llm.generate([p1], plain, use_tqdm=False)[0]
     llm.set_steering_vectors({0: vec(22)})
     b = llm.generate([p1], plain, use_tqdm=False)[0]
-    assert kv.hit_tokens == hits
+    assert hit_tokens() == hits
     llm.clear_steering_vectors()
     cold.set_steering_vectors({0: vec(22)})
     assert b.outputs[0].token_ids == cold.generate([p1], plain, use_tqdm=False)[0].outputs[0].token_ids
@@ -231,11 +235,11 @@ def test_prompt_position_steering_keeps_leading_blocks_shareable(model_dirs):
     prompt = list(range(20, 90))  # 70 tokens
     plain = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     llm.generate([prompt], plain, use_tqdm=False)
-    hits = llm.engine.kv.hit_tokens
+    hits = llm.llm_engine.stats()["prefix_cache_hit_tokens"]
     last_only = SteeringSpec(interventions=[Add(1, vec(23), select="last_prompt")])
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
                                           steering_vectors=last_only), use_tqdm=False)
-    assert llm.engine.kv.hit_tokens - hits == 64  # blocks before position 69 are untouched by steering
+    assert llm.llm_engine.stats()["prefix_cache_hit_tokens"] - hits == 64  # blocks before position 69 are untouched by steering
 
 
 @pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=16), dict(kv_cache_tokens=320)])
@@ -278,7 +282,7 @@ def test_bad_steering_input(model_dirs, steering, field):
     with pytest.raises(ValueError, match=field) as err:
         llm.generate(["hello"], SamplingParams(max_tokens=2, steering_vectors=steering), use_tqdm=False)
     assert "steering_vectors" in str(err.value)
-    assert llm.get_steering_status()["rows_in_use"] == 0 and not llm.engine.requests
+    assert llm.get_steering_status()["rows_in_use"] == 0 and llm.llm_engine.stats()["num_requests"] == 0
     with pytest.raises(ValueError, match="steering_module_ref"):
         llm.generate(["hello"], SamplingParams(max_tokens=2, steering_module_ref="ghost"), use_tqdm=False)
     with pytest.raises(ValueError, match="steering"):
@@ -313,32 +317,39 @@ def _interventions(parser, spec):
 
 
 def test_table_rows_reused_after_a_clear_hold_only_the_new_values():
-    """Writes and clears wait for the per-step flush; a row freed and reused before the flush must
-    end up with the new config's values at its sites and zeros everywhere else."""
-    from steerable.steering.manager import SteeringTables
+    """Writes and clears travel to the worker in the next step's update; a row freed and reused
+    before it is sent must end up with the new config's values at its sites and zeros elsewhere,
+    including clamp slots it no longer uses."""
+    from steerable.steering.rows import RowTables
     from steerable.steering.spec import SpecParser
+    from steerable.steering.tables import SteeringTables
 
-    parser, tables = SpecParser(8, 4), SteeringTables(8, torch.device("cpu"), torch.float32, capacity=4)
-    first = _interventions(parser, {"post_mlp": {0: [1.0] * 8}, "pre_attn": {2: [2.0] * 8}})
-    tables.write(1, first)
-    tables.flush()
+    parser, ledger = SpecParser(8, 4), RowTables(4, 8)
+    tables = SteeringTables(8, torch.device("cpu"), torch.float32)
+    first = _interventions(parser, SteeringSpec(vectors={"post_mlp": {0: [1.0] * 8}, "pre_attn": {2: [2.0] * 8}},
+                                                clamps=[Clamp(1, [1.0] + [0.0] * 7, max=0.5)]))
+    ledger.write(1, first)
+    tables.apply(ledger.take_update())
     assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8
-    tables.clear(1)
-    tables.write(1, _interventions(parser, {"pre_attn": {2: [3.0] * 8}}))
-    assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8  # nothing moves before the flush
-    tables.flush()
+    assert tables.clamp_bounds[("post_mlp", 1)][1, 0].tolist() == [-math.inf, 0.5, 1.0]
+    ledger.clear(1)
+    ledger.write(1, _interventions(parser, {"pre_attn": {2: [3.0] * 8}}))
+    assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8  # nothing moves before the update
+    tables.apply(ledger.take_update())
     assert tables.add[("post_mlp", 0)][1].tolist() == [0.0] * 8
     assert tables.add[("pre_attn", 2)][1].tolist() == [3.0] * 8
     assert tables.add[("pre_attn", 2)][0].tolist() == [0.0] * 8  # row 0 stays zero
+    assert tables.clamp_bounds[("post_mlp", 1)][1, 0, 2].item() == 0.0  # strength 0: the clamp is gone
+    assert ledger.take_update() is None  # nothing left to send
 
 
 def test_graph_key_tells_an_added_clamp_from_an_add_at_the_same_site():
     """A CUDA graph bakes in which op runs at each site: a clamp joining a site that only added
     before must change the steering signature, or a stale graph would skip the clamp."""
-    from steerable.steering.manager import SteeringTables
+    from steerable.steering.rows import RowTables
     from steerable.steering.spec import SpecParser
 
-    parser, tables = SpecParser(8, 4), SteeringTables(8, torch.device("cpu"), torch.float32, capacity=4)
+    parser, tables = SpecParser(8, 4), RowTables(4, 8)
     tables.write(1, _interventions(parser, {"post_mlp": {0: [1.0] * 8}}))
     before = tables.live_sites()
     tables.write(2, _interventions(parser, [Clamp(0, [1.0] + [0.0] * 7, hook="post_mlp", max=0.0)]))

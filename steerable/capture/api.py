@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from steerable.capture.serialization import CaptureMeta
-from steerable.capture.session import HIDDEN_STATES, CaptureSpec
-from steerable.hook_points import POST_MLP
+from steerable.capture.session import CaptureSpec
+from steerable.hook_points import HIDDEN_STATES, POST_MLP
 from steerable.outputs import RequestOutput
 from steerable.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ def capture(llm: Any, prompts: str | Sequence[Any], layers: Sequence[int] | None
     spec = CaptureSpec(stream=stream, layers=layers, select=select, dtype=dtype, hook=hook)
     params = SamplingParams(max_tokens=max_tokens, capture=spec, **sampling_kwargs)
     outputs = llm.generate(prompt_list, params, use_tqdm=use_tqdm)
-    layouts = llm.engine.capture.layouts.get(stream, {})
+    layouts = llm.capture_status(stream)["layouts"]
     return CaptureResult(stream, outputs, {layer: layouts[layer] for layer in (outputs[0].captures.get(stream, {})
                                                                                if outputs else {})})
 
@@ -71,10 +71,10 @@ def capture_batches(llm: Any, prompts: Sequence[Any], batch_size: int = 64, cons
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
     prompts = list(prompts)
     if consumer is not None:
-        llm.engine.capture.consumers.append(consumer)
+        llm.add_capture_consumer(consumer)
     try:
         for start in range(0, len(prompts), batch_size):
             yield capture(llm, prompts[start:start + batch_size], **kwargs)
     finally:
         if consumer is not None:
-            llm.engine.capture.consumers.remove(consumer)
+            llm.remove_capture_consumer(consumer)

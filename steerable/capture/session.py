@@ -12,22 +12,22 @@ destination needs are never skipped by a prefix-cache hit (the scheduler asks ``
 
 from __future__ import annotations
 
-from steerable.errors import InvalidRequestError
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
 from steerable.capture.serialization import CaptureMeta, deserialize_captured
 from steerable.capture.store import StreamConfig, StreamStore, resolve_storage_dtype
-from steerable.engine.request import PLACEHOLDER, Request
-from steerable.hook_points import ATTENTION_HEADS, POST_MLP, RESIDUAL_POINTS, ROUTER_LOGITS
+from steerable.errors import InvalidRequestError
+from steerable.hook_points import (ATTENTION_HEADS, COMPONENTS, HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS,
+                                   ROUTER_LOGITS, HookLayout)
+from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
-
-HIDDEN_STATES = "hidden_states"
-COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS)
+from steerable.step import PLACEHOLDER, CapturePlan
 
 
 @dataclass(frozen=True)
@@ -42,124 +42,15 @@ class CaptureSpec:
     hook: str = POST_MLP
 
 
-@dataclass
-class RowSelector:
-    """A destination's row choice for one request, resolved once at admission (prompt part) so the
-    per-step work is a range lookup; generation rows fall back to ``SelectSpec.mask``."""
-
-    select: SelectSpec | None
-    prompt_positions: np.ndarray | None  # sorted selected prompt positions; None = every row
-    generation: bool  # may select generation rows
-
-    @classmethod
-    def build(cls, select: SelectSpec | None, prompt: list[int]) -> "RowSelector":
-        if select is None:
-            return cls(None, None, True)
-        return cls(select, np.asarray(select.prompt_positions_selected(prompt), dtype=np.int64),
-                   select.may_select_generation())
-
-    def first_prompt_position(self, at_least: int, prompt_len: int) -> int:
-        """Lowest selected prompt position >= at_least (prompt_len if none): cache hits stop there."""
-        if self.prompt_positions is None:
-            return min(at_least, prompt_len)
-        later = self.prompt_positions[self.prompt_positions >= at_least]
-        return int(later[0]) if len(later) else prompt_len
-
-    def next_position(self, at_least: int, prompt_len: int) -> float:
-        """Lowest position >= at_least this selector might pick (inf when none can follow)."""
-        if self.select is None:
-            return at_least
-        return self.select.next_candidate(at_least, prompt_len)
-
-    def rows(self, positions: np.ndarray, token_ids: np.ndarray, prompt_len: int, skip_below: int) -> np.ndarray:
-        """Indices into this chunk of the rows to record (positions are consecutive)."""
-        start, n = int(positions[0]), len(positions)
-        lo = max(start, skip_below)
-        if self.prompt_positions is None:
-            return np.arange(lo - start, n) if lo < start + n else np.empty(0, np.int64)
-        pp = self.prompt_positions
-        prompt_rows = pp[(pp >= lo) & (pp < min(start + n, prompt_len))] - start
-        if not self.generation or start + n <= prompt_len:
-            return prompt_rows
-        g0 = max(lo, prompt_len) - start
-        if g0 >= n:
-            return prompt_rows
-        mask = self.select.mask(torch.from_numpy(positions[g0:]), prompt_len, torch.from_numpy(token_ids[g0:]))
-        return np.concatenate([prompt_rows, np.flatnonzero(mask.numpy()) + g0])
-
-
-@dataclass
-class _Destination:
-    """A stream or one request's spec: what to read and where it goes."""
-
-    key: tuple  # ("stream", name, serial) or ("request", request_id, stream)
-    component: str
-    hook: str  # hook point name read (residual point, attention_heads or router_logits)
-    layers: list[int]
-    dtype: torch.dtype | None
-    select: SelectSpec | None
-    sink: Any  # the StreamStore, or the request's RequestCapture
-
-
-@dataclass
-class RequestCapture:
-    """A request's own captures, accumulated until it finishes."""
-
-    destinations: list["_Destination"]
-    selectors: dict[tuple, RowSelector] = field(default_factory=dict)  # incl. lazily built stream selectors
-    # No destination wants a row before this position (valid while ``plan_version`` matches the
-    # session's): steps that stay below it skip the request with one comparison.
-    next_position: float = 0
-    plan_version: int = -1
-    reads_generated_tokens: bool = False
-    rows: dict[tuple[str, int], list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
-
-
-@dataclass
-class _Group:
-    """Destinations that read the same (hook, layers, dtype) share one gather per layer; the union
-    of their rows is gathered once and split on the host."""
-
-    hook: str
-    layers: list[int]
-    dtype: torch.dtype | None
-    rows: np.ndarray  # step rows, sorted, unique
-    positions: np.ndarray  # int32 per row
-    token_ids: np.ndarray  # int32 per row
-    takers: list[tuple[_Destination, Request, np.ndarray]]  # destination, request, its indices into ``rows``
-    index: torch.Tensor | None = None  # device copy of ``rows`` (padded when a CUDA graph replays it)
-
-    @property
-    def signature(self) -> tuple:
-        return self.hook, tuple(self.layers), self.dtype
-
-
-@dataclass
-class StepCapture:
-    """Per-step plan: gather groups, which groups read each hook site, and the gathered tensors."""
-
-    groups: list[_Group]
-    sites: dict[tuple[str, int], list[int]]
-    staged: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (group, layer) -> rows
-    host: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # the same rows on the host
-    copied: Any = None  # event after the device-to-host copies
-
-    @property
-    def signature(self) -> tuple:
-        """Shape of the plan a CUDA graph bakes in (row contents and counts are data)."""
-        return tuple(g.signature for g in self.groups)
-
-
 class CaptureSession:
-    def __init__(self, layers: dict[str, list[int]], widths: dict[str, int], layouts: dict[str, dict],
-                 device: torch.device, dtype: torch.dtype):
-        """``layers[component]``: layers where the model places that component's hook point."""
-        self.available = layers
-        self.widths = widths
-        self.layouts = layouts
-        self.device = device
+    def __init__(self, layout: HookLayout, dtype: torch.dtype):
+        """``layout``: the components the model offers and where; ``dtype``: the model's, for rows
+        stored without a dtype of their own."""
+        self.available = {name: list(c.layers) for name, c in layout.components.items()}
+        self.widths = {name: c.width for name, c in layout.components.items()}
+        self.layouts = {name: c.describe() for name, c in layout.components.items()}
         self.dtype = dtype
-        self.streams: dict[str, _Destination] = {}
+        self.streams: dict[str, Destination] = {}
         self.stopped: dict[str, StreamStore] = {}
         self.consumers: list[Any] = []
         self._serial = 0  # bumps when a stream starts or stops: cached per-request plans go stale
@@ -172,7 +63,7 @@ class CaptureSession:
     def _component(self, stream: str, field_name: str = "stream") -> str:
         if stream not in COMPONENTS:
             raise InvalidRequestError(f"{field_name}: unknown capture stream {stream!r}; expected one of {list(COMPONENTS)}")
-        if not self.available.get(stream):
+        if not self.available.get(stream):  # a dense model has no router, every model has heads
             what = "a mixture-of-experts model" if stream == ROUTER_LOGITS else "attention heads"
             raise InvalidRequestError(f"{field_name}: {stream!r} needs {what}; this model has no such layers")
         return stream
@@ -211,7 +102,7 @@ class CaptureSession:
         # neither of which a prefix-cache hit can skip, so it must not disable the cache.
         row_select = SelectSpec(prompt_positions=[-1], generation="all") if reduce == "last" else config.select
         self._serial += 1
-        self.streams[stream] = _Destination(("stream", stream, self._serial), component, hook, layer_list,
+        self.streams[stream] = Destination(("stream", stream, self._serial), component, hook, layer_list,
                                             config.dtype, row_select, store)
         self.stopped.pop(stream, None)
 
@@ -284,7 +175,7 @@ class CaptureSession:
                 select = SelectSpec.parse(spec.select) if spec.select is not None else None
             except ValueError as err:
                 raise InvalidRequestError(f"capture.{err}") from None  # "capture.select...: ..."
-            destinations.append(_Destination(("request", request.request_id, component), component, hook,
+            destinations.append(Destination(("request", request.request_id, component), component, hook,
                                              layers, dtype, select, None))
         state = RequestCapture(destinations)
         state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
@@ -306,11 +197,11 @@ class CaptureSession:
             limit = min(limit, selector.first_prompt_position(done, prompt_len))
         return limit
 
-    def _destinations(self, request: Request) -> list[_Destination]:
+    def _destinations(self, request: Request) -> list[Destination]:
         own = request.capture.destinations if request.capture is not None else []
         return [*self.streams.values(), *own]
 
-    def _selector(self, request: Request, destination: _Destination) -> RowSelector:
+    def _selector(self, request: Request, destination: Destination) -> RowSelector:
         if request.capture is None:
             request.capture = RequestCapture([])
         selectors = request.capture.selectors
@@ -321,111 +212,42 @@ class CaptureSession:
 
     # ------------------------------------------------------------ per step
 
-    def prepare(self, batch: Any) -> None:
-        """Plan which rows each destination records this step; ``batch.capture`` is None when none."""
-        batch.capture = None
+    def plan(self, scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,
+             query_start: np.ndarray) -> tuple[CapturePlan, Delivery] | None:
+        """Which rows each destination records this step (None when none): the plain plan for the
+        worker, and what delivery needs when the rows come back."""
         if not self.streams and not any(s.request.capture is not None and s.request.capture.destinations
-                                        for s in batch.scheduled):
-            return
-        starts = batch.host_query_start
-        picks: dict[tuple, list] = {}  # group signature -> [(destination, step rows, request id)]
-        for i, item in enumerate(batch.scheduled):
-            request = item.request
-            state = request.capture
-            end = request.num_computed_tokens + item.num_tokens
-            if state is not None and state.plan_version == self._serial and state.next_position >= end:
-                continue
-            destinations = self._destinations(request)
-            if not destinations:
-                continue
-            lo, hi = int(starts[i]), int(starts[i + 1])
-            positions = batch.host_positions[lo:hi]
-            prompt_len = request.num_prompt_tokens
-            next_position = float("inf")
-            for destination in destinations:
-                selector = self._selector(request, destination)
-                next_position = min(next_position, selector.next_position(end, prompt_len))
-                if not selector.generation and positions[0] >= prompt_len:
-                    continue
-                rows = selector.rows(positions, batch.host_token_ids[lo:hi], prompt_len,
-                                     request.max_computed_tokens)
-                if len(rows):
-                    key = (destination.hook, tuple(destination.layers), destination.dtype)
-                    picks.setdefault(key, []).append((destination, rows + lo, request))
-            request.capture.next_position, request.capture.plan_version = next_position, self._serial
-        if not picks:
-            return
-        groups, sites = [], {}
-        for (hook, layers, dtype), entries in picks.items():
-            rows = np.unique(np.concatenate([e[1] for e in entries]))
-            takers = [(destination, request, np.searchsorted(rows, step_rows))
-                      for destination, step_rows, request in entries]
-            group = _Group(hook, list(layers), dtype, rows, batch.host_positions[rows].astype(np.int32),
-                           batch.host_token_ids[rows].astype(np.int32), takers)
-            for layer in layers:
-                sites.setdefault((hook, layer), []).append(len(groups))
-            groups.append(group)
-        batch.capture = StepCapture(groups, sites)
+                                        for s in scheduled):
+            return None
+        return plan_step(scheduled, positions, token_ids, query_start, self._destinations, self._selector,
+                         self._serial)
 
     def reads_generated_tokens(self) -> bool:
         """A destination selects generated rows by token id: planning needs sampled tokens on the host."""
         return self._token_readers > 0 or any(
             d.select is not None and d.select.reads_generated_tokens for d in self.streams.values())
 
-    def wants(self, point: str, layer: int, batch: Any) -> bool:
-        step = batch.capture
-        return step is not None and (point, layer) in step.sites
-
-    def record(self, point: str, layer: int, value: torch.Tensor, batch: Any) -> None:
-        """HookPoints reader: gather the planned rows into a fresh tensor (safe to copy later)."""
-        step = batch.capture
-        if step is None:
-            return
-        for g in step.sites.get((point, layer), ()):
-            group = step.groups[g]
-            rows = value.index_select(0, group.index)
-            step.staged[(g, layer)] = rows.to(group.dtype) if group.dtype is not None else rows
-
-    def copy_out(self, batch: Any) -> None:
-        """Right after the forward is enqueued: start one pinned device-to-host copy per dtype of the
-        step's gathered rows. It must be enqueued before the next step, whose CUDA-graph replay
-        reuses the gather buffers."""
-        step = batch.capture
-        if step is None or not step.staged:
-            return
-        if batch.graphed:
+    def deliver(self, delivery: Delivery, captured: dict[tuple[int, int], torch.Tensor], graphed: bool) -> None:
+        """Hand each destination its rows of a finished step, split per request. Requests that finished
+        meanwhile get nothing: their last row fed back the token that stopped them, or they were aborted."""
+        if graphed:
             self.graph_replays += 1
         else:
             self.eager_capture_forwards += 1
-        keys = list(step.staged)
-        step.host = dict(zip(keys, _to_host([step.staged[k][:len(step.groups[k[0]].rows)] for k in keys])))
-        step.copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        if step.copied is not None:
-            step.copied.record()
-        step.staged.clear()
-
-    def deliver(self, batch: Any) -> None:
-        """Once the step has finished: hand each destination its rows, split per request."""
-        step = batch.capture
-        if step is None or not step.host:
-            return
-        if step.copied is not None:
-            step.copied.synchronize()
-        for group in step.groups:
+        for group in delivery.groups:
             _fill_pending_tokens(group)
-        for (g, layer), tensor in step.host.items():
-            group = step.groups[g]
+        for (g, layer), tensor in captured.items():
+            group = delivery.groups[g]
             for destination, request, where in group.takers:
-                if request.finished:  # its last row fed the stop token back, or it was aborted
+                if request.finished:
                     continue
                 # A compact copy per request: stored rows never pin the whole step buffer.
                 rows = tensor.index_select(0, torch.from_numpy(where))
                 self._deliver_rows(destination, layer, request.request_id, rows, group.positions[where],
                                    group.token_ids[where])
-        step.host.clear()
 
     @staticmethod
-    def _deliver_rows(destination: _Destination, layer: int, request_id: str, tensor: torch.Tensor,
+    def _deliver_rows(destination: Destination, layer: int, request_id: str, tensor: torch.Tensor,
                       positions: np.ndarray, token_ids: np.ndarray) -> None:
         sink = destination.sink
         if isinstance(sink, StreamStore):
@@ -471,7 +293,7 @@ class CaptureSession:
         return tensors, metas
 
 
-def _fill_pending_tokens(group: _Group) -> None:
+def _fill_pending_tokens(group: Any) -> None:
     """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
     delivery that token is known."""
     for _, request, where in group.takers:
@@ -480,23 +302,3 @@ def _fill_pending_tokens(group: _Group) -> None:
         missing = where[group.token_ids[where] == PLACEHOLDER]
         for i in missing:
             group.token_ids[i] = request.all_token_ids[group.positions[i]]
-
-
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Enqueue the copies (one pinned buffer per dtype); the caller waits before reading."""
-    if not tensors or tensors[0].device.type == "cpu":
-        return tensors
-    result: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, indices in by_dtype.items():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        pinned = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
-        pinned.copy_(flat, non_blocking=True)
-        offset = 0
-        for i in indices:
-            n = tensors[i].numel()
-            result[i] = pinned[offset:offset + n].view(tensors[i].shape)
-            offset += n
-    return result

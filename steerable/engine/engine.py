@@ -1,4 +1,10 @@
-"""The engine loop: admit requests, schedule, launch a step, finish the previous one into outputs."""
+"""The engine (the driver): admit requests, schedule, hand the worker one plain step input per
+step, and finish the previous step into outputs while the device runs the next.
+
+It owns the scheduler, the KV block manager and the control planes of steering and capture; the
+worker owns the model and everything on the device. Public methods are thread-safe: a step holds
+the engine lock, and calls from other threads (a server's handlers) get in between steps.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +14,32 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from steerable.capture.serialization import CaptureMeta
-from steerable.capture.session import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, CaptureSession
-from steerable.config import EngineConfig, ModelConfig
+from steerable.capture.planner import Delivery
+from steerable.capture.session import CaptureSession
+from steerable.config import EngineConfig
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
-from steerable.engine.request import PLACEHOLDER, Request, RequestGroup
-from steerable.engine.scheduler import Scheduler, SchedulerOutput
+from steerable.engine.output_processor import OutputProcessor, RequestGroup
+from steerable.engine.scheduler import Scheduler
+from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
-from steerable.errors import EngineDeadError, InvalidRequestError
+from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
-from steerable.models.registry import model_class
-from steerable.outputs import CompletionOutput, Logprob, RequestOutput
+from steerable.models.registry import resolve_model_config
+from steerable.outputs import RequestOutput
+from steerable.request import PLACEHOLDER, Request, SchedulerOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
-from steerable.worker.model_runner import ModelRunner
+from steerable.worker.model_runner import Launched, ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    sched: SchedulerOutput
+    launched: Launched
+    delivery: Delivery | None
 
 
 class LLMEngine:
@@ -35,8 +48,8 @@ class LLMEngine:
         self.config = config
         self.source = resolve_model(config.model)
         hf_config = load_hf_config(self.source)
-        self.model_config = ModelConfig.from_hf(hf_config)
-        model_class(self.model_config.architecture)  # unknown architectures fail before any allocation
+        model_cls, self.model_config = resolve_model_config(hf_config)  # unknown ones fail before allocating
+        self.layout = model_cls.hook_layout(self.model_config)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(hf_config, self.device)
         max_len = self.model_config.max_position_embeddings
@@ -46,24 +59,23 @@ class LLMEngine:
                                  f"max_position_embeddings ({max_len})")
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
-        self.runner = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
-        kv_capacity = self.runner.num_blocks * config.block_size
+        self.worker = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
+        kv_capacity = self.worker.num_blocks * config.block_size
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
             max_len = kv_capacity
         self.max_model_len = max_len
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
         cfg = self.model_config
-        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, self.device, self.dtype,
-                                        config.max_num_seqs)
-        self.capture = self._capture_plane()
-        self.runner.hooks.writers.append(self.steering)
-        self.runner.hooks.readers.append(self.capture)
+        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
+        self.capture = CaptureSession(self.layout, self.dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit)
+        self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size)
+        self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
-        self._inflight: tuple | None = None  # (schedule, batch, sample handle) launched, not finished
+        self._inflight: _InFlight | None = None  # launched, not finished
         self._rng = random.Random(config.seed)
         self.num_steps = 0
         self.lock = EngineLock()
@@ -73,7 +85,8 @@ class LLMEngine:
 
     def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     stream: bool = False) -> RequestGroup:
-        """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token."""
+        """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token.
+        Raises ``InvalidRequestError`` (naming the field) and keeps nothing."""
         with self.lock.call():
             self._check_open()
             return self._add_request(client_id, prompt, params, stream)
@@ -81,22 +94,35 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort by client id (every completion) or engine id; everything held is freed now."""
         with self.lock.call():
-            return self._abort_request(request_ids)
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            outputs = []
+            for rid in ids:
+                group = self.groups.get(rid) or getattr(self.requests.get(rid), "group", None)
+                if group is not None:
+                    self._finish_group(group, "abort")
+                    outputs.append(self.outputs.output(group))
+            return outputs
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step (see ``_step``); control-plane calls from other threads go in between."""
+        """Run one engine step. A failure inside it finishes every request with
+        ``finish_reason='error'``, frees what they held and raises ``EngineError``; the engine
+        stays usable."""
         with self.lock.step():
             self._check_open()
-            return self._step()
+            try:
+                return self._step()
+            except Exception as err:
+                self._fail_all()
+                raise EngineError(f"an engine step failed ({type(err).__name__}: {err}); every request in "
+                                  "the engine was finished with finish_reason='error'") from err
 
     def finish_inflight(self) -> list[RequestOutput]:
         """Complete the step still on the device, if any, so no row of it is left to deliver later."""
         with self.lock.call():
             if self._inflight is None:
                 return []
-            outputs = self._complete(*self._inflight)
-            self._inflight = None
-            return outputs
+            inflight, self._inflight = self._inflight, None
+            return self._complete(inflight)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -168,18 +194,17 @@ class LLMEngine:
                 return
             self._closed = True
             self._inflight = None
-            self._abort_request(list(self.groups))
+            for group in list(self.groups.values()):
+                self._finish_group(group, "abort")
             for consumer in self.capture.consumers:
                 consumer.close()
             self.capture.consumers.clear()
-            self.runner.shutdown()
+            self.worker.shutdown()
 
     # ---------------------------------------------------------------- admission
 
-    def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False) -> RequestGroup:
-        """Validate and queue one prompt's ``params.n`` completions. Raises ``InvalidRequestError``
-        (naming the field) and keeps nothing."""
+    def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
+                     stream: bool) -> RequestGroup:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -193,14 +218,14 @@ class LLMEngine:
                 children.append(self._admit(client_id, index, prompt_text, token_ids, _child_params(params, index)))
         except BaseException:
             for child in children:
-                self._release_planes(child)
+                self.steering.release(child)
+                self.capture.finish(child, aborted=True)
             raise
         group = RequestGroup(client_id, children, stream)
         self.groups[client_id] = group
         for child in children:
             child.group = group
             self.requests[child.request_id] = child
-            self.runner.add_request(child)
             self.scheduler.add(child)
         return group
 
@@ -219,46 +244,25 @@ class LLMEngine:
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
         return request
 
-    def _release_planes(self, request: Request) -> None:
-        self.steering.release(request)
-        self.capture.finish(request, aborted=True)
-
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: must not be empty")
+                raise InvalidRequestError("prompt: must not be empty")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt: token-id prompts must be lists of integers")
+                raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
         if not ids:
-            raise ValueError("prompt: must contain at least one token")
+            raise InvalidRequestError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
-                             "(at least one token must be generated)")
+            raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
+                                      "(at least one token must be generated)")
         return text, ids
-
-    def _abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
-        """Abort by client id (every completion of it) or by engine id; frees everything held."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        outputs = []
-        for rid in ids:
-            group = self.groups.get(rid)
-            if group is None and rid in self.requests:
-                group = self.requests[rid].group
-            if group is None:
-                continue
-            for child in group.children:
-                if not child.finished:
-                    child.finish_reason = "abort"
-                    self._finish(child, aborted=True)
-            outputs.append(self._output(group))
-        return outputs
 
     # ---------------------------------------------------------------- the loop
 
@@ -274,22 +278,23 @@ class LLMEngine:
         """
         outputs = []
         if self._inflight is not None and self._must_sync():
-            outputs += self._complete(*self._inflight)
-            self._inflight = None
+            inflight, self._inflight = self._inflight, None
+            outputs += self._complete(inflight)
         launched = None
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            batch = self.runner.prepare(sched)
-            self.steering.prepare(batch)
-            self.capture.prepare(batch)
-            self.runner.bind_planes(batch)
-            handle = self.runner.launch(batch)
-            self.capture.copy_out(batch)
+            step = self.builder.build(self.num_steps, sched)
+            step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
+            step.steering_update = self.steering.take_update()
+            planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
+            delivery = None
+            if planned is not None:
+                step.capture, delivery = planned
+            launched = _InFlight(sched, self.worker.launch(step), delivery)
             self._advance(sched)
             self.num_steps += 1
-            launched = (sched, batch, handle)
         if self._inflight is not None:
-            outputs += self._complete(*self._inflight)
+            outputs += self._complete(self._inflight)
         self._inflight = launched
         return outputs
 
@@ -299,7 +304,8 @@ class LLMEngine:
         return (self.steering.reads_generated_tokens() or self.capture.reads_generated_tokens()
                 or any(r.params.has_penalties for r in self.scheduler.running))
 
-    def _advance(self, sched: SchedulerOutput) -> None:
+    @staticmethod
+    def _advance(sched: SchedulerOutput) -> None:
         """What the launched step will have computed; sampling rows get a placeholder token."""
         for item in sched.scheduled:
             request = item.request
@@ -310,12 +316,13 @@ class LLMEngine:
                 request.all_token_ids.append(PLACEHOLDER)
                 request.num_pending += 1
 
-    def _complete(self, sched: SchedulerOutput, batch: Any, handle: Any) -> list[RequestOutput]:
-        tokens, logprobs = self.runner.finish(handle)
-        self.capture.deliver(batch)
+    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
+        result = self.worker.finish(inflight.launched)
+        if inflight.delivery is not None:
+            self.capture.deliver(inflight.delivery, result.captured, result.graphed)
         outputs = []
-        sampled = iter(zip(tokens, logprobs))
-        for item in sched.scheduled:
+        sampled = iter(zip(result.sampled, result.logprobs))
+        for item in inflight.sched.scheduled:
             request = item.request
             if not item.samples:
                 if not request.finished:
@@ -327,88 +334,40 @@ class LLMEngine:
             request.all_token_ids[item.token_index] = token
             request.num_pending -= 1
             self.kv.cache_computed_blocks(request)
-            self._accept_token(request, token, token_logprobs)
+            self.outputs.accept_token(request, token, token_logprobs)
             group = request.group
             if request.finish_reason is not None:
                 self._finish(request)
                 if group.finished:
-                    outputs.append(self._output(group))
+                    outputs.append(self.outputs.output(group))
                     continue
             if group.stream:
-                outputs.append(self._output(group))
+                outputs.append(self.outputs.output(group))
         return outputs
-
-    def _accept_token(self, request: Request, token: int, token_logprobs: dict | None) -> None:
-        piece = request.detokenizer.step(token)
-        request.output_text += piece
-        if token_logprobs is not None:
-            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t], False))
-                                     for t, (lp, rank) in token_logprobs.items()})
-            request.cumulative_logprob += token_logprobs[token][0]
-        params = request.params
-        if token in request.stop_token_ids:  # the sampler masks them until min_tokens
-            request.finish_reason = "stop"
-            request.stop_reason = None if token in request.eos_token_ids else token
-            return
-        if params.stop_strings and piece:
-            if self._check_stop_strings(request, len(piece)):
-                return
-        known = request.num_tokens - request.num_pending
-        if known - request.num_prompt_tokens >= params.max_tokens or known >= self.max_model_len:
-            request.finish_reason = "length"
-
-    @staticmethod
-    def _check_stop_strings(request: Request, new_chars: int) -> bool:
-        text = request.output_text
-        for stop in request.params.stop_strings:
-            start = max(0, len(text) - new_chars - len(stop) + 1)
-            index = text.find(stop, start)
-            if index != -1:
-                request.output_text = text[:index]
-                request.finish_reason = "stop"
-                request.stop_reason = stop
-                return True
-        return False
 
     def _finish(self, request: Request, aborted: bool = False) -> None:
         if request.num_pending:  # tokens of steps still in flight will be discarded
             del request.all_token_ids[request.num_tokens - request.num_pending:]
             request.num_pending = 0
         self.scheduler.finish(request)
-        self.runner.remove_request(request)
+        self.builder.release(request.request_id)
         self.steering.release(request)
         request.captures, request.capture_meta = self.capture.finish(request, aborted)
         self.requests.pop(request.request_id, None)
         if request.group.finished:
             self.groups.pop(request.client_id, None)
 
-    def _output(self, group: RequestGroup) -> RequestOutput:
-        """The group's cumulative state; captures (of every completion, by index) once all finished."""
-        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason, r.logprobs,
-                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None)
-                       for r in group.children]
-        first = group.children[0]
-        finished = group.finished
-        captures, capture_meta = _merge_captures(group.children) if finished else ({}, {})
-        return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
-                             capture_meta)
+    def _finish_group(self, group: RequestGroup, reason: str) -> None:
+        for child in group.children:
+            if not child.finished:
+                child.finish_reason = reason
+                self._finish(child, aborted=True)
 
-    def _capture_plane(self) -> CaptureSession:
-        cfg = self.model_config
-        model = self.runner.model
-        all_layers = list(range(cfg.num_layers))
-        router_layers = model.router_layers()
-        heads_width = cfg.num_heads * cfg.head_dim
-        layers = {HIDDEN_STATES: all_layers, ATTENTION_HEADS: all_layers, ROUTER_LOGITS: router_layers}
-        widths = {HIDDEN_STATES: cfg.hidden_size, ATTENTION_HEADS: heads_width, ROUTER_LOGITS: cfg.num_experts}
-        layouts = {
-            HIDDEN_STATES: {layer: {"width": cfg.hidden_size} for layer in all_layers},
-            ATTENTION_HEADS: {layer: {"num_heads": cfg.num_heads, "head_size": cfg.head_dim, "width": heads_width}
-                              for layer in all_layers},
-            ROUTER_LOGITS: {layer: {"num_experts": cfg.num_experts, "width": cfg.num_experts}
-                            for layer in router_layers},
-        }
-        return CaptureSession(layers, widths, layouts, self.device, self.dtype)
+    def _fail_all(self) -> None:
+        """After a failed step: finish everything with 'error' so nothing stays half-updated."""
+        self._inflight = None
+        for group in list(self.groups.values()):
+            self._finish_group(group, "error")
 
     # ---------------------------------------------------------------- introspection
 
@@ -422,6 +381,8 @@ class LLMEngine:
             "num_blocks": self.kv.num_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_requests": len(self.requests),
+            **self.worker.stats(),
         }
 
 
@@ -431,18 +392,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _merge_captures(children: list[Request]) -> tuple[dict, dict]:
-    """One request's captures as they are; several completions' rows concatenated by index, each
-    row still labelled with its own engine request id."""
-    if len(children) == 1:
-        return children[0].captures, children[0].capture_meta
-    tensors: dict[str, dict[int, Any]] = {}
-    metas: dict[str, dict[int, Any]] = {}
-    for stream in children[0].captures:
-        tensors[stream], metas[stream] = {}, {}
-        for layer in children[0].captures[stream]:
-            tensors[stream][layer] = torch.cat([c.captures[stream][layer] for c in children])
-            metas[stream][layer] = CaptureMeta.concat([c.capture_meta[stream][layer] for c in children])
-    return tensors, metas

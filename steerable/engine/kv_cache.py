@@ -13,7 +13,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from steerable.engine.request import Request
+from steerable.request import Request
 
 _ROOT_HASH = b"steerable-kv-root"
 

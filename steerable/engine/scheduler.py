@@ -10,32 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from steerable.engine.kv_cache import KVCacheManager
-from steerable.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-    samples: bool  # this chunk reaches the end of the known tokens, so its last row is sampled
-    token_index: int = -1  # where the sampled token goes in request.all_token_ids
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from steerable.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

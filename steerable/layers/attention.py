@@ -24,15 +24,15 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def cache_slots(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def cache_slots(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache, slot_mapping): where a fused kernel may write this step's K/V itself."""
-        return self.k_cache, self.v_cache, batch.attn.slot_mapping
+        return self.k_cache, self.v_cache, ctx.attn.slot_mapping
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, batch: Any) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx: Any) -> torch.Tensor:
         """q: [T, Hq, D] (or [T, Hq*D]), k/v: [T, Hkv, D] (or flat), or None when they are already
         in the cache (see ``cache_slots``) -> [T, Hq*D]."""
         q = q.reshape(-1, self.num_heads, self.head_dim)
-        meta = batch.attn
+        meta = ctx.attn
         if k is not None:
             k = k.reshape(-1, self.num_kv_heads, self.head_dim)
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)

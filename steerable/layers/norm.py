@@ -1,5 +1,9 @@
 """RMSNorm with the same float32 arithmetic as Hugging Face's Llama/Qwen implementations."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -18,3 +22,12 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                       table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(residual + delta + each table[index], its norm)`` in one kernel where this norm has
+        one for this device, with the rounding of the separate ops; None otherwise."""
+        if not fused.enabled(residual):
+            return None
+        return fused.add_rms_norm(residual, delta, table_adds, self.weight, self.eps)

@@ -12,6 +12,7 @@ transformers 4.x and 5.x alike) and the fused 3-D ``mlp.experts.gate_up_proj`` /
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -20,25 +21,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from steerable.config import ModelConfig
-from steerable.hook_points import ROUTER_LOGITS, HookPoints
+from steerable.hook_points import ROUTER_LOGITS, HookLayout, HookPoints
 from steerable.layers.activation import silu_and_mul
+from steerable.layers.linear import default_weight_loader
 from steerable.layers.rotary import RotaryEmbedding
-from steerable.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from steerable.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qwen3_config
 
 
-def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
-    """HF's rule for which decoder layers get the sparse MoE block."""
-    hf = cfg.hf_config
-    mlp_only = getattr(hf, "mlp_only_layers", None) or []
-    step = getattr(hf, "decoder_sparse_step", 1) or 1
-    return layer not in mlp_only and cfg.num_experts > 0 and (layer + 1) % step == 0
+@dataclass
+class MoeConfig(ModelConfig):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """HF's rule for which decoder layers get the sparse MoE block."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def router_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_sparse_layer(i)]
+
+
+def qwen3_moe_config(hf: Any) -> MoeConfig:
+    base = vars(qwen3_config(hf))
+    return MoeConfig(**base, num_experts=getattr(hf, "num_experts", 0) or 0,
+                     num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) or 0,
+                     moe_intermediate_size=getattr(hf, "moe_intermediate_size", 0) or 0,
+                     norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+                     mlp_only_layers=list(getattr(hf, "mlp_only_layers", None) or []),
+                     decoder_sparse_step=getattr(hf, "decoder_sparse_step", 1) or 1)
 
 
 class Qwen3MoeSparseBlock(nn.Module):
     """Top-k routed SwiGLU experts. Expert weights are stored fused:
     ``experts_gate_up [E, 2*I, H]`` (gate rows then up rows per expert) and ``experts_down [E, H, I]``."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, hooks: HookPoints):
+    def __init__(self, cfg: MoeConfig, layer: int, hooks: HookPoints):
         super().__init__()
         if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
             raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..num_experts={cfg.num_experts}")
@@ -51,21 +74,34 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
         self.experts_down = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
+        # Checkpoint shards: gate_up holds (expert e, gate | up) as shard 2e | 2e + 1; down holds expert e.
+        self.experts_gate_up.weight_loader, self.experts_gate_up.num_shards = self._load_gate_up, 2 * cfg.num_experts
+        self.experts_down.weight_loader, self.experts_down.num_shards = self._load_down, cfg.num_experts
 
-    def route(self, x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load_gate_up(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
+        if shard is None:
+            default_weight_loader(param, tensor, None)
+            return
+        size = self.intermediate_size
+        default_weight_loader(param.data[shard // 2].narrow(0, (shard % 2) * size, size), tensor, None)
+
+    def _load_down(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
+        default_weight_loader(param.data if shard is None else param.data[shard], tensor, None)
+
+    def route(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, k] and their weights [T, k] (in the activation dtype, as HF)."""
         router_logits = self.gate(x)  # [T, E]
-        self.hooks.observe(ROUTER_LOGITS, self.layer, router_logits, batch)
+        self.hooks.observe(ROUTER_LOGITS, self.layer, router_logits, ctx)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(router_logits.dtype)
 
-    def forward(self, x: torch.Tensor, batch: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        experts, weights = self.route(x, batch)
+        experts, weights = self.route(x, ctx)
         num_tokens, k = experts.shape
         # Group the T*k (token, expert) assignments by expert: one host sync for the group sizes.
         flat = experts.reshape(-1)
@@ -93,40 +129,20 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     supports_cuda_graphs = False  # expert dispatch reads group sizes on the host
-    _EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
-    def make_layer(self, cfg: ModelConfig, layer: int, hooks: HookPoints, backend: ModuleType,
+    def make_layer(self, cfg: MoeConfig, layer: int, hooks: HookPoints, backend: ModuleType,
                    rotary: RotaryEmbedding) -> nn.Module:
-        if is_sparse_layer(cfg, layer):
+        if cfg.is_sparse_layer(layer):
             mlp: nn.Module = Qwen3MoeSparseBlock(cfg, layer, hooks)
         else:
             mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
         return LlamaDecoderLayer(cfg, layer, hooks, backend, rotary, mlp=mlp)
 
-    def router_layers(self) -> list[int]:
-        """Layers whose sparse block reports router logits (the dense ``mlp_only`` ones do not)."""
-        return [i for i in range(self.cfg.num_layers) if is_sparse_layer(self.cfg, i)]
-
-    def num_shards(self, name: str) -> int:
-        """How many checkpoint tensors fill our parameter ``name``."""
-        leaf = name.split(".")[-1]
-        if leaf == "experts_gate_up":
-            return 2 * self.cfg.num_experts
-        if leaf == "experts_down":
-            return self.cfg.num_experts
-        return super().num_shards(name)
-
-    def shard_view(self, name: str, param: torch.Tensor, shard: int | None) -> torch.Tensor:
-        """The part of ``param`` that checkpoint shard ``shard`` fills (all of it for None)."""
-        if shard is None:
-            return param
-        leaf = name.split(".")[-1]
-        if leaf == "experts_gate_up":
-            size = self.cfg.moe_intermediate_size
-            return param[shard // 2].narrow(0, (shard % 2) * size, size)
-        if leaf == "experts_down":
-            return param[shard]
-        return super().shard_view(name, param, shard)
+    @classmethod
+    def hook_layout(cls, cfg: MoeConfig) -> HookLayout:
+        """Router logits at the sparse layers only (the dense ``mlp_only`` ones have no router)."""
+        return HookLayout.build(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.router_layers,
+                                cfg.num_experts)
 
     def locate(self, name: str) -> tuple[str, int | None]:
         parts = name.split(".")

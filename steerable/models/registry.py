@@ -1,31 +1,39 @@
-"""HF ``architectures`` name -> our implementation."""
+"""HF ``architectures`` name -> our implementation and the config adapter that reads its HF config.
+
+Adding a family: one model file (its layer, a ``CausalLM`` subclass and its config adapter), one
+line here, tests. ``docs/models.md`` walks through it.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Callable
+from typing import Any
 
-from steerable.models.llama import LlamaForCausalLM
-from steerable.models.qwen3_moe import Qwen3MoeForCausalLM
+from steerable.config import ModelConfig
+from steerable.models import llama, qwen3_moe
+from steerable.models.base import CausalLM
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+_MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
+    "LlamaForCausalLM": (llama.LlamaForCausalLM, llama.llama_config),
+    "MistralForCausalLM": (llama.LlamaForCausalLM, llama.mistral_config),
+    "Qwen2ForCausalLM": (llama.LlamaForCausalLM, llama.qwen2_config),
+    "Qwen3ForCausalLM": (llama.LlamaForCausalLM, llama.qwen3_config),
+    "Qwen3MoeForCausalLM": (qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.qwen3_moe_config),
 }
 
 
-def register_model(architecture: str, cls: type[nn.Module]) -> None:
-    _MODELS[architecture] = cls
-
-
-def model_class(architecture: str) -> type[nn.Module]:
+def _entry(architecture: str) -> tuple[type[CausalLM], Callable[[Any], ModelConfig]]:
     try:
         return _MODELS[architecture]
     except KeyError:
         raise ValueError(f"unknown architecture {architecture!r}; supported: {sorted(_MODELS)}") from None
 
 
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+def model_class(architecture: str) -> type[CausalLM]:
+    return _entry(architecture)[0]
+
+
+def resolve_model_config(hf_config: Any) -> tuple[type[CausalLM], ModelConfig]:
+    """The implementation for an HF config and the config adapted for it (errors before allocating)."""
+    cls, adapter = _entry(ModelConfig.architecture_of(hf_config))
+    return cls, adapter(hf_config)

@@ -5,8 +5,8 @@ captured the first time that shape is seen. Everything that changes per step liv
 buffers the graph reads: token ids, positions, slot mapping, block table, sequence lengths, the
 steering row of every token, the capture row indices. What the graph cannot read from a buffer is
 part of its key: the padded size, the steering signature (which op runs at which site, and the
-table version: a table that grew has moved in memory), and the shape of the capture plan (which
-hook sites gather for which groups). Mixed and prefill steps run eagerly.
+table layout version: a table that grew has moved in memory), and the shape of the capture plan
+(which hook sites gather for which groups). Mixed and prefill steps run eagerly.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from steerable.worker.batch import StepBatch
+from steerable.worker.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
@@ -45,43 +45,32 @@ class CudaGraphRunner:
                 return size
         return None
 
-    def can_run(self, batch: StepBatch) -> bool:
-        return batch.is_decode_only and batch.num_padded_tokens in self.sizes
-
-    @staticmethod
-    def key(batch: StepBatch) -> tuple:
-        steering = batch.steering.signature if batch.steering is not None else None
-        capture = batch.capture.signature if batch.capture is not None else None
-        return batch.num_padded_tokens, steering, capture
-
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        key = self.key(batch)
+    def run(self, ctx: ForwardContext, key: tuple) -> tuple[torch.Tensor, dict]:
+        """Replay (capturing first if new) the graph for ``key``: (hidden states, capture gathers)."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(batch, key)
+            entry = self._capture(ctx, key)
         entry.graph.replay()
         self.num_replays += 1
-        if batch.capture is not None:
-            batch.capture.staged = dict(entry.staged)
-        return entry.output
+        return entry.output, entry.staged
 
-    def _capture(self, batch: StepBatch, key: tuple) -> _Graph:
-        if batch.steering is not None:  # graphs baked against older steering tables are dead
-            version = batch.steering.version
-            for stale in [k for k in self.graphs if k[1] is not None and k[1][-1] != version]:
+    def _capture(self, ctx: ForwardContext, key: tuple) -> _Graph:
+        steering = key[1]
+        if steering is not None:  # graphs baked against older steering tables are dead
+            for stale in [k for k in self.graphs if k[1] is not None and k[1][-1] != steering[-1]]:
                 del self.graphs[stale]
         # One eager run compiles every kernel for this shape outside the capture (its K/V writes
         # are the same values the replay writes again).
-        self.model(batch.input_ids, batch.positions, batch)
-        if batch.capture is not None:
-            batch.capture.staged.clear()
+        self.model(ctx.input_ids, ctx.positions, ctx)
+        if ctx.capture is not None:
+            ctx.capture.staged.clear()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self.model(batch.input_ids, batch.positions, batch)
+            output = self.model(ctx.input_ids, ctx.positions, ctx)
         if self.pool is None:
             self.pool = graph.pool()
-        entry = _Graph(graph, output, dict(batch.capture.staged) if batch.capture is not None else {})
+        entry = _Graph(graph, output, dict(ctx.capture.staged) if ctx.capture is not None else {})
         self.graphs[key] = entry
         self.num_captures += 1
         logger.debug("captured CUDA graph %s (%d total)", key[0], len(self.graphs))

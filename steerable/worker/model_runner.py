@@ -1,24 +1,29 @@
-"""Owns the model, its KV cache and the persistent per-step device inputs; runs one forward (eager
-or a CUDA-graph replay) and samples."""
+"""The worker: owns the model, its KV cache, the persistent per-step device inputs, the device
+halves of the steering and capture planes, and the sampler. Each step it takes one plain
+``StepInput``, runs one forward (eager or a CUDA-graph replay) and samples; ``finish`` hands back
+a plain ``StepOutput``."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 import torch
 
+from steerable.capture.gather import CaptureBuffers, copy_to_host
 from steerable.config import EngineConfig, ModelConfig
-from steerable.engine.request import PLACEHOLDER, Request
-from steerable.engine.scheduler import SchedulerOutput
 from steerable.hook_points import HookPoints
 from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, iter_weights
 from steerable.models.registry import model_class
-from steerable.worker.batch import AttentionMetadata, StepBatch, build_host_columns
+from steerable.step import PLACEHOLDER, StepInput, StepOutput
+from steerable.steering.tables import SteeringTables
 from steerable.worker.cuda_graphs import CudaGraphRunner
+from steerable.worker.forward_context import AttentionMetadata, ForwardContext
+from steerable.worker.input_buffers import InputBuffers
 from steerable.worker.sampler import SampleHandle, Sampler
 
 logger = logging.getLogger(__name__)
@@ -36,45 +41,15 @@ def select_backend(name: str, device: torch.device) -> ModuleType:
     raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
 
 
-class InputBuffers:
-    """Device tensors whose addresses never change (CUDA graphs read them), with host staging."""
+@dataclass
+class Launched:
+    """A step enqueued on the device, not yet finished."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
-        self.device = device
-        pin = device.type == "cuda"
-        self.tokens = torch.zeros(4, max_tokens, dtype=torch.int64, device=device)  # ids, pos, slots, steer
-        self.seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)  # query_start, seq_lens
-        # Two sets of host staging, used by alternate steps: while one step's copies may still be
-        # queued behind the step in flight, the next step fills the other set.
-        self._tokens_host = [torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._slot_index_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.parity = 0
-        # Each running request owns a row of block ids (the last row stays zero for padding); the
-        # step's block table is gathered from it on the device.
-        self.request_blocks = torch.zeros(max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
-        self.request_blocks_host = np.zeros((max_seqs + 1, max_blocks), dtype=np.int64)
-        self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
-        self.slot_index = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self.capture_index: list[torch.Tensor] = []
-        self.max_tokens = max_tokens
-
-    @property
-    def tokens_host(self) -> torch.Tensor:
-        return self._tokens_host[self.parity]
-
-    @property
-    def seqs_host(self) -> torch.Tensor:
-        return self._seqs_host[self.parity]
-
-    @property
-    def slot_index_host(self) -> torch.Tensor:
-        return self._slot_index_host[self.parity]
-
-    def capture_buffers(self, count: int) -> list[torch.Tensor]:
-        while len(self.capture_index) < count:
-            self.capture_index.append(torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device))
-        return self.capture_index[:count]
+    step_id: int
+    samples: SampleHandle | None
+    captured: dict[tuple[int, int], torch.Tensor]
+    copied: torch.cuda.Event | None
+    graphed: bool
 
 
 class ModelRunner:
@@ -86,14 +61,13 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
-        self.hooks = HookPoints()
         self.backend = select_backend(config.attention_backend, device)
         cls = model_class(model_config.architecture)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = cls(model_config, self.hooks, self.backend, max_model_len)
+                self.model = cls(model_config, HookPoints(), self.backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(iter_weights(source, model_config.hf_config, dtype))
@@ -106,12 +80,10 @@ class ModelRunner:
         if self.backend is not torch_ref:
             self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, model_config.num_heads,
                                                           model_config.head_dim, device)
-        self.sampler = Sampler(device, config.seed)
-        self.last_sampled = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=device)  # per slot
+        self.sampler = Sampler()
+        self.steering = SteeringTables(model_config.hidden_size, device, dtype)
+        self.capture = CaptureBuffers(max_tokens, device)
         self.num_blocks = self._allocate_kv_cache()
-        self.slots: dict[str, int] = {}  # running request id -> its row in request_blocks
-        self.blocks_written: dict[int, int] = {}  # row -> how many of its block ids are on the device
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.graphs = None
         if (device.type == "cuda" and not config.enforce_eager and self.backend is not torch_ref
                 and getattr(self.model, "supports_cuda_graphs", True)):
@@ -155,8 +127,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         # Sequences of one block each, all reading the scratch block: the activations of a full
         # token budget without needing a real cache.
-        lens = [self.block_size] * (tokens // self.block_size) + ([tokens % self.block_size] if tokens % self.block_size
-                                                                  else [])
+        bs = self.block_size
+        lens = [bs] * (tokens // bs) + ([tokens % bs] if tokens % bs else [])
         seqs = min(self.max_num_seqs, len(lens))
         starts = np.concatenate([[0], np.cumsum(lens)])
         meta = AttentionMetadata(
@@ -166,8 +138,7 @@ class ModelRunner:
             block_table=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
             max_query_len=max(lens), workspace=self.workspace)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        batch = StepBatch(ids, ids, meta, torch.arange(seqs, device=self.device), [], tokens)
-        hidden = self.model(ids, ids, batch)
+        hidden = self.model(ids, ids, ForwardContext(ids, ids, meta, tokens))
         logits = self.model.compute_logits(hidden[:seqs]).float()  # the torch sampler path works in float32
         probs = logits.softmax(-1)
         torch.empty_like(probs).exponential_()
@@ -180,133 +151,78 @@ class ModelRunner:
         logger.info("memory profile: peak %.2f GiB, KV budget %.2f GiB", peak / 2**30, budget / 2**30)
         return int(max(budget, 0))
 
-    # ------------------------------------------------------------ step inputs
-
-    def _slot_rows(self, sched: SchedulerOutput) -> np.ndarray:
-        """Each scheduled request's block-id row; new blocks are written to the device in one scatter."""
-        for request in sched.preempted:  # its blocks are gone; a fresh row is written on resume
-            self._release_slot(request.request_id)
-        host = self.buffers.request_blocks_host
-        rows, cols, values = [], [], []
-        slots = np.empty(len(sched.scheduled), dtype=np.int64)
-        for i, item in enumerate(sched.scheduled):
-            request = item.request
-            slot = self.slots.get(request.request_id)
-            if slot is None:
-                slot = self.slots[request.request_id] = self.free_slots.pop()
-                self.blocks_written[slot] = 0
-            written = self.blocks_written[slot]
-            blocks = request.block_ids
-            if len(blocks) > written:
-                new = blocks[written:]
-                host[slot, written:len(blocks)] = new
-                rows.extend([slot] * len(new))
-                cols.extend(range(written, len(blocks)))
-                values.extend(new)
-                self.blocks_written[slot] = len(blocks)
-            slots[i] = slot
-        if rows:
-            index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
-            self.buffers.request_blocks[index[0], index[1]] = torch.tensor(values, dtype=torch.int32).to(
-                self.device, non_blocking=True)
-        return slots
-
-    def prepare(self, sched: SchedulerOutput) -> StepBatch:
-        slots = self._slot_rows(sched)
-        cols = build_host_columns(sched.scheduled, slots, self.buffers.request_blocks_host, self.block_size)
-        num_tokens, num_seqs = len(cols.token_ids), len(sched.scheduled)
-        self.buffers.parity ^= 1
-        padded = num_tokens
-        if self.graphs is not None and cols.max_query_len == 1:
-            padded = self.graphs.padded_size(num_seqs) or num_tokens
-        buf = self.buffers
-        host = buf.tokens_host.numpy()
-        host[0, :num_tokens] = cols.token_ids
-        host[1, :num_tokens] = cols.positions
-        host[2, :num_tokens] = cols.slot_mapping
-        host[:, num_tokens:padded] = 0
-        host[2, num_tokens:padded] = -1
-        pending = np.flatnonzero(cols.token_ids == PLACEHOLDER)
-        host[0, pending] = 0
-        buf.tokens[:3, :padded].copy_(buf.tokens_host[:3, :padded], non_blocking=True)
-        if len(pending):  # tokens sampled by the step still in flight: taken from the device
-            rows = torch.from_numpy(pending).to(self.device, non_blocking=True)
-            owners = torch.from_numpy(slots[cols.token_req[pending]]).to(self.device, non_blocking=True)
-            buf.tokens[0].index_copy_(0, rows, self.last_sampled.index_select(0, owners))
-        seq_host = buf.seqs_host.numpy()
-        pad_seqs = padded if padded != num_tokens else num_seqs  # a padded decode row is a sequence
-        seq_host[0, :num_seqs + 1] = cols.query_start
-        seq_host[0, num_seqs + 1:pad_seqs + 1] = np.arange(num_tokens + 1, padded + 1)
-        seq_host[1, :num_seqs] = cols.seq_lens
-        seq_host[1, num_seqs:pad_seqs] = 0
-        buf.seqs[:, :pad_seqs + 1].copy_(buf.seqs_host[:, :pad_seqs + 1], non_blocking=True)
-        slot_host = buf.slot_index_host.numpy()
-        slot_host[:num_seqs] = slots
-        slot_host[num_seqs:pad_seqs] = self.max_num_seqs  # the all-zero padding row
-        buf.slot_index[:pad_seqs].copy_(buf.slot_index_host[:pad_seqs], non_blocking=True)
-        block_table = buf.block_table[:pad_seqs]
-        torch.index_select(buf.request_blocks, 0, buf.slot_index[:pad_seqs], out=block_table)
-        attn = AttentionMetadata(buf.tokens[2, :padded], buf.seqs[0, :pad_seqs + 1], buf.seqs[1, :pad_seqs],
-                                 block_table, cols.max_query_len, self.workspace)
-        sample_rows = torch.from_numpy(cols.sample_rows).to(self.device, non_blocking=True)
-        return StepBatch(buf.tokens[0, :padded], buf.tokens[1, :padded], attn, sample_rows, sched.scheduled,
-                         num_tokens, cols)
-
-    def bind_planes(self, batch: StepBatch) -> None:
-        """Move the planes' host plans (steering row per token, capture rows per group) into the
-        persistent index buffers the hook points read."""
-        padded = batch.num_padded_tokens
-        steering = batch.steering
-        if steering is not None:
-            host = self.buffers.tokens_host.numpy()
-            host[3, :batch.num_tokens] = steering.host_index
-            host[3, batch.num_tokens:padded] = 0
-            self.buffers.tokens[3, :padded].copy_(self.buffers.tokens_host[3, :padded], non_blocking=True)
-            steering.index = self.buffers.tokens[3, :padded]
-        capture = batch.capture
-        if capture is not None:
-            graphed = self.graphs is not None and self.graphs.can_run(batch)
-            buffers = self.buffers.capture_buffers(len(capture.groups))
-            for group, buffer in zip(capture.groups, buffers):
-                rows = torch.from_numpy(group.rows)
-                buffer[:len(rows)].copy_(rows, non_blocking=True)
-                # A graph gathers a fixed number of rows; the padding ones are dropped on delivery.
-                buffer[len(rows):padded].zero_()
-                group.index = buffer[:padded] if graphed else buffer[:len(rows)]
-
-    # ------------------------------------------------------------ forward + sample
+    # ------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch) -> SampleHandle | None:
-        """Enqueue the forward and the sampler; the tokens stay on the device (and are kept per
-        request row for the next step's inputs) until ``finish`` reads them."""
-        logits = self.forward(batch)
-        sampling = [s for s in batch.scheduled if s.samples]
-        if not sampling:
-            return None
-        handle = self.sampler.sample(logits, [s.request for s in sampling])
-        owners = torch.from_numpy(batch.host.slots[[s.samples for s in batch.scheduled]])
-        self.last_sampled.index_copy_(0, owners.to(self.device, non_blocking=True), handle.tokens)
-        return handle
-
-    def finish(self, handle: SampleHandle | None) -> tuple[list[int], list[dict | None]]:
-        """Wait for a launched step's samples and bring them to the host."""
-        if handle is None:
-            return [], []
-        return self.sampler.finalize(handle)
-
-    @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Logits (model dtype) of the rows that sample this step."""
-        batch.graphed = self.graphs is not None and self.graphs.can_run(batch)
-        if batch.graphed:
-            hidden = self.graphs.run(batch)
+    def launch(self, step: StepInput) -> Launched:
+        """Enqueue the forward, the sampler and the capture copies; nothing waits for the device.
+        Sampled tokens stay on the device, kept per request slot for the next step's inputs."""
+        if step.steering_update is not None:
+            self.steering.apply(step.steering_update)
+        ctx, key = self._prepare(step)
+        if key is not None:
+            hidden, staged = self.graphs.run(ctx, key)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[batch.sample_rows])
+            hidden = self.model(ctx.input_ids, ctx.positions, ctx)
+            staged = ctx.capture.staged if ctx.capture is not None else {}
+        samples = None
+        sampling = step.sampling
+        if sampling is not None:
+            rows = torch.from_numpy(sampling.rows).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])
+            samples = self.sampler.sample(logits, sampling)
+            slots = torch.from_numpy(sampling.slots).to(self.device, non_blocking=True)
+            self.buffers.last_sampled.index_copy_(0, slots, samples.tokens)
+        captured, copied = copy_to_host(staged, step.capture) if staged else ({}, None)
+        return Launched(step.step_id, samples, captured, copied, key is not None)
 
-    def add_request(self, request: Request) -> None:
-        self.sampler.add_request(request)
+    def finish(self, launched: Launched) -> StepOutput:
+        """Wait for a launched step and bring its samples and captured rows to the host."""
+        tokens, logprobs = self.sampler.finalize(launched.samples) if launched.samples is not None else ([], [])
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed)
+
+    def _prepare(self, step: StepInput) -> tuple[ForwardContext, tuple | None]:
+        """Copy the step's columns into the persistent buffers (padded to a graph size for a decode
+        step that can replay one) and build the forward context; the key is None for an eager step."""
+        buf = self.buffers
+        if step.block_update is not None:
+            buf.write_blocks(step.block_update)
+        num_tokens = step.num_tokens
+        padded, graphed = num_tokens, False
+        if self.graphs is not None and step.max_query_len == 1:
+            size = self.graphs.padded_size(step.num_requests)
+            if size is not None:
+                padded, graphed = size, True
+        buf.begin_step()
+        pending = np.flatnonzero(step.token_ids == PLACEHOLDER)
+        owners = step.request_slots[step.token_request[pending]] if len(pending) else pending
+        input_ids, positions, slot_mapping = buf.write_tokens(step.token_ids, step.positions, step.slot_mapping,
+                                                              padded, pending, owners)
+        query_start, seq_lens, block_table = buf.write_sequences(step.query_start, step.seq_lens,
+                                                                 step.request_slots, padded)
+        attn = AttentionMetadata(slot_mapping, query_start, seq_lens, block_table, step.max_query_len,
+                                 self.workspace)
+        ctx = ForwardContext(input_ids, positions, attn, num_tokens)
+        if step.steering is not None:
+            ctx.steering = self.steering.step_view(step.steering, buf.write_steering(step.steering.index, padded))
+        if step.capture is not None:
+            ctx.capture = self.capture.step_view(step.capture, padded, graphed)
+        key = None
+        if graphed:
+            key = (padded, step.steering.signature if step.steering is not None else None,
+                   step.capture.signature if step.capture is not None else None)
+        return ctx, key
+
+    # ------------------------------------------------------------ lifecycle
+
+    def stats(self) -> dict[str, int]:
+        graphs = self.graphs
+        return {"graph_replays": graphs.num_replays if graphs else 0,
+                "graph_captures": graphs.num_captures if graphs else 0,
+                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size() if self.kv_cache is not None
+                else 0}
 
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs so their device memory can be reused."""
@@ -316,13 +232,3 @@ class ModelRunner:
         self.attention_layers = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def remove_request(self, request: Request) -> None:
-        self.sampler.remove_request(request.request_id)
-        self._release_slot(request.request_id)
-
-    def _release_slot(self, request_id: str) -> None:
-        slot = self.slots.pop(request_id, None)
-        if slot is not None:
-            del self.blocks_written[slot]
-            self.free_slots.append(slot)

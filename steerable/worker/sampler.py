@@ -1,19 +1,21 @@
 """Turn the logits of the sampled rows into next tokens (and logprobs when asked).
 
 Sampling is the exponential race (argmax of p / E with E ~ Exp(1), equivalently argmax of
-logits / T + Gumbel noise), which equals drawing from p. A request's noise depends only on its own
-seed and history, not on what else is in the batch: on the CPU it comes from the request's own
-generator, on the GPU from a Philox stream keyed by (seed, position) inside one fused kernel.
+logits / T + Gumbel noise), which equals drawing from p. A row's noise depends only on its key
+(the request's seed mixed with the position sampled), not on what else is in the batch: on the CPU
+it comes from a generator seeded with the key, on the GPU from a Philox stream keyed by it inside
+one fused kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from steerable.engine.request import Request
 from steerable.layers import fused
+from steerable.step import PenaltyInput, SamplingInput
 from steerable.worker.penalties import apply_penalties
 
 _MIX_A, _MIX_B, _MASK = 6364136223846793005, 1442695040888963407, (1 << 63) - 1
@@ -31,43 +33,35 @@ class SampleHandle:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int):
-        self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-        self.request_generators: dict[str, torch.Generator] = {}
-
-    def add_request(self, request: Request) -> None:
-        if request.params.seed is not None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(request.params.seed)
-            self.request_generators[request.request_id] = g
-
-    def remove_request(self, request_id: str) -> None:
-        self.request_generators.pop(request_id, None)
+    """Stateless: a row's noise is drawn from its own ``seeds`` entry (a function of the request's
+    seed and the position being sampled), so every rank that samples the same logits draws the same
+    tokens, and a request's samples do not depend on the rest of the batch."""
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> "SampleHandle":
-        """Enqueue sampling of logits [S, V] (one row per request, in order; any float dtype, used
-        as float32); nothing here waits for the device. ``finalize`` brings the tokens (and
-        logprobs) to the host."""
-        self._suppress_early_stops(logits, requests)
-        want = [r.params.logprobs for r in requests]
+    def sample(self, logits: torch.Tensor, sampling: SamplingInput) -> SampleHandle:
+        """Enqueue sampling of logits [S, V] (any float dtype); nothing here waits for the device.
+        ``finalize`` brings the tokens (and logprobs) to the host."""
+        for row, token_ids in sampling.suppress.items():  # stop tokens held back until min_tokens
+            logits[row, torch.from_numpy(token_ids).to(logits.device)] = float("-inf")
+        want = sampling.logprobs
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
-        if any(r.params.has_penalties for r in requests):
-            logits = self._penalised(logits, requests)
-        if fused.enabled(logits) and not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p
-                                             for r in requests):
-            tokens = self._fused(logits, requests)  # reads the logits in their own dtype
+        if sampling.penalties:
+            logits = _penalised(logits, sampling.penalties)
+        temperature = torch.from_numpy(sampling.temperature)
+        seeds = torch.from_numpy(sampling.seeds)
+        if fused.enabled(logits) and not sampling.filtered:
+            tokens = fused.gumbel_argmax(logits, temperature.to(logits.device, non_blocking=True),
+                                         seeds.to(logits.device, non_blocking=True))  # reads the logits' own dtype
         else:
-            tokens = self._torch(logits.float(), requests)
+            tokens = _sample_torch(logits.float(), sampling)
         host = tokens.to("cpu", non_blocking=True) if tokens.is_cuda else tokens
         done = torch.cuda.Event() if tokens.is_cuda else None
         if done is not None:
             done.record()
         return SampleHandle(tokens, host, done, raw_logprobs, want)
 
-    def finalize(self, handle: "SampleHandle") -> tuple[list[int], list[dict | None]]:
+    @staticmethod
+    def finalize(handle: SampleHandle) -> tuple[list[int], list[dict | None]]:
         if handle.done is not None:
             handle.done.synchronize()
         token_list = handle.host.tolist()
@@ -78,80 +72,62 @@ class Sampler:
                     logprobs[i] = _top_logprobs(handle.raw_logprobs[i], token_list[i], num)
         return token_list, logprobs
 
-    def _fused(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """GPU: one kernel samples every row; the noise of a row depends only on its request's seed
-        and the position being sampled, so it is reproducible and independent of the batch."""
-        temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
-        seeds = torch.tensor([((r.params.seed if r.params.seed is not None else r.sampling_seed) * _MIX_A
-                               + r.num_tokens * _MIX_B) & _MASK for r in requests], dtype=torch.int64)
-        return fused.gumbel_argmax(logits, temperature.to(logits.device, non_blocking=True),
-                                   seeds.to(logits.device, non_blocking=True))
 
-    def _torch(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
-        return tokens
+def noise_seed(seed: int, position: int) -> int:
+    """The noise key of the token sampled at ``position`` (what ``SamplingInput.seeds`` holds)."""
+    return (seed * _MIX_A + position * _MIX_B) & _MASK
 
-    @staticmethod
-    def _penalised(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """A float32 copy with each request's penalties applied (its output tokens are all known:
-        the engine keeps such requests in step with the host)."""
-        logits = logits.float()
-        rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        chosen = [requests[i] for i in rows]
-        penalised = logits[rows]
-        apply_penalties(penalised, [r.prompt_token_ids for r in chosen], [r.output_token_ids for r in chosen],
-                        [r.params.repetition_penalty for r in chosen], [r.params.frequency_penalty for r in chosen],
-                        [r.params.presence_penalty for r in chosen])
-        logits[rows] = penalised
-        return logits
 
-    def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        for i, request in enumerate(requests):
-            if request.num_output_tokens < request.params.min_tokens and request.stop_token_ids:
-                logits[i, list(request.stop_token_ids)] = float("-inf")
+def _penalised(logits: torch.Tensor, penalties: list[PenaltyInput]) -> torch.Tensor:
+    """A float32 copy with each listed row's penalties applied."""
+    logits = logits.float()
+    rows = [p.row for p in penalties]
+    penalised = logits[rows]
+    apply_penalties(penalised, [p.prompt_ids for p in penalties], [p.output_ids for p in penalties],
+                    [p.repetition for p in penalties], [p.frequency for p in penalties],
+                    [p.presence for p in penalties])
+    logits[rows] = penalised
+    return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in requests], device=device, dtype=torch.float32)
-        logits = logits / temperature[:, None]
-        top_k = [r.params.top_k for r in requests]
-        if any(top_k):
-            k = torch.tensor([t if t > 0 else logits.shape[-1] for t in top_k], device=device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=logits.shape[-1]) - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        top_p = [r.params.top_p for r in requests]
-        if any(p < 1.0 for p in top_p):
-            p = torch.tensor(top_p, device=device, dtype=torch.float32)
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p[:, None]
-            probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
-        min_p = [r.params.min_p for r in requests]
-        if any(min_p):
-            threshold = torch.tensor(min_p, device=device, dtype=torch.float32)[:, None] * probs.amax(-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = []
-        for i, request in enumerate(requests):
-            g = self.request_generators.get(request.request_id)
-            if g is None:
-                unseeded.append(i)
-            else:
-                noise[i].exponential_(generator=g)
-        if unseeded:
-            rows = torch.tensor(unseeded, device=device)
-            noise[rows] = torch.empty(len(unseeded), probs.shape[-1], device=device).exponential_(
-                generator=self.generator)
-        return (probs / noise).argmax(dim=-1)
+
+def _sample_torch(logits: torch.Tensor, sampling: SamplingInput) -> torch.Tensor:
+    """Greedy rows take the argmax; the others top-k/top-p/min-p filter, then the exponential race
+    with noise from a generator seeded by the row's key."""
+    tokens = logits.argmax(dim=-1)
+    sampled = np.flatnonzero(sampling.temperature > 0)
+    if len(sampled):
+        rows = torch.from_numpy(sampled).to(logits.device)
+        tokens[rows] = _race(logits[rows], sampling, sampled)
+    return tokens
+
+
+def _race(logits: torch.Tensor, sampling: SamplingInput, rows: np.ndarray) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.from_numpy(sampling.temperature[rows]).to(device)
+    logits = logits / temperature[:, None]
+    top_k = sampling.top_k[rows]
+    if top_k.any():
+        k = torch.from_numpy(np.where(top_k > 0, np.minimum(top_k, logits.shape[-1]), logits.shape[-1])).to(device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_p = sampling.top_p[rows]
+    if (top_p < 1.0).any():
+        p = torch.from_numpy(top_p).to(device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p[:, None]
+        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+    min_p = sampling.min_p[rows]
+    if min_p.any():
+        threshold = torch.from_numpy(min_p).to(device)[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    noise = torch.empty_like(probs)
+    for i, seed in enumerate(sampling.seeds[rows].tolist()):
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        noise[i].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, num: int) -> dict[int, tuple[float, int]]:

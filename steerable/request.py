@@ -1,8 +1,14 @@
-"""A request's lifetime state as the scheduler and the engine see it."""
+"""A request's lifetime state, and the scheduler's decisions about it.
+
+Neutral ground: the engine (driver) owns these objects; the steering and capture planes read them
+when they admit a request and when they plan a step. The worker never sees them: it receives a
+plain ``StepInput`` (``steerable.step``).
+"""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 from typing import Any
 
 from steerable.sampling_params import SamplingParams
@@ -30,7 +36,7 @@ class Request:
         self.request_id = request_id
         self.client_id = client_id
         self.index = index  # which of the group's completions this is
-        self.group: "RequestGroup | None" = None
+        self.group: Any = None  # the engine's RequestGroup
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -90,19 +96,24 @@ class Request:
                 f"status={self.status.value})")
 
 
-class RequestGroup:
-    """What a caller submitted under one client id: ``n`` sibling requests sharing the prompt,
-    reported together as one ``RequestOutput`` with ``n`` completions."""
 
-    def __init__(self, client_id: str, children: list[Request], stream: bool):
-        self.client_id = client_id
-        self.children = children
-        self.stream = stream
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    samples: bool  # this chunk reaches the end of the known tokens, so its last row is sampled
+    token_index: int = -1  # where the sampled token goes in request.all_token_ids
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
-    def request_ids(self) -> list[str]:
-        return [child.request_id for child in self.children]
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
 
     @property
-    def finished(self) -> bool:
-        return all(child.finished for child in self.children)
+    def is_empty(self) -> bool:
+        return not self.scheduled

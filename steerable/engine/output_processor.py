@@ -1,0 +1,96 @@
+"""From sampled tokens to what the caller sees: incremental text, stop checks, logprobs, and one
+``RequestOutput`` per client request (``n`` completions, captures once all have finished)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from steerable.capture.serialization import CaptureMeta
+from steerable.engine.tokenizer import Tokenizer
+from steerable.outputs import CompletionOutput, Logprob, RequestOutput
+from steerable.request import Request
+
+
+class RequestGroup:
+    """What a caller submitted under one client id: ``n`` sibling requests sharing the prompt,
+    reported together as one ``RequestOutput`` with ``n`` completions."""
+
+    def __init__(self, client_id: str, children: list[Request], stream: bool):
+        self.client_id = client_id
+        self.children = children
+        self.stream = stream
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [child.request_id for child in self.children]
+
+    @property
+    def finished(self) -> bool:
+        return all(child.finished for child in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def accept_token(self, request: Request, token: int, token_logprobs: dict | None) -> None:
+        """Record a sampled token; sets ``finish_reason`` when it ends the request."""
+        piece = request.detokenizer.step(token)
+        request.output_text += piece
+        if token_logprobs is not None:
+            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t], False))
+                                     for t, (lp, rank) in token_logprobs.items()})
+            request.cumulative_logprob += token_logprobs[token][0]
+        params = request.params
+        if token in request.stop_token_ids:  # the sampler masks them until min_tokens
+            request.finish_reason = "stop"
+            request.stop_reason = None if token in request.eos_token_ids else token
+            return
+        if params.stop_strings and piece and self._check_stop_strings(request, len(piece)):
+            return
+        known = request.num_tokens - request.num_pending
+        if known - request.num_prompt_tokens >= params.max_tokens or known >= self.max_model_len:
+            request.finish_reason = "length"
+
+    @staticmethod
+    def _check_stop_strings(request: Request, new_chars: int) -> bool:
+        text = request.output_text
+        for stop in request.params.stop_strings:
+            start = max(0, len(text) - new_chars - len(stop) + 1)
+            index = text.find(stop, start)
+            if index != -1:
+                request.output_text = text[:index]
+                request.finish_reason = "stop"
+                request.stop_reason = stop
+                return True
+        return False
+
+    @staticmethod
+    def output(group: RequestGroup) -> RequestOutput:
+        """The group's cumulative state; captures (of every completion, by index) once all finished."""
+        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason, r.logprobs,
+                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None)
+                       for r in group.children]
+        first = group.children[0]
+        finished = group.finished
+        captures, capture_meta = _merge_captures(group.children) if finished else ({}, {})
+        return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
+                             capture_meta)
+
+
+def _merge_captures(children: list[Request]) -> tuple[dict, dict]:
+    """One request's captures as they are; several completions' rows concatenated by index, each
+    row still labelled with its own engine request id."""
+    if len(children) == 1:
+        return children[0].captures, children[0].capture_meta
+    tensors: dict[str, dict[int, Any]] = {}
+    metas: dict[str, dict[int, Any]] = {}
+    for stream in children[0].captures:
+        tensors[stream], metas[stream] = {}, {}
+        for layer in children[0].captures[stream]:
+            tensors[stream][layer] = torch.cat([c.captures[stream][layer] for c in children])
+            metas[stream][layer] = CaptureMeta.concat([c.capture_meta[stream][layer] for c in children])
+    return tensors, metas

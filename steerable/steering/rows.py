@@ -1,0 +1,89 @@
+"""The driver's ledger of the worker's steering tables: which row holds what at which site, how
+many rows and clamp slots the tables have, and the changes not yet sent.
+
+Row contents travel to the worker in the next step's ``SteeringUpdate``, all of them in one
+message (a row freed and reused within a step sends only its final contents). A change that makes
+the worker reallocate a table bumps ``version``: CUDA graphs captured before it are stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from steerable.step import Site, SteeringUpdate
+from steerable.steering.spec import Intervention
+
+ClampSlot = tuple[np.ndarray, float, float, float]  # unit direction, min, max, strength
+
+
+class RowTables:
+    def __init__(self, capacity: int, hidden_size: int):
+        self.capacity = capacity
+        self.hidden_size = hidden_size
+        self.version = 0
+        self.add_rows: dict[Site, set[int]] = {}
+        self.clamp_rows: dict[Site, set[int]] = {}
+        self.clamp_slots: dict[Site, int] = {}
+        self._adds: dict[Site, dict[int, np.ndarray | None]] = {}  # None: back to zeros
+        self._clamps: dict[Site, dict[int, list[ClampSlot]]] = {}  # []: every slot cleared
+        self._sent_capacity = 0
+
+    def live_sites(self) -> tuple[frozenset[Site], frozenset[Site]]:
+        """(sites with a live additive row, sites with a live clamp row)."""
+        return (frozenset(s for s, rows in self.add_rows.items() if rows),
+                frozenset(s for s, rows in self.clamp_rows.items() if rows))
+
+    def grow(self, min_capacity: int) -> None:
+        capacity = self.capacity
+        while capacity < min_capacity:
+            capacity *= 2
+        if capacity != self.capacity:
+            self.capacity = capacity
+            self.version += 1
+
+    def write(self, row: int, items: Sequence[Intervention]) -> None:
+        """Fill ``row`` with the interventions active on its tokens (adds at one site are summed)."""
+        adds: dict[Site, np.ndarray] = {}
+        clamps: dict[Site, list[ClampSlot]] = {}
+        for item in items:
+            if item.kind == "add":
+                adds[item.site] = adds.get(item.site, 0) + item.vector.numpy()
+            else:
+                clamps.setdefault(item.site, []).append((item.vector.numpy(), item.lo, item.hi, item.strength))
+        for site, vector in adds.items():
+            if site not in self.add_rows:
+                self.add_rows[site] = set()
+                self.version += 1  # a new table
+            self._adds.setdefault(site, {})[row] = vector.astype(np.float32)
+            self.add_rows[site].add(row)
+        for site, slots in clamps.items():
+            if len(slots) > self.clamp_slots.get(site, 0):
+                self.clamp_slots[site] = len(slots)
+                self.version += 1  # the site's clamp tables are reallocated wider
+            self._clamps.setdefault(site, {})[row] = slots
+            self.clamp_rows.setdefault(site, set()).add(row)
+
+    def clear(self, row: int) -> None:
+        for site, rows in self.add_rows.items():
+            if row in rows:
+                self._adds.setdefault(site, {})[row] = None
+                rows.discard(row)
+        for site, rows in self.clamp_rows.items():
+            if row in rows:
+                self._clamps.setdefault(site, {})[row] = []
+                rows.discard(row)
+
+    def take_update(self) -> SteeringUpdate | None:
+        """Everything changed since the last call (None when nothing did)."""
+        if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
+            return None
+        update = SteeringUpdate(self.capacity, clamps=self._clamps)
+        zeros = np.zeros(self.hidden_size, dtype=np.float32)
+        for site, rows in self._adds.items():
+            update.adds[site] = (np.fromiter(rows, dtype=np.int64, count=len(rows)),
+                                 np.stack([zeros if v is None else v for v in rows.values()]))
+        self._adds, self._clamps = {}, {}
+        self._sent_capacity = self.capacity
+        return update

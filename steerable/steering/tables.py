@@ -1,0 +1,134 @@
+"""The steering data plane on the worker: device tables indexed by row, updated from the plain
+``SteeringUpdate`` of each step, and the per-step view the hook points apply.
+
+Row 0 of every table is zeros (an additive row) or strength 0 (a clamp slot): tokens that are not
+steered use it and come out bit for bit unchanged. Tables only grow; the driver decides when (and
+bumps the layout version it sends), so every rank reallocates at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from steerable.step import Site, SteeringPlan, SteeringUpdate
+from steerable.steering.ops import add_rows, clamp_rows
+
+
+class SteeringTables:
+    def __init__(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
+                 owns: Callable[[Site], bool] = lambda site: True):
+        """``owns(site)``: whether this worker runs that site (a pipeline stage holds its own layers)."""
+        self.hidden_size = hidden_size
+        self.device = device
+        self.dtype = dtype
+        self.owns = owns
+        self.capacity = 1
+        self.add: dict[Site, torch.Tensor] = {}  # [capacity, H]
+        self.clamp_dir: dict[Site, torch.Tensor] = {}  # [capacity, slots, H] unit directions
+        self.clamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 3]: lo, hi, strength
+
+    # ------------------------------------------------------------ updates from the driver
+
+    def apply(self, update: SteeringUpdate) -> None:
+        self._grow(update.capacity)
+        for site, (rows, vectors) in update.adds.items():
+            if not self.owns(site):
+                continue
+            table = self.add.get(site)
+            if table is None:
+                table = self.add[site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype,
+                                                     device=self.device)
+            table.index_copy_(0, self._upload(torch.from_numpy(rows)),
+                              self._upload(torch.from_numpy(vectors).to(self.dtype)))
+        for site, rows in update.clamps.items():
+            if self.owns(site):
+                self._write_clamps(site, rows)
+
+    def _write_clamps(self, site: Site, rows: dict[int, list[tuple[np.ndarray, float, float, float]]]) -> None:
+        self._ensure_clamp_slots(site, max(len(slots) for slots in rows.values()))
+        directions, bounds = self.clamp_dir[site], self.clamp_bounds[site]
+        width = directions.shape[1]
+        index = torch.tensor(list(rows), dtype=torch.int64)
+        new_dir = torch.zeros(len(rows), width, self.hidden_size)
+        new_bounds = torch.tensor(_NO_CLAMP).repeat(len(rows), width, 1)
+        for i, slots in enumerate(rows.values()):
+            for k, (direction, lo, hi, strength) in enumerate(slots):
+                new_dir[i, k] = torch.from_numpy(direction)
+                new_bounds[i, k] = torch.tensor([lo, hi, strength])
+        index = self._upload(index)
+        directions.index_copy_(0, index, self._upload(new_dir.to(self.dtype)))
+        bounds.index_copy_(0, index, self._upload(new_bounds))
+
+    def _grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        for tables, fill in ((self.add, 0.0), (self.clamp_dir, 0.0), (self.clamp_bounds, _NO_CLAMP)):
+            for site, old in tables.items():
+                tables[site] = _grown(old, capacity, fill)
+        self.capacity = capacity
+
+    def _ensure_clamp_slots(self, site: Site, slots: int) -> None:
+        have = self.clamp_dir[site].shape[1] if site in self.clamp_dir else 0
+        if have >= slots:
+            return
+        directions = torch.zeros(self.capacity, slots, self.hidden_size, dtype=self.dtype, device=self.device)
+        bounds = torch.tensor(_NO_CLAMP, device=self.device).repeat(self.capacity, slots, 1)
+        if have:
+            directions[:, :have] = self.clamp_dir[site]
+            bounds[:, :have] = self.clamp_bounds[site]
+        self.clamp_dir[site], self.clamp_bounds[site] = directions, bounds
+
+    def _upload(self, values: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting for the step in flight (a blocking copy would)."""
+        if self.device.type != "cuda":
+            return values
+        return values.pin_memory().to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------ per step
+
+    def step_view(self, plan: SteeringPlan, index: torch.Tensor) -> "StepSteering":
+        return StepSteering(self, plan, index)
+
+
+_NO_CLAMP = [-math.inf, math.inf, 0.0]  # lo, hi, strength of an unused clamp slot
+
+
+def _grown(old: torch.Tensor, capacity: int, fill: float | list[float]) -> torch.Tensor:
+    """``old`` with rows up to ``capacity``, the new ones filled with 'no steering'."""
+    row = torch.tensor(fill, dtype=old.dtype, device=old.device)
+    new = row.expand(capacity, *old.shape[1:]).clone()
+    new[: old.shape[0]] = old
+    return new
+
+
+class StepSteering:
+    """What the hook points ask of steering in one step: does anything act at a site, is its effect
+    a table lookup to add (fusable), and apply it."""
+
+    def __init__(self, tables: SteeringTables, plan: SteeringPlan, index: torch.Tensor):
+        self.tables = tables
+        self.add_sites = plan.add_sites
+        self.clamp_sites = plan.clamp_sites
+        self.index = index  # int64 [T_padded] on the device
+
+    def acts_at(self, site: Site) -> bool:
+        return site in self.add_sites or site in self.clamp_sites
+
+    def table_add(self, site: Site) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(table, index)`` when the effect at ``site`` is exactly ``h + table[index]``."""
+        if site in self.clamp_sites or site not in self.add_sites:
+            return None
+        return self.tables.add[site], self.index
+
+    def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
+        if site in self.add_sites:
+            hidden = add_rows(hidden, self.tables.add[site], self.index)
+        if site in self.clamp_sites:
+            bounds = self.tables.clamp_bounds[site]
+            hidden = clamp_rows(hidden, self.tables.clamp_dir[site], bounds[..., 0], bounds[..., 1], bounds[..., 2],
+                                self.index)
+        return hidden

@@ -1,0 +1,158 @@
+"""The plain messages between the driver and a worker: one ``StepInput`` per step in, one
+``StepOutput`` per step back.
+
+Only numpy arrays, numbers, strings and small dataclasses of them: what a tensor-parallel worker
+process receives over the wire, and what every rank turns into the same decisions (which CUDA
+graph to replay, which rows to gather). Nothing in here refers to engine objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+PLACEHOLDER = -1  # a token id sampled by the previous step, still on the device
+
+Site = tuple[str, int]  # (hook point, layer)
+
+
+@dataclass
+class BlockTableUpdate:
+    """New KV block ids: ``request_blocks[rows[i], cols[i]] = values[i]`` in the worker's table."""
+
+    rows: np.ndarray  # int64
+    cols: np.ndarray  # int64
+    values: np.ndarray  # int64
+
+
+@dataclass
+class PenaltyInput:
+    """A sampling row with penalties, and the tokens they count (all known on the host)."""
+
+    row: int  # index into the step's sampled rows
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    repetition: float
+    frequency: float
+    presence: float
+
+
+@dataclass
+class SamplingInput:
+    """Per sampled row: which token row it reads, whose slot keeps the token, and how to draw."""
+
+    rows: np.ndarray  # int64 [S]: token rows whose logits are sampled
+    slots: np.ndarray  # int64 [S]: the request slot that keeps the sampled token for the next step
+    temperature: np.ndarray  # float32 [S]; 0 is greedy
+    top_p: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int64 [S]; 0 disables
+    min_p: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # int64 [S]: noise key, a function of the request's seed and the position sampled
+    logprobs: list[int | None]
+    suppress: dict[int, np.ndarray] = field(default_factory=dict)  # row -> token ids masked (min_tokens)
+    penalties: list[PenaltyInput] = field(default_factory=list)
+
+    @property
+    def filtered(self) -> bool:
+        """Some row needs top-k, top-p or min-p (the torch path)."""
+        return bool(self.top_k.any() or (self.top_p < 1.0).any() or self.min_p.any())
+
+
+@dataclass
+class SteeringUpdate:
+    """Changes to the worker's steering tables since the last step, applied before its forward.
+
+    ``capacity``: rows every table must hold (tables only grow). ``adds[site]``: rows of the additive
+    table and their new vectors (zeros clear a row). ``clamps[site]``: per row, the clamp slots'
+    (unit direction, min, max, strength); an empty list clears the row's slots.
+    """
+
+    capacity: int
+    adds: dict[Site, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rows [n], vectors [n, H]
+    clamps: dict[Site, dict[int, list[tuple[np.ndarray, float, float, float]]]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not self.adds and not self.clamps
+
+
+@dataclass
+class SteeringPlan:
+    """Which table row each token uses (0: none) and what a CUDA graph bakes in: the op at each
+    site and the table layout version (a table reallocated by growth lives elsewhere)."""
+
+    index: np.ndarray  # int64 [T]
+    add_sites: frozenset[Site]
+    clamp_sites: frozenset[Site]
+    version: int
+
+    @property
+    def signature(self) -> tuple:
+        return self.add_sites, self.clamp_sites, self.version
+
+
+@dataclass
+class CaptureGroup:
+    """Rows to gather at ``hook`` of each of ``layers``, stored as ``dtype`` (None: the model's)."""
+
+    hook: str
+    layers: tuple[int, ...]
+    dtype: str | None
+    rows: np.ndarray  # int64, sorted step rows
+
+    @property
+    def signature(self) -> tuple:
+        return self.hook, self.layers, self.dtype
+
+
+@dataclass
+class CapturePlan:
+    groups: list[CaptureGroup]
+
+    @property
+    def signature(self) -> tuple:
+        """The shape of the plan a CUDA graph bakes in (row contents and counts are data)."""
+        return tuple(g.signature for g in self.groups)
+
+
+@dataclass
+class StepInput:
+    """Everything a worker needs for one forward and its sampling."""
+
+    step_id: int
+    token_ids: np.ndarray  # int64 [T]; PLACEHOLDER: the token its request sampled last step
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: KV cache slot of each token
+    query_start: np.ndarray  # int64 [B + 1]
+    seq_lens: np.ndarray  # int64 [B]
+    request_slots: np.ndarray  # int64 [B]: each request's row in the worker's block table
+    max_query_len: int
+    block_update: BlockTableUpdate | None = None
+    sampling: SamplingInput | None = None
+    steering_update: SteeringUpdate | None = None
+    steering: SteeringPlan | None = None
+    capture: CapturePlan | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def token_request(self) -> np.ndarray:
+        """int64 [T]: which request (index into this step) each token belongs to."""
+        return np.repeat(np.arange(self.num_requests), np.diff(self.query_start))
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    sampled: list[int]
+    logprobs: list[dict[int, tuple[float, int]] | None]
+    captured: dict[tuple[int, int], torch.Tensor]  # (capture group, layer) -> rows on the host
+    graphed: bool

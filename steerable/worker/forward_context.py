@@ -1,0 +1,42 @@
+"""The device-side context of one forward: the attention metadata and the steering and capture
+views the hook points read. The model runner builds it from a ``StepInput``; every tensor in it is
+a view of a persistent buffer, so a CUDA graph captured on one step replays on the next with new
+contents at the same addresses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from steerable.capture.gather import StepCapture
+from steerable.steering.tables import StepSteering
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]; -1 marks padding rows
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]: context + new tokens (0 for padding sequences)
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    max_query_len: int
+    workspace: Any = None  # the attention backend's scratch buffers
+
+
+@dataclass
+class ForwardContext:
+    input_ids: torch.Tensor  # int64 [T_padded]
+    positions: torch.Tensor  # int64 [T_padded]
+    attn: AttentionMetadata
+    num_tokens: int  # real rows; rows beyond are padding for a CUDA graph
+    steering: StepSteering | None = None
+    capture: StepCapture | None = None
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.attn.max_query_len == 1
