@@ -130,14 +130,15 @@ def test_gumbel_argmax_greedy_and_distribution():
         half = logits.bfloat16()
         assert torch.equal(fused.gumbel_argmax(half, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE)),
                            half.float().argmax(-1))
-    # One row of 8 tokens sampled under 4000 seeds: frequencies follow softmax(logits / T).
+    # One row of 8 tokens sampled under n seeds: frequencies follow softmax(logits / T) (the
+    # interpreter runs a program at a time, so it draws fewer and allows 3 standard deviations).
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2], device=DEVICE)
-    n = 4000
+    n, tolerance = (4000, 0.03) if DEVICE == "cuda" else (600, 0.06)
     tokens = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                  torch.arange(n, device=DEVICE) * 7919 + 1)
     freq = torch.bincount(tokens.cpu(), minlength=8).float() / n
     expected = torch.softmax(row.cpu() / 1.5, -1)
-    assert (freq - expected).abs().max() < 0.03
+    assert (freq - expected).abs().max() < tolerance
     again = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                 torch.arange(n, device=DEVICE) * 7919 + 1)
     assert torch.equal(tokens, again)  # same seeds, same samples

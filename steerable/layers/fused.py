@@ -9,6 +9,7 @@ The PyTorch implementations stay the CPU path and the reference in tests.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -19,9 +20,14 @@ try:
 except ImportError:  # CPU-only installs: callers use the PyTorch path
     triton = None
 
+# Tests only: with Triton's CPU interpreter (TRITON_INTERPRET=1), STEERABLE_FUSED_ON_CPU=1 sends CPU
+# tensors down the fused path too, so a machine without a GPU still exercises these kernels in a model.
+_ON_CPU = (os.environ.get("STEERABLE_FUSED_ON_CPU") == "1"
+           and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
 
 def enabled(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
+    return triton is not None and (x.is_cuda or _ON_CPU)
 
 
 def _pow2(n: int) -> int:

@@ -1,0 +1,67 @@
+"""The GPU model path on a machine without a GPU: under Triton's CPU interpreter
+(``TRITON_INTERPRET=1``) with ``STEERABLE_FUSED_ON_CPU=1``, a tiny model runs the fused kernels
+(add + steering + RMSNorm, q/k-norm + RoPE + KV write, SwiGLU, the Gumbel sampler) and the Triton
+paged attention, and must still equal HF with the same edits. CI runs this in its interpreter pass."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not INTERPRET or os.environ.get("STEERABLE_FUSED_ON_CPU") != "1":
+    pytest.skip("run with TRITON_INTERPRET=1 STEERABLE_FUSED_ON_CPU=1", allow_module_level=True)
+
+from conftest import hf_model  # noqa: E402
+from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap  # noqa: E402
+from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec  # noqa: E402
+from steerable.layers import fused  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+
+def _vec(seed, scale=1.0):
+    return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family):
+    assert fused.enabled(torch.zeros(1))  # the switch is on: CPU tensors take the fused kernels
+    path = capture_dirs[family]
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=8)
+    hf = hf_model(path)
+    prompt = llm.get_tokenizer()("Steering vectors shift the residual stream").input_ids
+    add, clamp_dir, decode = _vec(1, 2.0), _vec(2), _vec(3, 2.0)
+    # An add at post_mlp 0 fuses into layer 1's input norm; the clamp at post_attn 1 takes the
+    # unfused path; a decode-only add at pre_attn 2 fuses with its own selection.
+    spec = SteeringSpec(vectors={"post_mlp": {0: add}}, clamps=[Clamp(1, clamp_dir, hook="post_attn", min=-0.2,
+                                                                      max=0.2)],
+                        decode_vectors={"pre_attn": {2: decode}})
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, steering_vectors=spec,
+                            capture=CaptureSpec(layers=[0, 2], select="all"))
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    edits = [("post_mlp", 0, add_edit(add), None), ("post_attn", 1, clamp_edit(clamp_dir, -0.2, 0.2), None),
+             ("pre_attn", 2, add_edit(decode), SelectSpec(generation="all"))]
+    tokens, logprobs = HFSteered(hf, edits).greedy(prompt, 5)
+    assert out.outputs[0].token_ids == tokens
+    assert max_logprob_gap(out, logprobs) <= 1e-4
+    ids = prompt + tokens
+    captured = {}
+    HFSteered(hf, edits).forward(torch.tensor([ids]), len(prompt), capture=captured)
+    for layer in (0, 2):
+        rows = out.captures["hidden_states"][layer]
+        assert rows.shape[0] == len(ids) - 1
+        assert (rows - captured[("post_mlp", layer)][:len(ids) - 1]).abs().max() <= 1e-4
+    plain = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert plain.outputs[0].token_ids != tokens  # the steering had an effect
+
+
+def test_fused_sampler_is_seeded_and_batch_independent(capture_dirs):
+    llm = LLM(capture_dirs["qwen3"], device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton",
+              max_num_seqs=8)
+    seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=11, ignore_eos=True)
+    alone = llm.generate(["Hello world"], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(["Paged attention", "Hello world"], [SamplingParams(max_tokens=4, temperature=0.7), seeded],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
