@@ -1,6 +1,7 @@
 """steerable: an LLM inference engine where activation steering and capture are first-class."""
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 try:
     __version__ = _version("steerable")

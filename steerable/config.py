@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from steerable.checks import FLOAT_DTYPES
 
 
 @dataclass
@@ -31,8 +31,8 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def validate(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *FLOAT_DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(FLOAT_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -58,12 +58,12 @@ class EngineConfig:
     def resolve_dtype(self, hf_config: Any, device: torch.device) -> torch.dtype:
         """``auto`` is float32 on CPU (exactness, speed of CPU kernels) and the checkpoint dtype on GPU."""
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return FLOAT_DTYPES[self.dtype]
         if device.type == "cpu":
             return torch.float32
         stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(stored, str):
-            stored = _DTYPES.get(stored)
+            stored = FLOAT_DTYPES.get(stored)
         return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 

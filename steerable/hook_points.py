@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from steerable.errors import InvalidRequestError
+
 PRE_ATTN = "pre_attn"  # residual stream entering layer L (HF hidden_states[L])
 POST_ATTN = "post_attn"  # residual after the attention residual add
 POST_MLP = "post_mlp"  # layer output (HF hidden_states[L + 1], before any final norm)
@@ -25,6 +27,13 @@ ROUTER_LOGITS = "router_logits"  # MoE gate logits before top-k
 COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS)
 
 Site = tuple[str, int]
+
+
+def check_residual_point(hook: Any, where: str) -> str:
+    """``hook`` if it names a residual point, else ``InvalidRequestError`` naming ``where``."""
+    if hook not in RESIDUAL_POINTS:
+        raise InvalidRequestError(f"{where}: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+    return hook
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from typing import Any
 
 from steerable.sampling_params import SamplingParams
 
-
 PLACEHOLDER = -1  # a sampled token still on its way from the device
 
 

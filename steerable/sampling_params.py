@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from steerable.errors import InvalidRequestError
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from steerable.checks import is_int, is_number
+from steerable.errors import InvalidRequestError
 
 
 @dataclass
@@ -54,47 +56,40 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field, so a bad request is refused before it costs anything."""
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+        if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
             raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise InvalidRequestError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         ref = self.steering_module_ref
         if ref is not None and not isinstance(ref, str):
             if not (isinstance(ref, (tuple, list)) and len(ref) == 2 and isinstance(ref[0], str)
-                    and _is_number(ref[1]) and math.isfinite(ref[1])):
+                    and is_number(ref[1]) and math.isfinite(ref[1])):
                 raise InvalidRequestError(f"steering_module_ref must be 'name' or ('name', scale) with a finite "
                                           f"scale, got {ref!r}")
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -21,7 +21,6 @@ prompt length is resolved once per prompt length and cached on the spec.
 
 from __future__ import annotations
 
-from steerable.errors import InvalidRequestError
 import bisect
 import json
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+from steerable.errors import InvalidRequestError
 
 __all__ = ["SelectSpec", "SelectLike", "SELECT_FIELDS", "SHORTCUTS"]
 

@@ -5,13 +5,19 @@ import random
 
 import pytest
 import torch
-
-import steerable
 from conftest import PROMPTS, hf_model
 from hf_oracle import HFSteered, add_edit
+
+import steerable
 from steerable import LLM, CaptureSpec, SamplingParams, SelectSpec
-from steerable.capture import (ATTENTION_HEADS, HIDDEN_STATES, FilesystemConsumer, LoggingConsumer,
-                               match_capture_request_id, read_capture_shard)
+from steerable.capture import (
+    ATTENTION_HEADS,
+    HIDDEN_STATES,
+    FilesystemConsumer,
+    LoggingConsumer,
+    match_capture_request_id,
+    read_capture_shard,
+)
 
 TOL = 1e-5
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import FAMILIES, PROMPTS, hf_greedy, hf_model
+
 from steerable import LLM, SamplingParams
 
 

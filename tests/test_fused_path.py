@@ -15,6 +15,7 @@ if not INTERPRET or os.environ.get("STEERABLE_FUSED_ON_CPU") != "1":
 
 from conftest import hf_model  # noqa: E402
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap  # noqa: E402
+
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec  # noqa: E402
 from steerable.layers import fused  # noqa: E402
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
-
 from conftest import PROMPTS, hf_greedy, hf_model
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap
+
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

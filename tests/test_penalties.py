@@ -4,9 +4,9 @@ written here as an HF logits processor), on the logits and on whole greedy gener
 
 import pytest
 import torch
+from conftest import hf_model
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from conftest import hf_model
 from steerable import LLM, SamplingParams
 from steerable.errors import InvalidRequestError
 from steerable.worker.penalties import apply_penalties

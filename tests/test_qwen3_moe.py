@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
+from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
 from steerable import LLM, CaptureSpec, SamplingParams
 from steerable.hook_points import ROUTER_LOGITS, HookPoints
 from steerable.layers.attention_backends import torch_ref

@@ -1,15 +1,14 @@
 """Steering plane: exact against HF hooks at each point, tiers, selection, composition, isolation,
 cache safety, preemption and bad input."""
 
-import random
-
 import math
+import random
 
 import pytest
 import torch
-
 from conftest import PROMPTS, hf_model
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap
+
 from steerable import LLM, Add, Clamp, SamplingParams, SelectSpec, SteeringSpec
 
 N = 10

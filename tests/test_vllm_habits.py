@@ -75,12 +75,28 @@ def test_non_finite_module_scale(llm):
     assert llm.get_steering_status()["rows_in_use"] == 0
 
 
+class _CountingConsumer:
+    def __init__(self):
+        self.closed = 0
+
+    def on_capture(self, request_id, stream, tensors, meta):
+        pass
+
+    def close(self):
+        self.closed += 1
+
+
 def test_version_alias_and_shutdown(model_dirs):
     assert isinstance(steerable.__version__, str) and steerable.__version__[0].isdigit()
+    consumer = _CountingConsumer()
     with LLM(model_dirs["qwen2"], device="cpu", kv_cache_tokens=1024) as llm:
         assert llm.llm_engine is llm.engine
+        llm.add_capture_consumer(consumer)
         llm.generate("Hello", GREEDY, use_tqdm=False)
+        assert consumer.closed == 0
+    assert consumer.closed == 1 and llm.llm_engine.stats()["kv_cache_bytes"] == 0
     llm.shutdown()  # idempotent
+    assert consumer.closed == 1
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("Hello", GREEDY, use_tqdm=False)
 

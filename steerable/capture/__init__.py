@@ -13,8 +13,8 @@ from steerable.capture.api import CaptureResult, capture, capture_batches
 from steerable.capture.consumers import CaptureConsumer, FilesystemConsumer, LoggingConsumer, read_capture_shard
 from steerable.capture.serialization import CaptureMeta, deserialize_captured, match_capture_request_id
 from steerable.capture.session import CaptureSession, CaptureSpec
-from steerable.hook_points import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 from steerable.capture.store import StreamConfig, StreamStore
+from steerable.hook_points import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
 __all__ = ["HIDDEN_STATES", "ATTENTION_HEADS", "ROUTER_LOGITS", "CaptureMeta", "CaptureSpec", "CaptureResult",
            "CaptureSession", "StreamConfig", "StreamStore", "CaptureConsumer", "FilesystemConsumer",

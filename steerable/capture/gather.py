@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from steerable.checks import FLOAT_DTYPES
 from steerable.step import CapturePlan, Site
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CaptureBuffers:
@@ -42,7 +41,7 @@ class StepCapture:
     def __init__(self, plan: CapturePlan, index: list[torch.Tensor]):
         self.plan = plan
         self.index = index
-        self.dtypes = [_DTYPES[g.dtype] if g.dtype is not None else None for g in plan.groups]
+        self.dtypes = [FLOAT_DTYPES[g.dtype] if g.dtype is not None else None for g in plan.groups]
         self.sites: dict[Site, list[int]] = {}
         for g, group in enumerate(plan.groups):
             for layer in group.layers:

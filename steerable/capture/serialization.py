@@ -19,13 +19,14 @@ Label columns are little-endian int32; ``req_idx`` indexes ``req_table``.
 
 from __future__ import annotations
 
-from steerable.errors import InvalidRequestError
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from steerable.errors import InvalidRequestError
 
 __all__ = ["CaptureMeta", "WIRE_DTYPES", "serialize_capture_layer", "deserialize_captured",
            "match_capture_request_id"]

@@ -23,8 +23,7 @@ from steerable.capture.planner import Delivery, Destination, RequestCapture, Row
 from steerable.capture.serialization import CaptureMeta, deserialize_captured
 from steerable.capture.store import StreamConfig, StreamStore, resolve_storage_dtype
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import (ATTENTION_HEADS, COMPONENTS, HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS,
-                                   ROUTER_LOGITS, HookLayout)
+from steerable.hook_points import COMPONENTS, HIDDEN_STATES, POST_MLP, ROUTER_LOGITS, HookLayout, check_residual_point
 from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
 from steerable.step import PLACEHOLDER, CapturePlan
@@ -82,11 +81,7 @@ class CaptureSession:
         return sorted(set(layers))
 
     def _hook(self, component: str, hook: str, field_name: str) -> str:
-        if component != HIDDEN_STATES:
-            return component
-        if hook not in RESIDUAL_POINTS:
-            raise InvalidRequestError(f"{field_name}: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
-        return hook
+        return component if component != HIDDEN_STATES else check_residual_point(hook, field_name)
 
     # ------------------------------------------------------------ streams (control plane)
 

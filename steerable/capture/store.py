@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from steerable.errors import InvalidRequestError
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -11,21 +10,17 @@ import numpy as np
 import torch
 
 from steerable.capture.serialization import match_capture_request_id, serialize_capture_layer
+from steerable.checks import float_dtype, is_int
+from steerable.errors import InvalidRequestError
 from steerable.selection import SelectSpec
 
 logger = logging.getLogger(__name__)
 
-_STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REDUCTIONS = ("all", "last", "mean")
 
 
 def resolve_storage_dtype(dtype: str | torch.dtype | None, field: str = "dtype") -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _STORAGE_DTYPES.values():
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in _STORAGE_DTYPES:
-        raise InvalidRequestError(f"{field}: unsupported storage dtype {dtype!r}; expected one of {sorted(_STORAGE_DTYPES)}")
-    return _STORAGE_DTYPES[name]
+    return None if dtype is None else float_dtype(dtype, field)
 
 
 class StreamConfig:
@@ -44,8 +39,7 @@ class StreamConfig:
             raise InvalidRequestError("select: row selection cannot be combined with reduce='last'/'mean'; "
                              "use reduce='all' with a select clause")
         self.select = SelectSpec.parse(select) if select is not None else None
-        if budget_rows is not None and (not isinstance(budget_rows, int) or isinstance(budget_rows, bool)
-                                        or budget_rows < 0):
+        if budget_rows is not None and (not is_int(budget_rows) or budget_rows < 0):
             raise InvalidRequestError(f"budget_rows: must be a non-negative integer or None, got {budget_rows!r}")
         self.layers = sorted(set(layers)) if layers is not None else None
         self.dtype = resolve_storage_dtype(dtype)
@@ -56,9 +50,6 @@ class StreamConfig:
                            "every request accumulates in host memory; prefer a select clause, a reduction or a "
                            "budget for long runs")
 
-    @property
-    def selects_rows(self) -> bool:
-        return self.select is not None
 
 
 @dataclass

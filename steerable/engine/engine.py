@@ -87,13 +87,13 @@ class LLMEngine:
                     stream: bool = False) -> RequestGroup:
         """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token.
         Raises ``InvalidRequestError`` (naming the field) and keeps nothing."""
-        with self.lock.call():
+        with self.lock.hold():
             self._check_open()
             return self._add_request(client_id, prompt, params, stream)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort by client id (every completion) or engine id; everything held is freed now."""
-        with self.lock.call():
+        with self.lock.hold():
             ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
             outputs = []
             for rid in ids:
@@ -107,7 +107,7 @@ class LLMEngine:
         """Run one engine step. A failure inside it finishes every request with
         ``finish_reason='error'``, frees what they held and raises ``EngineError``; the engine
         stays usable."""
-        with self.lock.step():
+        with self.lock.hold():
             self._check_open()
             try:
                 return self._step()
@@ -118,7 +118,7 @@ class LLMEngine:
 
     def finish_inflight(self) -> list[RequestOutput]:
         """Complete the step still on the device, if any, so no row of it is left to deliver later."""
-        with self.lock.call():
+        with self.lock.hold():
             if self._inflight is None:
                 return []
             inflight, self._inflight = self._inflight, None
@@ -134,62 +134,62 @@ class LLMEngine:
     # ---------------------------------------------------------------- control planes
 
     def set_steering_vectors(self, spec: Any, replace: bool = True) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.steering.set_global(spec, replace)
 
     def clear_steering_vectors(self) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.steering.clear_global()
 
     def register_steering_modules(self, modules: dict[str, Any]) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.steering.register_modules(modules)
 
     def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.steering.unregister_modules(names)
 
     def list_steerable_layers(self) -> dict[str, list[int]]:
         return self.steering.steerable_layers()
 
     def get_steering_status(self) -> dict[str, Any]:
-        with self.lock.call():
+        with self.lock.hold():
             return self.steering.status()
 
     def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
                       budget_rows: int | None, hook: str) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook)
 
     def stop_capture(self, stream: str) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.capture.stop(stream)
 
     def fetch_captured(self, stream: str, clear: bool, layers: Sequence[int] | None,
                        req_ids: Sequence[str] | None) -> tuple[dict, dict]:
-        with self.lock.call():
+        with self.lock.hold():
             return self.capture.fetch(stream, clear, layers, req_ids)
 
     def clear_captured(self, stream: str) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.capture.clear(stream)
 
     def capture_status(self, stream: str) -> dict[str, Any]:
-        with self.lock.call():
+        with self.lock.hold():
             return self.capture.status(stream)
 
     def add_capture_consumer(self, consumer: Any) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.capture.consumers.append(consumer)
 
     def remove_capture_consumer(self, consumer: Any) -> None:
-        with self.lock.call():
+        with self.lock.hold():
             self.capture.consumers.remove(consumer)
 
     def shutdown(self) -> None:
         """Abort what is running, close capture consumers, free the model and the KV cache.
         Idempotent; afterwards every call that needs the engine raises ``EngineDeadError``."""
-        with self.lock.call():
+        with self.lock.hold():
             if self._closed:
                 return
             self._closed = True
@@ -352,10 +352,11 @@ class LLMEngine:
         self.scheduler.finish(request)
         self.builder.release(request.request_id)
         self.steering.release(request)
-        request.captures, request.capture_meta = self.capture.finish(request, aborted)
         self.requests.pop(request.request_id, None)
         if request.group.finished:
             self.groups.pop(request.client_id, None)
+        # Last: this hands captures to consumers, user code that may raise.
+        request.captures, request.capture_meta = self.capture.finish(request, aborted)
 
     def _finish_group(self, group: RequestGroup, reason: str) -> None:
         for child in group.children:

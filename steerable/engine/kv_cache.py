@@ -133,8 +133,3 @@ class KVCacheManager:
                 self.free_blocks[block] = None
         request.block_ids = []
         self.num_cached_blocks.pop(request.request_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after weights change); blocks in use are untouched."""
-        self.cached_blocks.clear()
-        self.block_hash = [None] * self.num_blocks

@@ -1,6 +1,7 @@
-"""The engine's lock. Steps hold it; a call from another thread (a control-plane change, an abort,
-a new request) waits for at most the step in progress: the stepping thread lets waiting callers
-in before it takes the lock for its next step, so a busy loop of steps cannot starve them."""
+"""The engine's lock: first come, first served. A step holds it; a call from another thread (a
+control-plane change, an abort, a new request) waits for at most the steps and calls queued before
+it, and a stepping loop waits for at most the calls queued before its next step, so neither side
+can starve the other. Re-entrant, so a call may make other calls."""
 
 from __future__ import annotations
 
@@ -11,37 +12,30 @@ from contextlib import contextmanager
 
 class EngineLock:
     def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._state = threading.Condition(threading.Lock())
-        self._waiting = 0
+        self._state = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+        self._owner: int | None = None
+        self._depth = 0
 
     @contextmanager
-    def call(self) -> Iterator[None]:
-        """Hold the engine for one call (re-entrant, so a call may make others)."""
-        if self._lock.acquire(blocking=False):
-            try:
-                yield
-            finally:
-                self._lock.release()
-            return
+    def hold(self) -> Iterator[None]:
+        me = threading.get_ident()
         with self._state:
-            self._waiting += 1
+            if self._owner == me:
+                self._depth += 1
+            else:
+                ticket = self._next_ticket
+                self._next_ticket += 1
+                while self._serving != ticket:
+                    self._state.wait()
+                self._owner, self._depth = me, 1
         try:
-            self._lock.acquire()
+            yield
         finally:
             with self._state:
-                self._waiting -= 1
-                self._state.notify_all()
-        try:
-            yield
-        finally:
-            self._lock.release()
-
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        """Hold the engine for one step, after every caller already waiting has had its turn."""
-        with self._state:
-            while self._waiting:
-                self._state.wait()
-        with self._lock:
-            yield
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+                    self._serving += 1
+                    self._state.notify_all()

@@ -9,8 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from steerable.config import EngineConfig
-from steerable.errors import InvalidRequestError
 from steerable.engine.engine import LLMEngine
+from steerable.errors import InvalidRequestError
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
 from steerable.sampling_params import SamplingParams

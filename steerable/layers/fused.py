@@ -30,10 +30,6 @@ def enabled(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _ON_CPU)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 if triton is not None:
 
     @triton.jit
@@ -145,7 +141,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                         BLOCK=_pow2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
+                                         BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
     return y.view(shape)
 
 
@@ -170,7 +166,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
             residual, delta if delta is not None else residual, t1, i1, t2, i2, weight, out, y,
             residual.stride(0), delta.stride(0) if delta is not None else 0, t1.stride(0), t2.stride(0),
             out.stride(0), y.stride(0), width, eps, HAS_DELTA=delta is not None, NUM_TABLES=len(table_adds),
-            BLOCK=_pow2(width), num_warps=4 if width <= 4096 else 8)
+            BLOCK=triton.next_power_of_2(width), num_warps=4 if width <= 4096 else 8)
     return out, y
 
 
@@ -180,7 +176,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     if n:
-        block = min(1024, _pow2(inter))
+        block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
                                                          num_warps=4)
     return y
@@ -212,9 +208,9 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             qkv, q, q if store else k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
             k_cache, v_cache, slots, qkv.stride(0), q.stride(0), 0 if store else k.stride(0), cos.stride(0), eps,
             *cache_strides,
-            NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=_pow2(num_heads + num_kv_heads),
-            HEAD_D=head_dim, HALF=_pow2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
-            KV_PAD=_pow2(num_kv_heads), D_PAD=_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
+            NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
+            HEAD_D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
+            KV_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
             num_warps=4)
     return q, k, v
 

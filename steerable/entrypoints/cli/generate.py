@@ -6,8 +6,7 @@ import argparse
 import sys
 import time
 
-from steerable.entrypoints.cli.common import (CliError, add_engine_args, add_model_arg, engine_kwargs,
-                                              run_checked)
+from steerable.entrypoints.cli.common import CliError, add_engine_args, add_model_arg, engine_kwargs, run_checked
 
 DEFAULT_PROMPT = "What is the capital of France?"
 

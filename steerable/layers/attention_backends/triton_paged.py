@@ -92,10 +92,6 @@ class TritonAttentionConfig:
 CONFIG = TritonAttentionConfig()
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
 class DecodeWorkspace:
     """Preallocated partial-result buffers for the split-KV decode path.
 
@@ -111,7 +107,7 @@ class DecodeWorkspace:
         self.max_num_seqs = int(max_num_seqs)
         self.num_q_heads = int(num_q_heads)
         self.head_size = int(head_size)
-        self.head_size_padded = max(16, _next_pow2(head_size))
+        self.head_size_padded = max(16, triton.next_power_of_2(head_size))
         self.num_segments = int(num_segments)
         self.device = torch.device(device)
         self.acc = torch.empty(
@@ -179,7 +175,7 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_D=head_d,
-        H_PAD=_next_pow2(num_heads), D_PAD=_next_pow2(head_d), BLOCK_SIZE=block_size,
+        H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_d), BLOCK_SIZE=block_size,
         num_warps=CONFIG.store_num_warps,
     )
 
@@ -499,8 +495,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
 
     cfg = CONFIG
     group = num_q_heads // num_kv_heads
-    gqa_pad = _next_pow2(group)
-    d_pad = max(16, _next_pow2(head_d))
+    gqa_pad = triton.next_power_of_2(group)
+    d_pad = max(16, triton.next_power_of_2(head_d))
     qk_scale = float(scale) * _LOG2E
     use_window = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if use_window else 0
@@ -535,7 +531,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
             workspace.max.stride(0), workspace.max.stride(1),
             HEAD_D=head_d, D_PAD=d_pad,
-            NUM_SEGMENTS=nseg, SEG_PAD=_next_pow2(nseg),
+            NUM_SEGMENTS=nseg, SEG_PAD=triton.next_power_of_2(nseg),
             num_warps=4,
         )
         return
@@ -545,7 +541,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         tile_n = cfg.decode_long_tile_n if B * num_kv_heads <= cfg.decode_long_tile_max_programs else cfg.decode_tile_n
         num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
-        block_q = min(_next_pow2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
+        block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
         tile_n, num_warps, num_stages = (cfg.prefill_tile_n, cfg.prefill_num_warps,
                                          cfg.prefill_num_stages)
     block_m = max(16, block_q * gqa_pad)

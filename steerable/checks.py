@@ -1,0 +1,37 @@
+"""The value checks every validator shares, so a number is judged the same way everywhere."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from steerable.errors import InvalidRequestError
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite_number(value: Any, where: str) -> float:
+    """``value`` as a float, or ``InvalidRequestError`` naming ``where`` (bools, NaN and inf refused)."""
+    if not is_number(value) or not math.isfinite(value):
+        raise InvalidRequestError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def float_dtype(dtype: str | torch.dtype, where: str) -> torch.dtype:
+    """A float dtype by name (``"bfloat16"``, ``"torch.bfloat16"``) or as itself."""
+    if isinstance(dtype, torch.dtype) and dtype in FLOAT_DTYPES.values():
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in FLOAT_DTYPES:
+        raise InvalidRequestError(f"{where}: unsupported dtype {dtype!r}; expected one of {sorted(FLOAT_DTYPES)}")
+    return FLOAT_DTYPES[name]
