@@ -16,6 +16,7 @@ from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine.request import PLACEHOLDER, Request, RequestGroup
+from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler, SchedulerOutput
 from steerable.engine.tokenizer import Tokenizer
 from steerable.errors import EngineDeadError, InvalidRequestError
@@ -29,7 +30,7 @@ from steerable.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(ResumableRequests):
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
@@ -63,6 +64,7 @@ class LLMEngine:
                                    cache_limit=self.capture.cache_limit)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
+        self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
         self._inflight: tuple | None = None  # (schedule, batch, sample handle) launched, not finished
         self._rng = random.Random(config.seed)
         self.num_steps = 0
@@ -72,16 +74,13 @@ class LLMEngine:
     # ---------------------------------------------------------------- public, thread-safe
 
     def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False) -> RequestGroup:
-        """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token."""
+                    stream: bool = False, resumable: bool = False) -> RequestGroup:
+        """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token.
+        ``resumable`` (streaming input, n=1) pauses the request when a chunk's generation ends
+        instead of finishing it: see ``extend_request`` and ``close_request_input``."""
         with self.lock.call():
             self._check_open()
-            return self._add_request(client_id, prompt, params, stream)
-
-    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
-        """Abort by client id (every completion) or engine id; everything held is freed now."""
-        with self.lock.call():
-            return self._abort_request(request_ids)
+            return self._add_request(client_id, prompt, params, stream, resumable)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step (see ``_step``); control-plane calls from other threads go in between."""
@@ -99,7 +98,9 @@ class LLMEngine:
             return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Work a step can do (a paused streaming-input request waiting for its next chunk is none)."""
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or any(r.chunks for r in self._paused.values()))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -177,13 +178,15 @@ class LLMEngine:
     # ---------------------------------------------------------------- admission
 
     def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False) -> RequestGroup:
+                     stream: bool = False, resumable: bool = False) -> RequestGroup:
         """Validate and queue one prompt's ``params.n`` completions. Raises ``InvalidRequestError``
         (naming the field) and keeps nothing."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if resumable and params.n != 1:
+            raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         prompt_text, token_ids = self._tokenize(prompt)
@@ -199,6 +202,7 @@ class LLMEngine:
         self.groups[client_id] = group
         for child in children:
             child.group = group
+            child.resumable = resumable
             self.requests[child.request_id] = child
             self.runner.add_request(child)
             self.scheduler.add(child)
@@ -223,11 +227,13 @@ class LLMEngine:
         self.steering.release(request)
         self.capture.finish(request, aborted=True)
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | Sequence[int], continuation: bool = False) -> tuple[str | None, list[int]]:
+        """Token ids of a prompt, or of a streaming-input chunk (``continuation``: no special
+        tokens; its length is checked when it is applied)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=not continuation)
         else:
             text, ids = None, list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -238,7 +244,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if not continuation and len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
                              "(at least one token must be generated)")
         return text, ids
@@ -276,6 +282,8 @@ class LLMEngine:
         if self._inflight is not None and self._must_sync():
             outputs += self._complete(*self._inflight)
             self._inflight = None
+        if self._paused:
+            outputs += self._resume_ready()
         launched = None
         sched = self.scheduler.schedule()
         if not sched.is_empty:
@@ -318,17 +326,22 @@ class LLMEngine:
         for item in sched.scheduled:
             request = item.request
             if not item.samples:
-                if not request.finished:
+                if not (request.finished or request.paused):
                     self.kv.cache_computed_blocks(request)
                 continue
             token, token_logprobs = next(sampled)
-            if request.finished:  # stopped (or aborted) while this step was in flight
+            if request.finished or request.paused:  # stopped (or aborted) while this step was in flight
                 continue
             request.all_token_ids[item.token_index] = token
             request.num_pending -= 1
             self.kv.cache_computed_blocks(request)
             self._accept_token(request, token, token_logprobs)
             group = request.group
+            if request.finish_reason is not None and request.resumable and not (request.input_closed
+                                                                                and not request.chunks):
+                self._pause(request)
+                outputs.append(self._output(group))
+                continue
             if request.finish_reason is not None:
                 self._finish(request)
                 if group.finished:
@@ -371,9 +384,8 @@ class LLMEngine:
         return False
 
     def _finish(self, request: Request, aborted: bool = False) -> None:
-        if request.num_pending:  # tokens of steps still in flight will be discarded
-            del request.all_token_ids[request.num_tokens - request.num_pending:]
-            request.num_pending = 0
+        request.drop_pending()
+        self._paused.pop(request.request_id, None)
         self.scheduler.finish(request)
         self.runner.remove_request(request)
         self.steering.release(request)
@@ -385,7 +397,8 @@ class LLMEngine:
     def _output(self, group: RequestGroup) -> RequestOutput:
         """The group's cumulative state; captures (of every completion, by index) once all finished."""
         completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason, r.logprobs,
-                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None)
+                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None,
+                                        r.captures, r.capture_meta)
                        for r in group.children]
         first = group.children[0]
         finished = group.finished
@@ -413,16 +426,25 @@ class LLMEngine:
     # ---------------------------------------------------------------- introspection
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "num_steps": self.num_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_query_tokens": self.kv.query_tokens,
-            "prefix_cache_hit_tokens": self.kv.hit_tokens,
-            "num_free_blocks": self.kv.num_free_blocks,
-            "num_blocks": self.kv.num_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-        }
+        """Counters and occupancy (what a server exports as metrics)."""
+        with self.lock.call():
+            steering = self.steering.status()
+            return {
+                "num_steps": self.num_steps,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_query_tokens": self.kv.query_tokens,
+                "prefix_cache_hit_tokens": self.kv.hit_tokens,
+                "num_free_blocks": self.kv.num_free_blocks,
+                "num_blocks": self.kv.num_blocks,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_paused": len(self._paused),
+                "num_requests": len(self.requests),
+                "steering_rows_in_use": steering["rows_in_use"],
+                "steering_configs_in_use": steering["configs_in_use"],
+                "capture_rows_total": self.capture.rows_delivered,
+                "capture_requests_in_use": self.capture.requests_in_use,
+            }
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
