@@ -151,3 +151,12 @@ def smollm2_gguf() -> str | None:
         return None
     path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     return path if os.path.exists(path) else None
+
+
+@pytest.fixture(scope="session")
+def server(model_dirs, tmp_path_factory):
+    """One ``steerable serve`` of the tiny Qwen3 shared by every server test (see server_harness)."""
+    from server_harness import serve_test_model
+
+    with serve_test_model(model_dirs["qwen3"], str(tmp_path_factory.mktemp("server") / "server.log")) as running:
+        yield running

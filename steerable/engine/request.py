@@ -82,7 +82,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        """Generated tokens known on the host (without placeholders of steps still in flight)."""
+        return self.all_token_ids[len(self.prompt_token_ids):self.num_tokens - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:

@@ -97,7 +97,8 @@ class ResumableRequests:
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         kept = ("steering_vectors", "steering_module_ref", "capture", "cache_salt")
         for name in kept:
-            if getattr(params, name) is not None:
+            value = getattr(params, name)
+            if value is not None and value is not getattr(request.params, name):
                 raise InvalidRequestError(f"{name}: a streaming-input chunk keeps its request's steering, capture and "
                                           "cache salt; leave it unset")
         if params.n != 1:
