@@ -505,3 +505,31 @@ def test_soak(server, http, offline):
     asyncio.run(main())
     assert counts == {"good": 800, "bad": 100, "drop": 100}
     assert_nothing_held(http)
+
+
+def test_in_process_app_without_admin_key_and_after_shutdown(model_dirs):
+    """The app on an AsyncLLM of this process: admin routes off without --admin-api-key, a model
+    without a chat template, and 503 once the engine is shut down."""
+    from steerable import AsyncLLM
+    from steerable.entrypoints.openai import ServerSettings, build_app
+
+    llm = AsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024)
+    app = build_app(llm, ServerSettings(served_model_name="m"))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            r = await c.delete("/v1/steering/global")
+            assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
+            assert (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 200
+            llm.tokenizer.hf.chat_template = None
+            r = await c.post("/v1/chat/completions", json={"messages": MESSAGES})
+            assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
+            llm.shutdown()
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503
+            assert (await c.get("/health")).status_code == 503
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()

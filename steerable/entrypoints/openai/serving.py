@@ -180,24 +180,29 @@ class Generation(abc.ABC):
                 continue
             end = len(completion.text) if finished else max(state.chars, len(completion.text) - hold)
             tokens = len(completion.token_ids)
-            new_logprobs = tokens > state.tokens and completion.logprobs is not None
-            if end == state.chars and not new_logprobs and not finished:
+            # New tokens are news even without new text when the client asked for their ids or logprobs.
+            token_news = tokens > state.tokens and (completion.logprobs is not None or self.body.return_token_ids)
+            if end == state.chars and not token_news and not finished:
                 continue
             index = i * self.body.n + completion.index
             choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens, state)
+            if self.body.return_token_ids:  # in a stream, each chunk's new tokens
+                choice["token_ids"] = completion.token_ids[state.tokens:tokens]
             state.chars, state.tokens, state.finished = end, tokens, finished
             if finished:
-                choice.update(self._final_fields(completion, i))
+                choice.update(self._final_fields(completion, i, whole=False))
             choices.append(choice)
         return choices
 
-    def _final_fields(self, completion: CompletionOutput, i: int) -> dict[str, Any]:
+    def _final_fields(self, completion: CompletionOutput, i: int, whole: bool = True) -> dict[str, Any]:
+        """What a finished choice adds: why it ended, its captures, and (``whole``: not streamed) its tokens."""
         fields: dict[str, Any] = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
         if completion.captures:
             fields["captures"] = self.state.capture.to_json(completion)
         if self.body.return_token_ids:
-            fields["token_ids"] = list(completion.token_ids)
             fields["prompt_token_ids"] = self.prompts[i]
+            if whole:
+                fields["token_ids"] = list(completion.token_ids)
         return fields
 
     def _chunk(self, choices: list[dict]) -> dict[str, Any]:
