@@ -533,3 +533,19 @@ def test_in_process_app_without_admin_key_and_after_shutdown(model_dirs):
         asyncio.run(main())
     finally:
         llm.shutdown()
+
+
+def test_serve_cli_help_and_flags_checked_before_loading(capsys):
+    from steerable.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--host", "--port", "--api-key", "--admin-api-key", "--served-model-name", "--max-body-bytes",
+                 "--max-capture-bytes", "--chat-template", "--dtype", "--device", "--max-num-seqs", "--max-model-len",
+                 "--kv-cache-tokens", "--enforce-eager"):
+        assert flag in help_text, flag
+    for args, field in ((["--port", "0"], "--port"), (["--max-capture-bytes", "0"], "--max-capture-bytes"),
+                        (["--api-key", ""], "--api-key"), (["--max-num-seqs", "0"], "max_num_seqs")):
+        assert main(["serve", "no-such-model", *args]) == 2
+        assert field in capsys.readouterr().err

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from steerable.entrypoints.cli.common import CliError, add_engine_args, add_model_arg, engine_kwargs, run_checked
+
+if TYPE_CHECKING:
+    from steerable.entrypoints.openai.state import ServerSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,8 +60,9 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def server_settings(args: argparse.Namespace):
-    """The server's settings from the flags, checked before the model loads (CliError)."""
+def server_settings(args: argparse.Namespace) -> "ServerSettings":
+    """The server's settings from the flags, checked before the model loads (CliError). The web
+    stack is imported here, not at ``steerable --help``."""
     from steerable.entrypoints.openai.state import ServerSettings
 
     if not 0 < args.port < 65536:

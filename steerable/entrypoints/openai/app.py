@@ -3,6 +3,7 @@ under uvicorn. Further route modules (e.g. control vectors) plug in through ``RO
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -53,8 +54,16 @@ def capture_info(llm: AsyncLLM) -> CaptureInfo:
     return CaptureInfo(layers, widths, layouts, llm.engine.dtype)
 
 
+# The engine thread gives up the GIL at each device sync and must get it back at once; the event
+# loop, busy with many streams, would otherwise keep it for the default 5 ms. In a simulation of a
+# saturated GPU engine (10 ms steps, 256 streams) the engine kept 84 % of its step rate at 5 ms,
+# 95 % at 0.5 ms and 98 % at 0.2 ms.
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM; requests in flight get a few seconds to finish."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run()
 

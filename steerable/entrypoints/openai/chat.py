@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from steerable.entrypoints.openai.auth import require_user
 from steerable.entrypoints.openai.protocol import ChatCompletionRequest
-from steerable.entrypoints.openai.serving import ChoiceState, Generation, token_logprobs
+from steerable.entrypoints.openai.serving import Generation, token_logprobs
 from steerable.entrypoints.openai.state import ServerState, server_state
 from steerable.errors import InvalidRequestError
 from steerable.outputs import CompletionOutput
@@ -81,8 +81,7 @@ class Chat(Generation):
         return {"index": index, "message": {"role": "assistant", "content": completion.text},
                 "logprobs": _logprobs(completion, 0, len(completion.token_ids), self.body.top_logprobs or 0)}
 
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int, state: ChoiceState
-              ) -> dict[str, Any]:
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
         return {"index": index, "delta": {"content": text} if text else {},
                 "logprobs": _logprobs(completion, start, len(completion.token_ids), self.body.top_logprobs or 0),
                 "finish_reason": None}

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from steerable.entrypoints.openai.auth import require_user
 from steerable.entrypoints.openai.protocol import CompletionRequest
-from steerable.entrypoints.openai.serving import ChoiceState, Generation, token_logprobs
+from steerable.entrypoints.openai.serving import Generation, token_logprobs
 from steerable.entrypoints.openai.state import server_state
 from steerable.errors import InvalidRequestError
 from steerable.outputs import CompletionOutput
@@ -56,8 +56,7 @@ class Completion(Generation):
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
         return {"index": index, "text": completion.text, "logprobs": _logprobs(completion, 0, len(completion.token_ids))}
 
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int, state: ChoiceState
-              ) -> dict[str, Any]:
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": _logprobs(completion, start, len(completion.token_ids)),
                 "finish_reason": None}
 

@@ -57,7 +57,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
-    state.check_model((body.model_extra or {}).get("model"))
+    state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("prompt: give either prompt or messages")
     tokenizer = state.llm.tokenizer
@@ -74,7 +74,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
     state = server_state(request)
-    state.check_model((body.model_extra or {}).get("model"))
+    state.check_model(body.model)
     vocab = state.llm.model_config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -109,6 +109,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(OpenAIBase):
+    model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
@@ -117,6 +118,7 @@ class TokenizeRequest(OpenAIBase):
 
 
 class DetokenizeRequest(OpenAIBase):
+    model: str | None = None
     tokens: list[int]
 
 

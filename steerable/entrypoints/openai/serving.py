@@ -74,8 +74,7 @@ class Generation(abc.ABC):
         """A finished choice of the non-streaming answer."""
 
     @abc.abstractmethod
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int, state: ChoiceState
-              ) -> dict[str, Any]:
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
         """One choice's part of a stream chunk: ``text`` is new since the last one, tokens from ``start``."""
 
     def opening(self) -> list[dict[str, Any]]:
@@ -185,7 +184,7 @@ class Generation(abc.ABC):
             if end == state.chars and not token_news and not finished:
                 continue
             index = i * self.body.n + completion.index
-            choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens, state)
+            choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens)
             if self.body.return_token_ids:  # in a stream, each chunk's new tokens
                 choice["token_ids"] = completion.token_ids[state.tokens:tokens]
             state.chars, state.tokens, state.finished = end, tokens, finished
