@@ -12,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +20,8 @@ import common
 import httpx
 import numpy as np
 from common import emit, timed
+
+from steerable.entrypoints.openai.launcher import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,45 +56,20 @@ def run_offline(args, llm, w: common.Workload) -> dict:
 
 # ---------------------------------------------------------------- the server
 
-def start_server(args, path: str, log: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "steerable.entrypoints.cli", "serve", path, "--port", str(port), "--log-level",
-           "warning", "--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--gpu-memory-utilization",
-           str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+def server_process(args, path: str) -> ServerProcess:
+    """``steerable serve`` with the engine flags of the offline run."""
+    flags = ["--log-level", "warning", "--dtype", args.dtype, "--device", args.device, "--max-num-seqs",
+             str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
     if args.kv_cache_tokens is not None:
-        cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+        flags += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        flags.append("--enforce-eager")
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if args.smoke:
         env["OMP_NUM_THREADS"] = "1"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise RuntimeError(f"the server was not ready within {args.startup_timeout} s; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+    return ServerProcess(path, flags, os.path.join(args.cache_dir, f"serve-{os.getpid()}.log"), env,
+                         args.startup_timeout)
 
 
 # ---------------------------------------------------------------- the load
@@ -188,15 +162,12 @@ def main() -> None:
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
     offline = run_offline(args, llm, w)
     del llm
-    proc, url = start_server(args, path, os.path.join(args.cache_dir, f"serve-{os.getpid()}.log"))
-    try:
+    with server_process(args, path) as server:
         warm = w.head(min(len(w), args.warmup_requests or args.max_num_seqs))
         warm = common.Workload(warm.prompts, warm.input_lens, [min(n, 32) for n in warm.output_lens])
-        asyncio.run(run_load(url, warm, "serve-warmup", args.max_concurrency, None, args.seed))
-        results, seconds = asyncio.run(run_load(url, w, "serve-timed", args.max_concurrency, args.request_rate,
+        asyncio.run(run_load(server.url, warm, "serve-warmup", args.max_concurrency, None, args.seed))
+        results, seconds = asyncio.run(run_load(server.url, w, "serve-timed", args.max_concurrency, args.request_rate,
                                                 args.seed))
-    finally:
-        stop_server(proc)
     serve = summarize(results, seconds, args)
     emit(serve)
     ratio = {"record": "ratio", "output_tok_s_ratio": serve["output_tok_s"] / offline["output_tok_s"]}

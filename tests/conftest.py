@@ -160,3 +160,4 @@ def server(model_dirs, tmp_path_factory):
 
     with serve_test_model(model_dirs["qwen3"], str(tmp_path_factory.mktemp("server") / "server.log")) as running:
         yield running
+    assert running.proc.returncode is not None  # no server process outlives the tests

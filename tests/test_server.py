@@ -392,6 +392,16 @@ def test_capture_stream_routes(client, offline, http):
 
 # ---------------------------------------------------------------- under load and faults
 
+def test_metrics_have_the_prometheus_names(http):
+    assert http.get("/v1/models").status_code == 401  # counted by status
+    text = http.get("/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "kv_cache_usage_perc", "prefix_cache_hits_total",
+                 "steering_rows_in_use", "capture_rows_total", 'request_errors_total{status="401"}'):
+        assert f"\nsteerable:{name}" in text, name
+
+
 def test_prefix_cache_hits_across_http_requests(http):
     rng = random.Random(11)
     prefix = [rng.randrange(10, 300) for _ in range(96)]
