@@ -154,7 +154,8 @@ def _gaps_ms(times: list[float]) -> np.ndarray:
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
-    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds the server may take to start")
     args = p.parse_args()
     path = common.setup("serve", args)

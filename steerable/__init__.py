@@ -16,5 +16,5 @@ from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 from steerable.steering.spec import Add, Clamp, SteeringSpec
 
-__all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SelectSpec", "SteeringSpec",
-           "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "SelectSpec", "SteeringSpec", "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]

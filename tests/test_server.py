@@ -49,7 +49,8 @@ def vector(seed: int, scale: float = 4.0) -> torch.Tensor:
 
 
 def b64(v: torch.Tensor) -> dict:
-    return {"dtype": "float32", "shape": [v.numel()], "data": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()}
+    data = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+    return {"dtype": "float32", "shape": [v.numel()], "data": data}
 
 
 def run_offline(llm: LLM, prompt, **kwargs):
@@ -314,7 +315,8 @@ def test_chat_errors(http):
 
 def test_auth(http, server):
     assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
-    assert http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    wrong = {"Authorization": "Bearer wrong"}
+    assert http.post("/v1/completions", json={"prompt": "x"}, headers=wrong).status_code == 401
     assert http.post("/tokenize", json={"prompt": "x"}).status_code == 401
     for path in ("/health", "/version", "/metrics"):
         assert http.get(path).status_code == 200, path
@@ -518,31 +520,56 @@ def test_soak(server, http, offline):
 
 
 def test_in_process_app_without_admin_key_and_after_shutdown(model_dirs):
-    """The app on an AsyncLLM of this process: admin routes off without --admin-api-key, a model
-    without a chat template, and 503 once the engine is shut down."""
+    """The app on an AsyncLLM of this process (uvicorn in a thread): admin routes off without
+    --admin-api-key, a model without a chat template, an error after streaming began, and 503
+    once the engine is gone."""
+    import threading
+
+    import uvicorn
+
     from steerable import AsyncLLM
     from steerable.entrypoints.openai import ServerSettings, build_app
+    from steerable.entrypoints.openai.launcher import free_port
+
+    def fail() -> None:
+        raise RuntimeError("injected step failure")
 
     llm = AsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024)
-    app = build_app(llm, ServerSettings(served_model_name="m"))
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
-            r = await c.delete("/v1/steering/global")
-            assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
-            assert (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 200
-            llm.tokenizer.hf.chat_template = None
-            r = await c.post("/v1/chat/completions", json={"messages": MESSAGES})
-            assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
-            llm.shutdown()
-            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == 503
-            assert (await c.get("/health")).status_code == 503
-
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(build_app(llm, ServerSettings(served_model_name="m")), port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
     try:
-        asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            r = c.delete("/v1/steering/global")
+            assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
+            body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            events = []
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                        if len(events) == 2:
+                            llm.engine.step = fail  # a fault inside the engine's next step
+            assert r.status_code == 200 and events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][5:])["error"]
+            assert error["code"] == 503 and "injected step failure" in error["message"]
+            llm.tokenizer.hf.chat_template = None
+            r = c.post("/v1/chat/completions", json={"messages": MESSAGES})
+            assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503
+            assert c.get("/health").status_code == 503
     finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
         llm.shutdown()
+    assert not thread.is_alive()
 
 
 def test_serve_cli_help_and_flags_checked_before_loading(capsys):
@@ -559,3 +586,14 @@ def test_serve_cli_help_and_flags_checked_before_loading(capsys):
                         (["--api-key", ""], "--api-key"), (["--max-num-seqs", "0"], "max_num_seqs")):
         assert main(["serve", "no-such-model", *args]) == 2
         assert field in capsys.readouterr().err
+
+
+def test_chunked_body_over_the_limit_is_413(http):
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // 2**16 + 1):
+            yield b"z" * 2**16
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=body(), headers={**USER, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"

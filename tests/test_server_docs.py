@@ -15,7 +15,8 @@ DOC_URL = "http://127.0.0.1:8000"
 
 
 def test_server_doc_examples_run(server, model_dirs, tmp_path, monkeypatch):
-    text = DOC.read_text().replace(DOC_URL, server.url).replace('AsyncLLM("smollm2"', f'AsyncLLM({model_dirs["qwen3"]!r}')
+    text = DOC.read_text().replace(DOC_URL, server.url)
+    text = text.replace('AsyncLLM("smollm2"', f'AsyncLLM({model_dirs["qwen3"]!r}')
     blocks = re.findall(r"```(python|bash)\n(.*?)```", text, flags=re.S)
     assert {kind for kind, _ in blocks} == {"python", "bash"}
     monkeypatch.chdir(tmp_path)

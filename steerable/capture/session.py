@@ -300,7 +300,7 @@ class CaptureSession:
         state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
                                            for d in destinations)
         self._token_readers += state.reads_generated_tokens
-        self.requests_in_use += 1
+        self.requests_in_use += bool(destinations)
         for d in destinations:
             d.sink = state
         request.capture = state
@@ -442,7 +442,7 @@ class CaptureSession:
         for (g, layer), tensor in step.host.items():
             group = step.groups[g]
             for destination, request, where in group.takers:
-                if request.finished or request.paused:  # its last row fed the stop token back, or it was aborted
+                if request.finished or request.paused:  # its last row fed a stop token back, or it was aborted
                     continue
                 # A compact copy per request: stored rows never pin the whole step buffer.
                 rows = tensor.index_select(0, torch.from_numpy(where))

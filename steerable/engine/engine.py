@@ -82,6 +82,11 @@ class LLMEngine(ResumableRequests):
             self._check_open()
             return self._add_request(client_id, prompt, params, stream, resumable)
 
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort by client id (every completion) or engine id; everything held is freed now."""
+        with self.lock.call():
+            return self._abort_request(request_ids)
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step (see ``_step``); control-plane calls from other threads go in between."""
         with self.lock.step():
@@ -337,8 +342,7 @@ class LLMEngine(ResumableRequests):
             self.kv.cache_computed_blocks(request)
             self._accept_token(request, token, token_logprobs)
             group = request.group
-            if request.finish_reason is not None and request.resumable and not (request.input_closed
-                                                                                and not request.chunks):
+            if request.finish_reason is not None and request.more_input:  # a chunk ended: wait for the next
                 self._pause(request)
                 outputs.append(self._output(group))
                 continue

@@ -97,6 +97,11 @@ class Request:
     def paused(self) -> bool:
         return self.status is RequestStatus.PAUSED
 
+    @property
+    def more_input(self) -> bool:
+        """A streaming-input request with chunks queued or its input still open."""
+        return self.resumable and not (self.input_closed and not self.chunks)
+
     def drop_pending(self) -> None:
         """Forget the tokens of steps still in flight: they will be discarded."""
         if self.num_pending:

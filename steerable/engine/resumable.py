@@ -42,11 +42,6 @@ class ResumableRequests:
                 return [self._output(request.group)]
             return []
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
-        """Abort by client id (every completion) or engine id; everything held is freed now."""
-        with self.lock.call():
-            return self._abort_request(request_ids)
-
     def _pause(self, request: Request) -> None:
         """A chunk's generation has ended: keep blocks and planes, wait for the next chunk."""
         request.drop_pending()

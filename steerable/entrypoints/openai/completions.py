@@ -54,7 +54,8 @@ class Completion(Generation):
         return self.body.logprobs
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
-        return {"index": index, "text": completion.text, "logprobs": _logprobs(completion, 0, len(completion.token_ids))}
+        return {"index": index, "text": completion.text,
+                "logprobs": _logprobs(completion, 0, len(completion.token_ids))}
 
     def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": _logprobs(completion, start, len(completion.token_ids)),

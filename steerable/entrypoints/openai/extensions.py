@@ -47,7 +47,8 @@ def module_ref_from_json(value: Any) -> str | tuple[str, float] | None:
         if "name" not in value:
             raise InvalidRequestError("steering_module_ref.name: missing")
         return value["name"], value.get("scale", 1.0)
-    raise InvalidRequestError(f"steering_module_ref: expected a name or {{'name', 'scale'}}, got {type(value).__name__}")
+    raise InvalidRequestError(f"steering_module_ref: expected a name or {{'name', 'scale'}}, "
+                              f"got {type(value).__name__}")
 
 
 def capture_from_json(value: Any) -> list[CaptureSpec] | None:

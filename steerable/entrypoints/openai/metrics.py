@@ -27,7 +27,8 @@ _GAUGES = (("num_running", "steerable:num_requests_running", "Requests in the ru
            ("capture_requests_in_use", "steerable:capture_requests_in_use",
             "Live requests with their own capture spec."))
 _COUNTERS = (("prefix_cache_hit_tokens", "steerable:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
-             ("prefix_cache_query_tokens", "steerable:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+             ("prefix_cache_query_tokens", "steerable:prefix_cache_queries",
+              "Prompt tokens looked up in the prefix cache."),
              ("capture_rows_total", "steerable:capture_rows", "Captured rows delivered, counted per layer."))
 
 

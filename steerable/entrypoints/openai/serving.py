@@ -114,7 +114,8 @@ class Generation(abc.ABC):
         """413 before anything runs: the captures this answer could carry exceed ``--max-capture-bytes``."""
         limit = self.state.settings.max_capture_bytes
         info = self.state.capture
-        bound = sum(info.bytes_bound(p.capture, prompt, p.max_tokens) * p.n for prompt, p in zip(self.prompts, self.params))
+        bound = sum(info.bytes_bound(p.capture, prompt, p.max_tokens) * p.n
+                    for prompt, p in zip(self.prompts, self.params))
         if bound > limit:
             raise APIError(413, f"capture: this answer could carry {bound} bytes of captures, over "
                                 f"--max-capture-bytes={limit}; capture fewer rows or layers (select, reduce, "
