@@ -18,14 +18,12 @@ import openai
 import pytest
 import torch
 
-from server_harness import ADMIN_KEY, MAX_BODY_BYTES, SERVED_NAME, USER_KEY
+from server_harness import ADMIN, MAX_BODY_BYTES, SERVED_NAME, USER, USER_KEY, assert_nothing_held, metrics, wait_idle
 from steerable import LLM, CaptureSpec, SamplingParams, SelectSpec, SteeringSpec, Add, Clamp
 from steerable.capture import deserialize_captured, match_capture_request_id
 
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Steering vectors shift", "Paged attention stores keys"]
 MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
-USER = {"Authorization": f"Bearer {USER_KEY}"}
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -59,35 +57,6 @@ def run_offline(llm: LLM, prompt, **kwargs):
 
 def salt() -> str:
     return uuid.uuid4().hex
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    values = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until the engine holds no request and no KV block (or fail at the deadline)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        if m["steerable:num_requests_live"] == 0 and m["steerable:kv_blocks_in_use"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.05)
-
-
-def assert_nothing_held(http: httpx.Client) -> None:
-    m = wait_idle(http)
-    for name in ("num_requests_running", "num_requests_waiting", "steering_rows_in_use", "steering_configs_in_use",
-                 "capture_requests_in_use", "kv_cache_usage_perc"):
-        assert m[f"steerable:{name}"] == 0, name
-    status = http.get("/v1/steering", headers=USER).json()
-    assert status["rows_in_use"] == 0 and status["configs_in_use"] == 0, status
 
 
 # ---------------------------------------------------------------- OpenAI surface
@@ -427,95 +396,6 @@ def test_client_disconnect_aborts_and_frees(http, server):
                 break
     m = wait_idle(http)
     assert m["steerable:generation_tokens_total"] - before < 400
-    assert_nothing_held(http)
-
-
-def soak_requests(n: int, rng: random.Random) -> list[tuple[str, dict | bytes]]:
-    """n requests: 10 % invalid (each kind in turn), 10 % that disconnect mid-stream, the rest valid."""
-    bad = [({"prompt": "x", "steering_vectors": {"1": [1.0, 2.0]}}, 400),
-           ({"prompt": "x", "steering_module_ref": "missing"}, 400),
-           ({"prompt": "x", "capture": {"select": {"generation_window": [3, 1]}}}, 400),
-           (b'{"prompt": [1, 2', 400),
-           (b'{"prompt": "' + b"y" * (MAX_BODY_BYTES + 1) + b'"}', 413)]
-    out = []
-    for i in range(n):
-        if i % 10 == 3:
-            out.append(("bad", bad[(i // 10) % len(bad)]))
-        elif i % 10 == 7:
-            out.append(("drop", {"prompt": PROMPTS[i % 4], "max_tokens": 64, "ignore_eos": True, "stream": True,
-                                 "steering_vectors": {"2": [0.25] * 64}}))
-        else:
-            out.append(("good", rng.randrange(len(SOAK_CASES))))
-    return out
-
-
-SOAK_CASES = [(p, steer, cap) for p in PROMPTS for steer in (None, 1.5) for cap in (False, True)]
-
-
-def soak_expected(offline: LLM) -> list:
-    outs = []
-    for prompt, steer, cap in SOAK_CASES:
-        outs.append(run_offline(offline, prompt, max_tokens=5, temperature=0,
-                                steering_vectors={1: torch.full((64,), steer)} if steer else None,
-                                capture=CaptureSpec(layers=[2], select="all_generated") if cap else None))
-    return outs
-
-
-def test_soak(server, http, offline):
-    """1,000 requests at concurrency 32 over loopback; every valid answer equals offline, every
-    invalid one gets its 4xx, disconnected streams leave nothing behind."""
-    expected = soak_expected(offline)
-    plan = soak_requests(1000, random.Random(0))
-    counts = {"good": 0, "bad": 0, "drop": 0}
-
-    async def one(client: httpx.AsyncClient, kind: str, payload) -> None:
-        if kind == "bad":
-            body, status = payload
-            kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
-            r = await client.post("/v1/completions", headers={**USER, "Content-Type": "application/json"}, **kwargs)
-            assert r.status_code == status, r.text[:300]
-        elif kind == "drop":
-            async with client.stream("POST", "/v1/completions", json=payload, headers=USER) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        break
-        else:
-            prompt, steer, cap = SOAK_CASES[payload]
-            body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
-            if steer:
-                body["steering_vectors"] = {"1": [steer] * 64}
-            if cap:
-                body["capture"] = {"layers": [2], "select": "all_generated"}
-            r = await client.post("/v1/completions", json=body, headers=USER)
-            assert r.status_code == 200, r.text[:300]
-            choice, ref = r.json()["choices"][0], expected[payload].outputs[0]
-            assert choice["token_ids"] == ref.token_ids
-            if cap:
-                tensors, metas = deserialize_captured(choice["captures"]["hidden_states"])
-                assert torch.equal(metas[2].positions, ref.capture_meta["hidden_states"][2].positions)
-                torch.testing.assert_close(tensors[2], ref.captures["hidden_states"][2], rtol=0, atol=1e-5)
-        counts[kind] += 1
-
-    async def main() -> None:
-        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
-            queue = list(plan)
-            failures = []
-
-            async def worker() -> None:
-                while queue:
-                    kind, payload = queue.pop()
-                    try:
-                        await one(client, kind, payload)
-                    except Exception as err:  # collected, so one failure does not hide the others
-                        failures.append(f"{kind}: {err!r}")
-
-            await asyncio.gather(*[worker() for _ in range(32)])
-            assert not failures, failures[:5]
-
-    asyncio.run(main())
-    assert counts == {"good": 800, "bad": 100, "drop": 100}
     assert_nothing_held(http)
 
 
