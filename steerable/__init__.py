@@ -10,11 +10,12 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 
 from steerable import capture
 from steerable.capture import CaptureSpec, capture_batches
+from steerable.entrypoints.async_llm import AsyncLLM, StreamingInput
 from steerable.entrypoints.llm import LLM
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 from steerable.steering.spec import Add, Clamp, SteeringSpec
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SelectSpec", "SteeringSpec",
-           "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "SelectSpec", "SteeringSpec", "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]

@@ -22,6 +22,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when logprobs were asked
+    # This completion's own captures once it has finished (with n > 1, RequestOutput.captures
+    # holds every completion's rows together, available when the last one finishes).
+    captures: dict[str, dict[int, Any]] = field(default_factory=dict)
+    capture_meta: dict[str, dict[int, Any]] = field(default_factory=dict)
 
 
 @dataclass

@@ -8,17 +8,19 @@ plain ``StepInput`` (``steerable.step``).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from steerable.sampling_params import SamplingParams
 
-PLACEHOLDER = -1  # a sampled token still on its way from the device
+from steerable.step import PLACEHOLDER
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # streaming input: a chunk is done, the next one has not been applied yet
     FINISHED = "finished"
 
 
@@ -65,6 +67,11 @@ class Request:
         self.hash_keys: list[tuple[int, bytes]] = []
         if params.cache_salt is not None:
             self.hash_keys.append((0, b"salt:" + params.cache_salt.encode()))
+        # Streaming input (``resumable``): a finished chunk pauses the request, keeping its KV blocks
+        # and plane registrations; queued chunks (token ids, params) resume it, until input closes.
+        self.resumable = False
+        self.chunks: deque[tuple[list[int], SamplingParams]] = deque()
+        self.input_closed = False
         self.steering: Any = None  # steering plane's per-request state (resolved config, rows)
         self.capture: Any = None  # capture plane's per-request state
         self.captures: dict = {}  # delivered on the final RequestOutput
@@ -80,7 +87,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        """Generated tokens known on the host (without placeholders of steps still in flight)."""
+        return self.all_token_ids[len(self.prompt_token_ids):self.num_tokens - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
@@ -89,6 +97,44 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def paused(self) -> bool:
+        return self.status is RequestStatus.PAUSED
+
+    @property
+    def more_input(self) -> bool:
+        """A streaming-input request with chunks queued or its input still open."""
+        return self.resumable and not (self.input_closed and not self.chunks)
+
+    def drop_pending(self) -> None:
+        """Forget the tokens of steps still in flight: they will be discarded."""
+        if self.num_pending:
+            del self.all_token_ids[self.num_tokens - self.num_pending:]
+            self.num_pending = 0
+
+    def grow(self, chunk: list[int], params: SamplingParams) -> int:
+        """Apply a streaming-input chunk (vLLM's resumable requests): the last sampled token, which
+        has no KV yet, is dropped; the rest of the output joins the prompt, then ``chunk``; the
+        generation state starts over under ``params``. Returns where the kept tokens end."""
+        keep = self.num_tokens - 1
+        del self.all_token_ids[keep:]
+        self.num_computed_tokens = min(self.num_computed_tokens, keep)
+        self.max_computed_tokens = min(self.max_computed_tokens, keep)  # the dropped row was never delivered
+        self.prompt = None
+        self.prompt_token_ids = self.all_token_ids + chunk
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.params = params
+        self.finish_reason = self.stop_reason = None
+        self.stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(self.eos_token_ids)
+        self.output_text = ""
+        self.logprobs = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.hash_keys.append((keep, b"resume@%d" % keep))  # its KV from here on is the session's own
+        self.status = RequestStatus.WAITING
+        return keep
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

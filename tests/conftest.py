@@ -148,3 +148,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def smollm2_gguf() -> str | None:
     from steerable.models.loader import demo_model_path
     return demo_model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def server(model_dirs, tmp_path_factory):
+    """One ``steerable serve`` of the tiny Qwen3 shared by every server test (see server_harness)."""
+    from server_harness import serve_test_model
+
+    with serve_test_model(model_dirs["qwen3"], str(tmp_path_factory.mktemp("server") / "server.log")) as running:
+        yield running
+    assert running.proc.returncode is not None  # no server process outlives the tests

@@ -85,3 +85,13 @@ def test_latency(cache_dir):
     for x in modes.values():
         positive(x, "decode_ms_per_token", "full_s", "first_token_s")
         assert len(x["decode_ms_per_token_all"]) == 2
+
+
+def test_serve(cache_dir):
+    """Concurrency 1 with Poisson arrivals: the load generator, both baselines and the ratios."""
+    r = run("serve", cache_dir, "--max-concurrency", "1", "--request-rate", "50")
+    offline, serve, ratio = r["offline"][0], r["serve"][0], r["ratio"][0]
+    positive(offline, "seconds", "output_tok_s", "decode_ms_per_token")
+    positive(serve, "seconds", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+    assert serve["requests"] == 6 and serve["failed"] == 0 and serve["output_tokens"] == offline["output_tokens"]
+    positive(ratio, "output_tok_s_ratio", "itl_p50_over_offline_ms_per_token")

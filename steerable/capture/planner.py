@@ -74,6 +74,8 @@ class Destination:
     dtype: torch.dtype | None
     select: SelectSpec | None
     sink: Any  # the StreamStore, or the request's RequestCapture
+    reduce: str = "all"  # a request's own reduction (a stream's is in its StreamStore)
+    budget_rows: int | None = None
 
 
 @dataclass

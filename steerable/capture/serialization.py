@@ -14,11 +14,14 @@ Per layer::
               "token_ids": bytes},
      "layout": {...}}            # optional, e.g. {"num_heads": 16, "head_size": 64}
 
-Label columns are little-endian int32; ``req_idx`` indexes ``req_table``.
+Label columns are little-endian int32; ``req_idx`` indexes ``req_table``. In JSON (an HTTP
+response) the four byte fields are base64 strings, which ``deserialize_captured`` reads as well.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,7 +31,7 @@ import torch
 
 from steerable.errors import InvalidRequestError
 
-__all__ = ["CaptureMeta", "WIRE_DTYPES", "serialize_capture_layer", "deserialize_captured",
+__all__ = ["CaptureMeta", "WIRE_DTYPES", "serialize_capture_layer", "serialize_captured", "deserialize_captured",
            "match_capture_request_id"]
 
 ENCODING = "raw"
@@ -158,6 +161,41 @@ def serialize_capture_layer(tensor: torch.Tensor, labels: torch.Tensor, req_tabl
     return out
 
 
+def serialize_captured(tensors: Mapping[int, torch.Tensor], metas: Mapping[int, CaptureMeta],
+                       layouts: Mapping[int, Mapping[str, Any]] | None = None, text: bool = False
+                       ) -> dict[Any, dict[str, Any]]:
+    """Inverse of ``deserialize_captured``: per-layer wire dicts. With ``text=True`` the result is
+    JSON-ready (layer keys as strings, byte fields base64) for an HTTP response."""
+    out: dict[Any, dict[str, Any]] = {}
+    for layer, tensor in tensors.items():
+        meta = metas[layer]
+        table, req_idx = _req_index(meta.req_ids)
+        labels = torch.stack([req_idx, meta.positions, meta.token_ids], dim=1) if len(meta) else \
+            torch.empty(0, 3, dtype=torch.int32)
+        wire = serialize_capture_layer(tensor, labels, table, (layouts or {}).get(layer))
+        if text:
+            wire["data"] = _b64(wire["data"])
+            wire["meta"] = {k: _b64(v) if isinstance(v, bytes) else v for k, v in wire["meta"].items()}
+        out[str(layer) if text else layer] = wire
+    return out
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _as_bytes(value: Any, what: str) -> bytes | bytearray | memoryview:
+    """Raw bytes as given, or decoded from the base64 text of a JSON payload."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return value
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError(f"{what} is not valid base64") from None
+    raise InvalidRequestError(f"{what} is missing or not bytes")
+
+
 def _layer_key(key: object) -> int:
     if isinstance(key, int) and not isinstance(key, bool):
         return key
@@ -167,9 +205,7 @@ def _layer_key(key: object) -> int:
 
 
 def _column(meta: Mapping[str, Any], name: str, layer: int, rows: int) -> np.ndarray:
-    buf = meta.get(name)
-    if not isinstance(buf, (bytes, bytearray, memoryview)):
-        raise InvalidRequestError(f"capture layer {layer} label column {name!r} is missing or not bytes")
+    buf = _as_bytes(meta.get(name), f"capture layer {layer} label column {name!r}")
     if len(buf) != rows * _I32.itemsize:
         raise InvalidRequestError(f"capture layer {layer} label column {name!r} has {len(buf)} bytes "
                          f"for {rows} rows; labels are inconsistent with the data")
@@ -201,10 +237,8 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
             raise InvalidRequestError(f"capture layer {layer} has invalid shape {shape!r}; expected [rows, width]")
         rows, width = shape
-        data = info.get("data")
+        data = _as_bytes(info.get("data"), f"capture layer {layer} data")
         raw = _RAW[dtype]
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidRequestError(f"capture layer {layer} data is not bytes")
         if len(data) != rows * width * raw.itemsize:
             raise InvalidRequestError(f"capture layer {layer} carries {len(data)} bytes, expected "
                              f"{rows}x{width}x{raw.itemsize}")

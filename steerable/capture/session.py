@@ -21,7 +21,8 @@ import torch
 
 from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
 from steerable.capture.serialization import CaptureMeta, deserialize_captured
-from steerable.capture.store import StreamConfig, StreamStore, resolve_storage_dtype
+from steerable.capture.store import (StreamConfig, StreamStore, check_reduction, reduce_rows,
+                                     resolve_storage_dtype)
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import COMPONENTS, HIDDEN_STATES, POST_MLP, ROUTER_LOGITS, HookLayout, check_residual_point
 from steerable.request import Request, ScheduledRequest
@@ -32,13 +33,17 @@ from steerable.step import PLACEHOLDER, CapturePlan
 @dataclass(frozen=True)
 class CaptureSpec:
     """Per-request capture: rows of ``stream`` at ``layers`` (None = all) picked by ``select``
-    (None = every row), stored as ``dtype`` (None = the model's), hidden states read at ``hook``."""
+    (None = every row), stored as ``dtype`` (None = the model's), hidden states read at ``hook``.
+    When the request finishes, ``reduce="last"`` keeps its last selected row and ``"mean"`` their
+    float32 mean (as a stream's reductions), and ``budget_rows`` keeps at most that many rows."""
 
     stream: str = HIDDEN_STATES
     layers: Sequence[int] | None = None
     select: Any = None
     dtype: str | None = None
     hook: str = POST_MLP
+    reduce: str = "all"
+    budget_rows: int | None = None
 
 
 class CaptureSession:
@@ -54,6 +59,8 @@ class CaptureSession:
         self.consumers: list[Any] = []
         self._serial = 0  # bumps when a stream starts or stops: cached per-request plans go stale
         self._token_readers = 0  # live requests whose own selection reads generated token ids
+        self.requests_in_use = 0  # live requests with their own CaptureSpec
+        self.rows_delivered = 0  # rows handed to streams and requests, counted per layer
         self.graph_replays = 0
         self.eager_capture_forwards = 0
 
@@ -166,20 +173,37 @@ class CaptureSession:
             hook = self._hook(component, spec.hook, "capture.hook")
             layers = self._layers(component, spec.layers, "capture.layers")
             dtype = resolve_storage_dtype(spec.dtype, "capture.dtype")
+            check_reduction(spec.reduce, spec.budget_rows, "capture.")
             try:
                 select = SelectSpec.parse(spec.select) if spec.select is not None else None
             except ValueError as err:
                 raise InvalidRequestError(f"capture.{err}") from None  # "capture.select...: ..."
             destinations.append(Destination(("request", request.request_id, component), component, hook,
-                                             layers, dtype, select, None))
+                                            layers, dtype, select, None, spec.reduce, spec.budget_rows))
         state = RequestCapture(destinations)
         state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
                                            for d in destinations)
         self._token_readers += state.reads_generated_tokens
+        self.requests_in_use += bool(destinations)
         for d in destinations:
             d.sink = state
-            state.selectors[d.key] = RowSelector.build(d.select, request.prompt_token_ids)
         request.capture = state
+        self._build_selectors(request)
+
+    def prompt_extended(self, request: Request) -> None:
+        """A streaming-input request resumed with a longer prompt: selections are resolved on it
+        again. Rows below its high-water mark were delivered and stay so."""
+        state = request.capture
+        if state is not None:
+            state.selectors.clear()  # streams' selectors are rebuilt when next needed
+            state.plan_version = -1
+            self._build_selectors(request)
+
+    @staticmethod
+    def _build_selectors(request: Request) -> None:
+        state = request.capture
+        for d in state.destinations:
+            state.selectors[d.key] = RowSelector.build(d.select, request.prompt_token_ids)
 
     def cache_limit(self, request: Request) -> int:
         """How many leading tokens a prefix-cache hit may cover: stop at the first prompt row some
@@ -234,16 +258,16 @@ class CaptureSession:
         for (g, layer), tensor in captured.items():
             group = delivery.groups[g]
             for destination, request, where in group.takers:
-                if request.finished:
+                if request.finished or request.paused:
                     continue
                 # A compact copy per request: stored rows never pin the whole step buffer.
                 rows = tensor.index_select(0, torch.from_numpy(where))
                 self._deliver_rows(destination, layer, request.request_id, rows, group.positions[where],
                                    group.token_ids[where])
 
-    @staticmethod
-    def _deliver_rows(destination: Destination, layer: int, request_id: str, tensor: torch.Tensor,
+    def _deliver_rows(self, destination: Destination, layer: int, request_id: str, tensor: torch.Tensor,
                       positions: np.ndarray, token_ids: np.ndarray) -> None:
+        self.rows_delivered += len(tensor)
         sink = destination.sink
         if isinstance(sink, StreamStore):
             sink.append(layer, request_id, tensor, positions, token_ids)
@@ -265,6 +289,7 @@ class CaptureSession:
         request.capture = None
         if state is not None:
             self._token_readers -= state.reads_generated_tokens
+            self.requests_in_use -= bool(state.destinations)
         if state is None or aborted or not state.destinations:
             return {}, {}
         tensors: dict[str, dict[int, torch.Tensor]] = {}
@@ -279,6 +304,8 @@ class CaptureSession:
                 tensor = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, width, dtype=dtype)
                 positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
                 token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
+                tensor, positions, token_ids = reduce_rows(tensor, positions, token_ids, destination.reduce,
+                                                           destination.budget_rows, destination.dtype)
                 tensors[component][layer] = tensor
                 metas[component][layer] = CaptureMeta([request.request_id] * len(positions),
                                                       torch.from_numpy(positions), torch.from_numpy(token_ids))
@@ -292,7 +319,7 @@ def _fill_pending_tokens(group: Any) -> None:
     """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
     delivery that token is known."""
     for _, request, where in group.takers:
-        if request.finished:
+        if request.finished or request.paused:
             continue
         missing = where[group.token_ids[where] == PLACEHOLDER]
         for i in missing:

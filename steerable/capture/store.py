@@ -19,6 +19,30 @@ logger = logging.getLogger(__name__)
 REDUCTIONS = ("all", "last", "mean")
 
 
+def check_reduction(reduce: str, budget_rows: int | None, prefix: str = "") -> None:
+    """``reduce`` is one of ``REDUCTIONS`` and ``budget_rows`` a non-negative integer or None."""
+    if reduce not in REDUCTIONS:
+        raise InvalidRequestError(f"{prefix}reduce: must be one of {list(REDUCTIONS)}, got {reduce!r}")
+    if budget_rows is not None and (not is_int(budget_rows) or budget_rows < 0):
+        raise InvalidRequestError(f"{prefix}budget_rows: must be a non-negative integer or None, got {budget_rows!r}")
+
+
+def reduce_rows(tensor: torch.Tensor, positions: np.ndarray, token_ids: np.ndarray, reduce: str,
+                budget_rows: int | None, dtype: torch.dtype | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """One request's rows (position order) reduced as a stream reduces them: the "last" row, or
+    the float32 "mean" as ``dtype`` (float32 when None) without position or token (-1); then at
+    most ``budget_rows`` rows."""
+    if reduce == "last":
+        tensor, positions, token_ids = tensor[-1:], positions[-1:], token_ids[-1:]
+    elif reduce == "mean" and len(tensor):
+        mean = tensor.float().sum(0) / len(tensor)
+        tensor = mean.to(dtype or torch.float32).unsqueeze(0)
+        positions, token_ids = np.array([-1], np.int32), np.array([-1], np.int32)
+    if budget_rows is not None:
+        tensor, positions, token_ids = tensor[:budget_rows], positions[:budget_rows], token_ids[:budget_rows]
+    return tensor, positions, token_ids
+
+
 def resolve_storage_dtype(dtype: str | torch.dtype | None, field: str = "dtype") -> torch.dtype | None:
     return None if dtype is None else float_dtype(dtype, field)
 
@@ -33,14 +57,11 @@ class StreamConfig:
 
     def __init__(self, layers: list[int] | None = None, dtype: str | None = None, reduce: str = "all",
                  select: Any = None, budget_rows: int | None = None):
-        if reduce not in REDUCTIONS:
-            raise InvalidRequestError(f"reduce: must be one of {list(REDUCTIONS)}, got {reduce!r}")
+        check_reduction(reduce, budget_rows)
         if reduce != "all" and select is not None:
             raise InvalidRequestError("select: row selection cannot be combined with reduce='last'/'mean'; "
                              "use reduce='all' with a select clause")
         self.select = SelectSpec.parse(select) if select is not None else None
-        if budget_rows is not None and (not is_int(budget_rows) or budget_rows < 0):
-            raise InvalidRequestError(f"budget_rows: must be a non-negative integer or None, got {budget_rows!r}")
         self.layers = sorted(set(layers)) if layers is not None else None
         self.dtype = resolve_storage_dtype(dtype)
         self.reduce = reduce

@@ -20,6 +20,7 @@ from steerable.config import EngineConfig
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
+from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
@@ -27,7 +28,8 @@ from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
-from steerable.request import PLACEHOLDER, Request, SchedulerOutput
+from steerable.request import Request, SchedulerOutput
+from steerable.step import PLACEHOLDER
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.worker.model_runner import Launched, ModelRunner
@@ -42,7 +44,7 @@ class _InFlight:
     delivery: Delivery | None
 
 
-class LLMEngine:
+class LLMEngine(ResumableRequests):
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
@@ -75,6 +77,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
+        self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
         self._inflight: _InFlight | None = None  # launched, not finished
         self._rng = random.Random(config.seed)
         self.num_steps = 0
@@ -84,12 +87,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- public, thread-safe
 
     def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False) -> RequestGroup:
+                    stream: bool = False, resumable: bool = False) -> RequestGroup:
         """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token.
-        Raises ``InvalidRequestError`` (naming the field) and keeps nothing."""
+        ``resumable`` (streaming input, n=1) pauses the request when a chunk's generation ends
+        instead of finishing it: see ``extend_request`` and ``close_request_input``. Raises
+        ``InvalidRequestError`` (naming the field) and keeps nothing."""
         with self.lock.hold():
             self._check_open()
-            return self._add_request(client_id, prompt, params, stream)
+            return self._add_request(client_id, prompt, params, stream, resumable)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort by client id (every completion) or engine id; everything held is freed now."""
@@ -125,7 +130,9 @@ class LLMEngine:
             return self._complete(inflight)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Work a step can do (a paused streaming-input request waiting for its next chunk is none)."""
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or any(r.chunks for r in self._paused.values()))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -204,11 +211,13 @@ class LLMEngine:
     # ---------------------------------------------------------------- admission
 
     def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
-                     stream: bool) -> RequestGroup:
+                     stream: bool, resumable: bool) -> RequestGroup:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if resumable and params.n != 1:
+            raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         prompt_text, token_ids = self._tokenize(prompt)
@@ -225,6 +234,7 @@ class LLMEngine:
         self.groups[client_id] = group
         for child in children:
             child.group = group
+            child.resumable = resumable
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         return group
@@ -244,11 +254,13 @@ class LLMEngine:
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
         return request
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | Sequence[int], continuation: bool = False) -> tuple[str | None, list[int]]:
+        """Token ids of a prompt, or of a streaming-input chunk (``continuation``: no special
+        tokens; its length is checked when it is applied)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=not continuation)
         else:
             text, ids = None, list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -259,7 +271,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if not continuation and len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
                                       "(at least one token must be generated)")
         return text, ids
@@ -280,6 +292,8 @@ class LLMEngine:
         if self._inflight is not None and self._must_sync():
             inflight, self._inflight = self._inflight, None
             outputs += self._complete(inflight)
+        if self._paused:
+            outputs += self._resume_ready()
         launched = None
         sched = self.scheduler.schedule()
         if not sched.is_empty:
@@ -325,17 +339,21 @@ class LLMEngine:
         for item in inflight.sched.scheduled:
             request = item.request
             if not item.samples:
-                if not request.finished:
+                if not (request.finished or request.paused):
                     self.kv.cache_computed_blocks(request)
                 continue
             token, token_logprobs = next(sampled)
-            if request.finished:  # stopped (or aborted) while this step was in flight
+            if request.finished or request.paused:  # stopped (or aborted) while this step was in flight
                 continue
             request.all_token_ids[item.token_index] = token
             request.num_pending -= 1
             self.kv.cache_computed_blocks(request)
             self.outputs.accept_token(request, token, token_logprobs)
             group = request.group
+            if request.finish_reason is not None and request.more_input:  # a chunk ended: wait for the next
+                self._pause(request)
+                outputs.append(self.outputs.output(group))
+                continue
             if request.finish_reason is not None:
                 self._finish(request)
                 if group.finished:
@@ -346,9 +364,8 @@ class LLMEngine:
         return outputs
 
     def _finish(self, request: Request, aborted: bool = False) -> None:
-        if request.num_pending:  # tokens of steps still in flight will be discarded
-            del request.all_token_ids[request.num_tokens - request.num_pending:]
-            request.num_pending = 0
+        request.drop_pending()  # tokens of steps still in flight will be discarded
+        self._paused.pop(request.request_id, None)
         self.scheduler.finish(request)
         self.builder.release(request.request_id)
         self.steering.release(request)
@@ -373,18 +390,26 @@ class LLMEngine:
     # ---------------------------------------------------------------- introspection
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "num_steps": self.num_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_query_tokens": self.kv.query_tokens,
-            "prefix_cache_hit_tokens": self.kv.hit_tokens,
-            "num_free_blocks": self.kv.num_free_blocks,
-            "num_blocks": self.kv.num_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_requests": len(self.requests),
-            **self.worker.stats(),
-        }
+        """Counters and occupancy (what a server exports as metrics)."""
+        with self.lock.hold():
+            steering = self.steering.status()
+            return {
+                "num_steps": self.num_steps,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_query_tokens": self.kv.query_tokens,
+                "prefix_cache_hit_tokens": self.kv.hit_tokens,
+                "num_free_blocks": self.kv.num_free_blocks,
+                "num_blocks": self.kv.num_blocks,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_paused": len(self._paused),
+                "num_requests": len(self.requests),
+                "steering_rows_in_use": steering["rows_in_use"],
+                "steering_configs_in_use": steering["configs_in_use"],
+                "capture_rows_total": self.capture.rows_delivered,
+                "capture_requests_in_use": self.capture.requests_in_use,
+                **self.worker.stats(),
+            }
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -113,7 +113,10 @@ class KVCacheManager:
         """Publish the request's newly completed full blocks for reuse by later requests."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens, request.num_tokens - request.num_pending) // self.block_size
+        known = request.num_tokens - request.num_pending
+        # A streaming-input chunk may end on the last known token, which is then dropped and its
+        # slot rewritten: its block is published only once the token is no longer last.
+        num_full = min(request.num_computed_tokens, known - 1 if request.resumable else known) // self.block_size
         done = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= done:
             return
@@ -133,3 +136,7 @@ class KVCacheManager:
                 self.free_blocks[block] = None
         request.block_ids = []
         self.num_cached_blocks.pop(request.request_id, None)
+
+    def truncate_hashes(self, request: Request, num_tokens: int) -> None:
+        """The request's tokens from ``num_tokens`` on changed: hashes of blocks reaching them go."""
+        del request.block_hashes[num_tokens // self.block_size:]

@@ -100,6 +100,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def pause(self, request: Request) -> None:
+        """A streaming-input chunk is done: leave the queues, keep the blocks for the next chunk."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.PAUSED
+
+    def resume(self, request: Request) -> None:
+        """The next chunk is applied: with its blocks the request runs on (the caller keeps the
+        sequence cap); preempted while it ran, it waits to be prefilled again."""
+        if request.block_ids:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self.waiting.append(request)
+
     def finish(self, request: Request) -> None:
         """Drop a request from the queues and give its blocks back (finished or aborted)."""
         if request in self.running:

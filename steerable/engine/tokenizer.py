@@ -17,9 +17,9 @@ class Tokenizer:
     def available(self) -> bool:
         return self.hf is not None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._require("a text prompt")
-        return list(self.hf(text).input_ids)
+        return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         self._require("chat")

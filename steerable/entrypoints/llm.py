@@ -155,25 +155,26 @@ def _as_prompt_list(prompts: Any) -> list[Prompt]:
     """vLLM's prompt forms: a string, a token-id list, ``{"prompt": str}``, ``{"prompt_token_ids":
     [...]}``, or a list of any of them; anything else is an error naming ``prompt``."""
     if isinstance(prompts, (str, dict)):
-        return [_one_prompt(prompts)]
+        return [parse_prompt(prompts)]
     if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
         prompts = list(prompts)
         if not prompts:
             raise InvalidRequestError("prompt: at least one prompt is required")
         if all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompts):
-            return [_one_prompt(prompts)]
-        return [_one_prompt(p) for p in prompts]
+            return [parse_prompt(prompts)]
+        return [parse_prompt(p) for p in prompts]
     raise InvalidRequestError(f"prompt: expected a string, a list of token ids, a prompt dict or a list of them, "
                               f"got {type(prompts).__name__}")
 
 
-def _one_prompt(prompt: Any) -> Prompt:
+def parse_prompt(prompt: Any) -> Prompt:
+    """One prompt in any of vLLM's forms as text or token ids; an error naming ``prompt`` otherwise."""
     if isinstance(prompt, dict):
         keys = set(prompt)
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"]
         if keys == {"prompt_token_ids"}:
-            return _one_prompt(prompt["prompt_token_ids"]) if not isinstance(prompt["prompt_token_ids"], str) else \
+            return parse_prompt(prompt["prompt_token_ids"]) if not isinstance(prompt["prompt_token_ids"], str) else \
                 _bad_prompt(prompt)
         return _bad_prompt(prompt)
     if isinstance(prompt, str):

@@ -61,6 +61,20 @@ class SteeringSpec:
     clamps: list[Clamp] | None = None
     scale: float = 1.0
 
+    def to_dict(self, encoding: str = "list") -> dict[str, Any]:
+        """JSON-ready form (what a server takes as ``steering_vectors``); vectors as float lists or,
+        with ``encoding="base64"``, as ``{"dtype", "shape", "data"}``."""
+        from steerable.steering.wire import spec_to_dict  # wire builds on this module
+
+        return spec_to_dict(self, encoding)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SteeringSpec":
+        """Inverse of ``to_dict``; unknown keys raise ``InvalidRequestError`` naming the key."""
+        from steerable.steering.wire import spec_from_dict
+
+        return spec_from_dict(data)
+
 
 @dataclass(frozen=True)
 class Intervention:

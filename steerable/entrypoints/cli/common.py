@@ -27,18 +27,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt plus output, in tokens (default: the model's, capped by the KV cache)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch at most (default: 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                       help="tokens in one step at most; longer prefills are chunked (default: 8192)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and the KV cache (default: 0.9)")
     group.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens (default: sized "
                        "by a memory profile on GPU, 1 GiB on CPU)")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="do not reuse the KV cache of shared prompt prefixes")
     group.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per layer (default: 1)")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="pipeline stages (default: 1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

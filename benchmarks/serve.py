@@ -1,0 +1,181 @@
+"""Online serving (DESIGN.md §6), like ``vllm bench serve``: a fixed request set (throughput.py's
+workload) through ``steerable serve`` at a maximum concurrency or a Poisson request rate, streamed;
+output tok/s, TTFT and ITL p50/p99. The offline baseline runs first in this process on the same
+requests: throughput.py's measurement, and at concurrency 1 each request alone as latency.py times
+it, so the ratios hold on a shared machine.
+
+    PYTHONPATH=. python benchmarks/serve.py [--num-requests 256] [--max-concurrency C | --request-rate R]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import common
+import httpx
+import numpy as np
+from common import emit, timed
+
+from steerable.entrypoints.openai.launcher import ServerProcess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- offline baseline
+
+def run_offline(args, llm, w: common.Workload) -> dict:
+    """throughput.py's run on the fixed requests; at concurrency 1 also each request's decode
+    ms/token alone, (t(n) - t(1)) / (n - 1) as latency.py measures it. Frees ``llm`` afterwards."""
+    from steerable import SamplingParams
+
+    def alone(prompt: list[int], n: int, salt: str) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, cache_salt=salt)
+        return timed(lambda: llm.generate([prompt], params, use_tqdm=False))[1]
+
+    try:
+        common.warm_up(llm, w, args)
+        outs, seconds = timed(partial(llm.generate, w.prompts, common.sampling_params(w, "offline-timed"),
+                                      use_tqdm=False))
+        result = {"record": "offline", "requests": len(w),
+                  **common.throughput(seconds, sum(w.input_lens), common.generated_tokens(outs))}
+        if args.max_concurrency == 1:
+            ms = [(alone(prompt, n, f"alone-{i}") - alone(prompt, 1, f"one-{i}")) / (n - 1) * 1e3
+                  for i, (prompt, n) in enumerate(zip(w.prompts, w.output_lens))]
+            result["decode_ms_per_token"] = common.median(ms)
+        emit(result)
+        return result
+    finally:
+        llm.shutdown()
+        common.free_cuda()  # the server needs the memory the KV cache held
+
+
+# ---------------------------------------------------------------- the server
+
+def server_process(args, path: str) -> ServerProcess:
+    """``steerable serve`` with the engine flags of the offline run."""
+    flags = ["--log-level", "warning", "--dtype", args.dtype, "--device", args.device, "--max-num-seqs",
+             str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+    if args.kv_cache_tokens is not None:
+        flags += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    return ServerProcess(path, flags, os.path.join(args.cache_dir, f"serve-{os.getpid()}.log"), env,
+                         args.startup_timeout)
+
+
+# ---------------------------------------------------------------- the load
+
+@dataclass
+class Result:
+    prompt_len: int
+    start: float
+    times: list[float] = field(default_factory=list)  # arrival of each generated token
+    error: str | None = None
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, salt: str) -> Result:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True, "stream": True,
+            "cache_salt": salt, "return_token_ids": True}
+    result = Result(len(prompt), time.perf_counter())
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            return result
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.error = chunk["error"]["message"]
+                continue
+            now = time.perf_counter()
+            for choice in chunk["choices"]:
+                result.times.extend([now] * len(choice.get("token_ids", ())))
+    return result
+
+
+async def run_load(url: str, w: common.Workload, salt: str, max_concurrency: int | None,
+                   request_rate: float | None, seed: int) -> tuple[list[Result], float]:
+    """Every request of ``w``: at most ``max_concurrency`` in flight, arriving as a Poisson process
+    of ``request_rate`` per second when given."""
+    limit = asyncio.Semaphore(max_concurrency or len(w))
+    rng = np.random.default_rng(seed)
+    connections = httpx.Limits(max_connections=max_concurrency or len(w), max_keepalive_connections=None)
+
+    async def limited(i: int) -> Result:
+        async with limit:
+            return await one_request(client, w.prompts[i], w.output_lens[i], f"{salt}-{i}")
+
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=connections) as client:
+        start = time.perf_counter()
+        tasks = []
+        for i in range(len(w)):
+            tasks.append(asyncio.ensure_future(limited(i)))
+            if request_rate:
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[Result], seconds: float, args) -> dict:
+    done = [r for r in results if r.error is None and r.times]
+    ttft = [(r.times[0] - r.start) * 1e3 for r in done]
+    itl = np.concatenate([_gaps_ms(r.times) for r in done]) if done else np.zeros(0)
+    output = sum(len(r.times) for r in done)
+
+    def pct(values, q: float) -> float | None:
+        return float(np.percentile(values, q)) if len(values) else None
+
+    return {"record": "serve", "requests": len(results), "failed": len(results) - len(done),
+            "max_concurrency": args.max_concurrency, "request_rate": args.request_rate, "seconds": seconds,
+            "output_tokens": output, "input_tokens": sum(r.prompt_len for r in done), "output_tok_s": output / seconds,
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
+            "itl_ms_p99": pct(itl, 99), "itl_ms_mean": float(np.mean(itl)) if len(itl) else None,
+            "errors": sorted({r.error for r in results if r.error})[:5]}
+
+
+def _gaps_ms(times: list[float]) -> np.ndarray:
+    """Inter-token latencies of one request. Tokens that arrive in one chunk share its time: the
+    gap before the chunk is spread over them, as a token-by-token client would see on average.
+    Tokens of the first chunk count towards TTFT only."""
+    arrivals, counts = np.unique(np.asarray(times), return_counts=True)
+    return np.repeat(np.diff(arrivals) / counts[1:], counts[1:]) * 1e3
+
+
+def main() -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds the server may take to start")
+    args = p.parse_args()
+    path = common.setup("serve", args)
+    llm = common.make_llm(args, path)
+    w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
+    offline = run_offline(args, llm, w)
+    del llm
+    with server_process(args, path) as server:
+        warm = w.head(min(len(w), args.warmup_requests or args.max_num_seqs))
+        warm = common.Workload(warm.prompts, warm.input_lens, [min(n, 32) for n in warm.output_lens])
+        asyncio.run(run_load(server.url, warm, "serve-warmup", args.max_concurrency, None, args.seed))
+        results, seconds = asyncio.run(run_load(server.url, w, "serve-timed", args.max_concurrency, args.request_rate,
+                                                args.seed))
+    serve = summarize(results, seconds, args)
+    emit(serve)
+    ratio = {"record": "ratio", "output_tok_s_ratio": serve["output_tok_s"] / offline["output_tok_s"]}
+    if "decode_ms_per_token" in offline and serve["itl_ms_p50"] is not None:
+        ratio["itl_p50_over_offline_ms_per_token"] = serve["itl_ms_p50"] / offline["decode_ms_per_token"]
+    emit(ratio)
+
+
+if __name__ == "__main__":
+    main()

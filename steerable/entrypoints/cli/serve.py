@@ -1,0 +1,82 @@
+"""``steerable serve MODEL``: the OpenAI-compatible server (see docs/server.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from steerable.entrypoints.cli.common import CliError, add_engine_args, add_model_arg, engine_kwargs, run_checked
+
+if TYPE_CHECKING:
+    from steerable.entrypoints.openai.state import ServerSettings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, "
+                                        "tokenize, models, metrics) with steering and capture in the request body "
+                                        "and admin routes for global steering, modules and capture streams.")
+    add_model_arg(parser, positional=True)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    group.add_argument("--api-key", action="append", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize, /detokenize; repeat for "
+                            "several keys (default: $STEERABLE_API_KEY, else open)")
+    group.add_argument("--admin-api-key", default=os.environ.get("STEERABLE_ADMIN_API_KEY"),
+                       help="key of the admin routes (global steering, modules, capture streams); also a user key. "
+                            "Without it those routes answer 403 (default: $STEERABLE_ADMIN_API_KEY)")
+    group.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL as "
+                       "given)")
+    group.add_argument("--max-body-bytes", type=int, default=32 * 2**20,
+                       help="larger request bodies get 413 (default: 32 MiB)")
+    group.add_argument("--max-capture-bytes", type=int, default=64 * 2**20,
+                       help="a request whose captures could exceed this many bytes per response gets 413 up front "
+                            "(default: 64 MiB); larger captures belong in a capture stream")
+    group.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, "
+                       "used instead of the tokenizer's")
+    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default: info)")
+    add_engine_args(parser)
+    parser.set_defaults(func=lambda args: run_checked(serve, args))
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = server_settings(args)
+    kwargs = engine_kwargs(args)
+    from steerable.entrypoints.async_llm import AsyncLLM
+    from steerable.entrypoints.openai import build_app, run_server
+
+    llm = AsyncLLM(**kwargs)
+    try:
+        app = build_app(llm, settings)
+        print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+        run_server(app, args.host, args.port, args.log_level)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def server_settings(args: argparse.Namespace) -> "ServerSettings":
+    """The server's settings from the flags, checked before the model loads (CliError). The web
+    stack is imported here, not at ``steerable --help``."""
+    from steerable.entrypoints.openai.state import ServerSettings
+
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port: {args.port} is not a TCP port")
+    for flag in ("max_body_bytes", "max_capture_bytes"):
+        if getattr(args, flag) <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be positive")
+    keys = args.api_key or ([os.environ["STEERABLE_API_KEY"]] if os.environ.get("STEERABLE_API_KEY") else [])
+    if any(not key for key in keys) or args.admin_api_key == "":
+        raise CliError("--api-key / --admin-api-key must not be empty")
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    return ServerSettings(served_model_name=args.served_model_name or args.model, api_keys=keys,
+                          admin_api_key=args.admin_api_key, max_body_bytes=args.max_body_bytes,
+                          max_capture_bytes=args.max_capture_bytes, chat_template=template)

@@ -1,0 +1,125 @@
+"""Steering and capture control over HTTP. Routes that change what other users get (global
+steering, named modules, capture streams, which record every request) need the admin key; the
+read-only status routes are user routes. Each change applies to requests admitted after it
+answers: a request keeps the snapshot it was admitted with, as offline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from steerable.capture.serialization import serialize_captured
+from steerable.capture.session import COMPONENTS
+from steerable.entrypoints.openai.auth import require_admin, require_user
+from steerable.entrypoints.openai.errors import APIError
+from steerable.entrypoints.openai.protocol import GlobalSteeringRequest, StreamStartRequest
+from steerable.entrypoints.openai.state import server_state
+from steerable.errors import InvalidRequestError
+from steerable.steering.wire import steering_from_json
+
+admin = APIRouter(dependencies=[Depends(require_admin)])
+user = APIRouter(dependencies=[Depends(require_user)])
+
+
+# ---------------------------------------------------------------- steering
+
+@admin.post("/v1/steering/global")
+async def set_global(body: GlobalSteeringRequest, request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    await llm.set_steering_vectors(steering_from_json(body.spec, "spec"), body.replace)
+    return await llm.get_steering_status()
+
+
+@admin.delete("/v1/steering/global")
+async def clear_global(request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    await llm.clear_steering_vectors()
+    return await llm.get_steering_status()
+
+
+@admin.post("/v1/steering/modules")
+async def register_modules(body: dict[str, Any], request: Request) -> dict[str, Any]:
+    """``{"name": spec, ...}``: each spec in any JSON form ``steering_vectors`` takes."""
+    llm = server_state(request).llm
+    await llm.register_steering_modules({name: steering_from_json(spec, f"modules[{name!r}]")
+                                         for name, spec in body.items()})
+    return {"modules": (await llm.get_steering_status())["modules"]}
+
+
+@admin.delete("/v1/steering/modules/{name}")
+async def unregister_module(name: str, request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    if name not in (await llm.get_steering_status())["modules"]:
+        raise APIError(404, f"name: no steering module {name!r} is registered", "name")
+    await llm.unregister_steering_modules([name])
+    return {"modules": (await llm.get_steering_status())["modules"]}
+
+
+@user.get("/v1/steering")
+async def steering_status(request: Request) -> dict[str, Any]:
+    return await server_state(request).llm.get_steering_status()
+
+
+@user.get("/v1/steering/layers")
+async def steerable_layers(request: Request) -> dict[str, list[int]]:
+    return await server_state(request).llm.list_steerable_layers()
+
+
+@user.get("/v1/steering/modules")
+async def list_modules(request: Request) -> dict[str, Any]:
+    return {"modules": (await server_state(request).llm.get_steering_status())["modules"]}
+
+
+# ---------------------------------------------------------------- capture streams
+
+@admin.post("/v1/capture/streams/{stream}")
+async def start_stream(stream: str, body: StreamStartRequest, request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    await llm.start_capture(_stream(stream), body.layers, body.dtype, body.reduce, body.select, body.budget_rows,
+                            body.hook)
+    return await llm.capture_status(stream)
+
+
+@admin.delete("/v1/capture/streams/{stream}")
+async def stop_stream(stream: str, request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    await llm.stop_capture(_stream(stream))
+    return await llm.capture_status(stream)
+
+
+@admin.get("/v1/capture/streams/{stream}")
+async def fetch_stream(stream: str, request: Request, clear: bool = False, layers: str | None = None
+                       ) -> dict[str, Any]:
+    """``{"<layer>": wire}`` (base64 data) of the rows stored so far; ``clear=true`` drains them."""
+    state = server_state(request)
+    wanted = _layer_list(layers)
+    tensors, metas = await state.llm.fetch_captured(_stream(stream), clear, wanted)
+    return serialize_captured(tensors, metas, state.capture.layouts.get(stream), text=True)
+
+
+@admin.delete("/v1/capture/streams/{stream}/rows")
+async def clear_stream(stream: str, request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    await llm.clear_captured(_stream(stream))
+    return await llm.capture_status(stream)
+
+
+@user.get("/v1/capture/streams/{stream}/status")
+async def stream_status(stream: str, request: Request) -> dict[str, Any]:
+    return await server_state(request).llm.capture_status(_stream(stream))
+
+
+def _stream(stream: str) -> str:
+    if stream not in COMPONENTS:
+        raise APIError(404, f"stream: no capture stream {stream!r}; the streams are {list(COMPONENTS)}", "stream")
+    return stream
+
+
+def _layer_list(layers: str | None) -> list[int] | None:
+    if layers is None:
+        return None
+    try:
+        return [int(part) for part in layers.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"layers: expected comma-separated layer numbers, got {layers!r}") from None

@@ -1,0 +1,142 @@
+"""Request bodies as pydantic models (vLLM's field names). Unknown OpenAI fields are accepted and
+ignored, as vLLM does; fields this server cannot honour are refused rather than ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from steerable.entrypoints.openai.extensions import capture_from_json, module_ref_from_json, reject_unknown_extensions
+from steerable.errors import InvalidRequestError
+from steerable.sampling_params import SamplingParams
+from steerable.steering.wire import steering_from_json
+
+MAX_LOGPROBS = 20  # as OpenAI and vLLM
+
+
+class OpenAIBase(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBase):
+    include_usage: bool = False
+
+
+class GenerationRequest(OpenAIBase):
+    """Fields completions and chat share: sampling, streaming, steering and capture."""
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    steering_vectors: Any = None
+    steering_module_ref: Any = None
+    capture: Any = None
+
+    def check(self) -> None:
+        """Refusals pydantic cannot express: ``steer*``/``capture*`` typos, unsupported fields."""
+        reject_unknown_extensions(self.model_extra or {})
+        for name, value in self.unsupported().items():
+            if value:
+                raise InvalidRequestError(f"{name}: not supported by this server")
+
+    def unsupported(self) -> dict[str, Any]:
+        return {name: (self.model_extra or {}).get(name) for name in ("logit_bias", "tools", "functions")}
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            steering_vectors=steering_from_json(self.steering_vectors),
+            steering_module_ref=module_ref_from_json(self.steering_module_ref),
+            capture=capture_from_json(self.capture))
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        return {**super().unsupported(), "echo": self.echo, "suffix": self.suffix,
+                "best_of": self.best_of not in (None, 1)}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        fmt = (self.model_extra or {}).get("response_format")
+        return {**super().unsupported(), "response_format": fmt not in (None, {"type": "text"})}
+
+    def chat_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs: needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(OpenAIBase):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBase):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Strict(BaseModel):
+    """Admin bodies: every key is known, or the request is refused naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class GlobalSteeringRequest(Strict):
+    spec: Any
+    replace: bool = True
+
+
+class StreamStartRequest(Strict):
+    layers: list[int] | None = None
+    dtype: str | None = None
+    reduce: str = "all"
+    select: Any = None
+    budget_rows: int | None = None
+    hook: str = "post_mlp"

@@ -1,0 +1,233 @@
+"""Steering specs as JSON: what ``SteeringSpec.to_dict`` writes and ``from_dict`` reads, and the
+request form a server receives (a full spec dict or the ``{layer: v}`` / ``{hook: {layer: v}}``
+shorthands).
+
+A vector is a JSON list of numbers or ``{"dtype": "float32" | "float16" | "bfloat16", "shape": [H],
+"data": base64}`` with little-endian values: at width 4096 and more a float list costs
+milliseconds to parse, the base64 form a copy. Unknown keys are errors naming the key, so a typo
+never silently drops an intervention.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from steerable.errors import InvalidRequestError
+from steerable.selection import SelectSpec
+from steerable.steering.spec import Add, Clamp, SteeringSpec
+
+SPEC_KEYS = ("interventions", "vectors", "prefill_vectors", "decode_vectors", "clamps", "scale")
+_TIERS = ("vectors", "prefill_vectors", "decode_vectors")
+_ADD_KEYS = {"type", "layer", "vector", "hook", "scale", "select"}
+_CLAMP_KEYS = {"type", "layer", "direction", "hook", "min", "max", "strength", "select"}
+_VECTOR_KEYS = {"dtype", "shape", "data"}
+_WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+
+
+# ---------------------------------------------------------------- vectors
+
+def encode_vector(vector: Any, encoding: str = "list") -> list[float] | dict[str, Any]:
+    """A vector (list, numpy array or tensor) as float32 JSON: a list, or the base64 form."""
+    array = _float32(vector)
+    if encoding == "list":
+        return array.tolist()
+    if encoding == "base64":
+        return {"dtype": "float32", "shape": [int(array.size)],
+                "data": base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")}
+    raise InvalidRequestError(f"encoding: expected 'list' or 'base64', got {encoding!r}")
+
+
+def decode_vector(value: Any, where: str) -> np.ndarray:
+    """A JSON vector as a float32 array; the hidden size is checked later, at admission."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - _VECTOR_KEYS)
+        if unknown or not _VECTOR_KEYS <= set(value):
+            raise InvalidRequestError(f"{where}: an encoded vector has exactly the keys {sorted(_VECTOR_KEYS)}, "
+                                      f"got {sorted(value)}")
+        raw = _WIRE_DTYPES.get(value["dtype"])
+        if raw is None:
+            raise InvalidRequestError(f"{where}.dtype: expected one of {list(_WIRE_DTYPES)}, got {value['dtype']!r}")
+        shape = value["shape"]
+        if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+                and not isinstance(shape[0], bool) and shape[0] > 0):
+            raise InvalidRequestError(f"{where}.shape: expected [H] with H > 0, got {shape!r}")
+        if not isinstance(value["data"], str):
+            raise InvalidRequestError(f"{where}.data: expected a base64 string")
+        try:
+            data = base64.b64decode(value["data"], validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError(f"{where}.data: not valid base64") from None
+        if len(data) != shape[0] * raw.itemsize:
+            raise InvalidRequestError(f"{where}.data: {len(data)} bytes do not hold {shape[0]} {value['dtype']} values")
+        array = np.frombuffer(data, dtype=raw)
+        if value["dtype"] == "bfloat16":  # the high half of a float32
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array.astype(np.float32)
+    if isinstance(value, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+        return np.asarray(value, dtype=np.float32)
+    raise InvalidRequestError(f"{where}: expected a list of numbers or {{'dtype', 'shape', 'data'}}, "
+                              f"got {type(value).__name__}")
+
+
+def _float32(vector: Any) -> np.ndarray:
+    if isinstance(vector, torch.Tensor):
+        return vector.detach().to("cpu", torch.float32).numpy().reshape(-1)
+    return np.asarray(vector, dtype=np.float32).reshape(-1)
+
+
+# ---------------------------------------------------------------- SteeringSpec <-> dict
+
+def spec_to_dict(spec: SteeringSpec, encoding: str = "list") -> dict[str, Any]:
+    """JSON-ready dict of every field that is set (layer keys as strings, selections in wire form)."""
+    out: dict[str, Any] = {}
+    if spec.interventions:
+        out["interventions"] = [_item_to_dict(item, encoding) for item in spec.interventions]
+    for tier in _TIERS:
+        vectors = getattr(spec, tier)
+        if vectors is not None:
+            out[tier] = _vectors_to_dict(vectors, encoding)
+    if spec.clamps is not None:
+        out["clamps"] = [_item_to_dict(clamp, encoding) for clamp in spec.clamps]
+    if spec.scale != 1.0:
+        out["scale"] = spec.scale
+    return out
+
+
+def spec_from_dict(data: Any, where: str = "steering") -> SteeringSpec:
+    """Inverse of ``spec_to_dict``; also reads base64 vectors and selection shortcuts."""
+    if not isinstance(data, Mapping):
+        raise InvalidRequestError(f"{where}: expected a dict, got {type(data).__name__}")
+    _reject_unknown(data, SPEC_KEYS, where)
+    items = data.get("interventions") or []
+    if not isinstance(items, list):
+        raise InvalidRequestError(f"{where}.interventions: expected a list")
+    clamps = data.get("clamps")
+    if clamps is not None and not isinstance(clamps, list):
+        raise InvalidRequestError(f"{where}.clamps: expected a list")
+    return SteeringSpec(
+        interventions=[_item_from_dict(item, f"{where}.interventions[{i}]") for i, item in enumerate(items)],
+        **{tier: vectors_from_json(data[tier], f"{where}.{tier}") for tier in _TIERS if data.get(tier) is not None},
+        clamps=None if clamps is None else [_clamp_from_dict(c, f"{where}.clamps[{i}]") for i, c in enumerate(clamps)],
+        scale=data.get("scale", 1.0),
+    )
+
+
+def steering_from_json(value: Any, where: str = "steering_vectors") -> Any:
+    """A request's steering in JSON: a full spec dict (any key of ``SPEC_KEYS``) or a shorthand
+    dict of vectors. Returns what ``SamplingParams(steering_vectors=...)`` takes."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"{where}: expected a dict, got {type(value).__name__}")
+    if any(key in SPEC_KEYS for key in value):
+        return spec_from_dict(value, where)
+    return vectors_from_json(value, where)
+
+
+def vectors_from_json(value: Any, where: str) -> dict:
+    """``{layer: v}`` or ``{hook: {layer: v | {"vector": v, "scale": s}}}`` with vectors decoded;
+    the keys are left for the spec parser, which names a bad layer or hook."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"{where}: expected a dict of vectors, got {type(value).__name__}")
+    if value and all(isinstance(k, str) and not k.lstrip("-").isdigit() for k in value):
+        return {hook: _layers_from_json(layers, f"{where}.{hook}") for hook, layers in value.items()}
+    return _layers_from_json(value, where)
+
+
+def _layers_from_json(layers: Any, where: str) -> dict:
+    if not isinstance(layers, Mapping):
+        raise InvalidRequestError(f"{where}: expected {{layer: vector}}, got {type(layers).__name__}")
+    out = {}
+    for layer, entry in layers.items():
+        here = f"{where}[{layer}]"
+        if isinstance(entry, Mapping) and "vector" in entry:
+            _reject_unknown(entry, ("vector", "scale"), here)
+            out[layer] = {**entry, "vector": decode_vector(entry["vector"], f"{here}.vector")}
+        else:
+            out[layer] = decode_vector(entry, f"{here}.vector")
+    return out
+
+
+def _vectors_to_dict(vectors: Mapping, encoding: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, entry in vectors.items():
+        if isinstance(entry, Mapping) and "vector" not in entry:  # a hook's {layer: ...}
+            out[str(key)] = _vectors_to_dict(entry, encoding)
+        elif isinstance(entry, Mapping):
+            out[str(key)] = {**entry, "vector": encode_vector(entry["vector"], encoding)}
+        else:
+            out[str(key)] = encode_vector(entry, encoding)
+    return out
+
+
+def _item_to_dict(item: Add | Clamp, encoding: str) -> dict[str, Any]:
+    select = None if item.select is None else SelectSpec.parse(item.select).to_wire()
+    if isinstance(item, Add):
+        return {"type": "add", "layer": item.layer, "vector": encode_vector(item.vector, encoding), "hook": item.hook,
+                "scale": item.scale, "select": select}
+    if isinstance(item, Clamp):
+        return {"type": "clamp", "layer": item.layer, "direction": encode_vector(item.direction, encoding),
+                "hook": item.hook, "min": _finite_or_none(item.min), "max": _finite_or_none(item.max),
+                "strength": item.strength, "select": select}
+    raise InvalidRequestError(f"interventions: expected Add or Clamp, got {type(item).__name__}")
+
+
+def _item_from_dict(data: Any, where: str) -> Add | Clamp:
+    if not isinstance(data, Mapping):
+        raise InvalidRequestError(f"{where}: expected a dict, got {type(data).__name__}")
+    kind = data.get("type")
+    if kind == "clamp":
+        return _clamp_from_dict(data, where)
+    if kind != "add":
+        raise InvalidRequestError(f"{where}.type: expected 'add' or 'clamp', got {kind!r}")
+    _reject_unknown(data, _ADD_KEYS, where)
+    _require(data, ("layer", "vector"), where)
+    return Add(data["layer"], decode_vector(data["vector"], f"{where}.vector"), **_optional(data, ("hook", "scale")),
+               select=_select(data.get("select"), where))
+
+
+def _clamp_from_dict(data: Any, where: str) -> Clamp:
+    if not isinstance(data, Mapping):
+        raise InvalidRequestError(f"{where}: expected a dict, got {type(data).__name__}")
+    if data.get("type", "clamp") != "clamp":
+        raise InvalidRequestError(f"{where}.type: expected 'clamp', got {data['type']!r}")
+    _reject_unknown(data, _CLAMP_KEYS, where)
+    _require(data, ("layer", "direction"), where)
+    return Clamp(data["layer"], decode_vector(data["direction"], f"{where}.direction"),
+                 **_optional(data, ("hook", "min", "max", "strength")), select=_select(data.get("select"), where))
+
+
+def _select(value: Any, where: str) -> SelectSpec | None:
+    if value is None:
+        return None
+    try:
+        return SelectSpec.parse(value)
+    except ValueError as err:
+        raise InvalidRequestError(f"{where}.{err}") from None  # the message starts with "select"
+
+
+def _optional(data: Mapping, keys: Sequence[str]) -> dict[str, Any]:
+    return {key: data[key] for key in keys if data.get(key) is not None}
+
+
+def _require(data: Mapping, keys: Sequence[str], where: str) -> None:
+    missing = [key for key in keys if key not in data]
+    if missing:
+        raise InvalidRequestError(f"{where}: missing {missing}")
+
+
+def _reject_unknown(data: Mapping, allowed: Sequence[str], where: str) -> None:
+    unknown = sorted(str(key) for key in data if key not in allowed)
+    if unknown:
+        raise InvalidRequestError(f"{where}.{unknown[0]}: unknown key; expected one of {sorted(allowed)}")
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return None if value is None or math.isinf(value) else value
