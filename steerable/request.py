@@ -14,8 +14,6 @@ from typing import Any
 
 from steerable.sampling_params import SamplingParams
 
-from steerable.step import PLACEHOLDER
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -21,8 +21,7 @@ import torch
 
 from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
 from steerable.capture.serialization import CaptureMeta, deserialize_captured
-from steerable.capture.store import (StreamConfig, StreamStore, check_reduction, reduce_rows,
-                                     resolve_storage_dtype)
+from steerable.capture.store import StreamConfig, StreamStore, check_reduction, reduce_rows, resolve_storage_dtype
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import COMPONENTS, HIDDEN_STATES, POST_MLP, ROUTER_LOGITS, HookLayout, check_residual_point
 from steerable.request import Request, ScheduledRequest

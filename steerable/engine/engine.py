@@ -29,9 +29,9 @@ from steerable.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
 from steerable.request import Request, SchedulerOutput
-from steerable.step import PLACEHOLDER
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
+from steerable.step import PLACEHOLDER
 from steerable.worker.model_runner import Launched, ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from steerable.request import Request
 from steerable.errors import InvalidRequestError
 from steerable.outputs import RequestOutput
+from steerable.request import Request
 from steerable.sampling_params import SamplingParams
 
 

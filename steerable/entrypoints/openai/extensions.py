@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from steerable.capture.session import COMPONENTS, HIDDEN_STATES, CaptureSpec
 from steerable.capture.serialization import serialize_captured
+from steerable.capture.session import COMPONENTS, HIDDEN_STATES, CaptureSpec
 from steerable.capture.store import resolve_storage_dtype
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import POST_MLP
