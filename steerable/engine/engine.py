@@ -184,6 +184,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.logprob_token_ids or []):
+            raise InvalidRequestError(f"logprob_token_ids: {params.logprob_token_ids} has ids outside the "
+                                      f"vocabulary [0, {vocab})")
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         prompt_text, token_ids = self._tokenize(prompt)
@@ -340,7 +344,7 @@ class LLMEngine:
         piece = request.detokenizer.step(token)
         request.output_text += piece
         if token_logprobs is not None:
-            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t], False))
+            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.token_text(t))
                                      for t, (lp, rank) in token_logprobs.items()})
             request.cumulative_logprob += token_logprobs[token][0]
         params = request.params

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from steerable.entrypoints.cli import generate
+from steerable.entrypoints.cli import capture, demo, generate, vectors
 
-VERBS = [generate]
+VERBS = [generate, vectors, capture, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
