@@ -85,3 +85,15 @@ def test_latency(cache_dir):
     for x in modes.values():
         positive(x, "decode_ms_per_token", "full_s", "first_token_s")
         assert len(x["decode_ms_per_token_all"]) == 2
+
+
+def test_capture_corpus_with_hf_baseline(cache_dir):
+    r = run("capture_corpus", cache_dir)
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["steerable", "hf"]
+    for x in runs.values():
+        positive(x, "seconds", "prompt_tok_s", "prompt_tokens", "gb_written")
+    assert runs["steerable"]["rows"] == runs["hf"]["rows"] == runs["steerable"]["prompt_tokens"]
+    check = r["check"][0]
+    assert check["rows_ok"] and check["values_checked"] and check["max_abs_diff"] < 1e-5
+    positive(r["ratio"][0], "prompt_tok_s_ratio")

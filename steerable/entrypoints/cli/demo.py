@@ -39,7 +39,7 @@ def demo(args: argparse.Namespace) -> int:
     print(result.report.to_markdown())
     print(f"\nGreedy generations for {PROMPT!r}:")
     for scale, text in result.generations.items():
-        print(f"  [{scale:+g}] {text}")
+        print(f"  [{scale:+g}] {' '.join(text.split())}")  # one line each
     if args.out:
         result.vector.save(args.out)
         print(f"\nvector -> {args.out}")
