@@ -39,8 +39,7 @@ def run_steerable(args, path: str, root: str) -> tuple[dict, torch.dtype, list[i
               "rows": sum(e["rows"] for e in index["shards"]), **rates(seconds, w, root, "steerable")}
     emit(result)
     dtype = llm.engine.dtype
-    llm.shutdown()
-    del llm  # the HF baseline needs the GPU memory the KV cache held
+    llm.shutdown()  # the HF baseline needs the GPU memory the model and KV cache held
     common.free_cuda()
     return result, dtype, layers, w
 

@@ -15,7 +15,6 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -80,7 +79,7 @@ def load_gguf(path: str | os.PathLike) -> ControlVector:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, KeyError, IndexError) as err:
         raise InvalidRequestError(f"{path}: not a readable GGUF file ({err})") from None
-    fields = {name: _field_value(f) for name, f in reader.fields.items()}
+    fields = {name: f.contents() for name, f in reader.fields.items()}
     arch = fields.get("general.architecture")
     if arch is not None and arch != ARCHITECTURE:
         raise InvalidRequestError(f"{path}: general.architecture is {arch!r}, not {ARCHITECTURE!r} (a model file?)")
@@ -97,13 +96,6 @@ def load_gguf(path: str | os.PathLike) -> ControlVector:
         raise InvalidRequestError(f"{path}: no direction.N tensors")
     metadata = {"model_hint": fields.get(f"{ARCHITECTURE}.model_hint") or None, "layers": sorted(directions)}
     return _checked(directions, POST_MLP, metadata, path)
-
-
-def _field_value(f: Any) -> Any:
-    try:
-        return f.contents()
-    except (ValueError, IndexError, TypeError):  # a value type the reader cannot decode: not ours to read
-        return None
 
 
 # ---------------------------------------------------------------- safetensors
