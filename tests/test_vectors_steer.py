@@ -103,7 +103,8 @@ def test_cli_control_vectors_equal_the_summed_spec(llm, model_dirs, tmp_path, ca
     common = ["--model", model_dirs["llama"], "--device", "cpu", "--kv-cache-tokens", "1024", "--raw",
               "--max-tokens", "8", "--prompt", PROMPTS[1]]
     steered = cli_text(capsys, *common, "--control-vector", f"{tmp_path / 'a.safetensors'}:1.5",
-                       "--control-vector", f"{tmp_path / 'b.safetensors'}:-0.5", "--control-vector-layer-range", "1", "2")
+                       "--control-vector", f"{tmp_path / 'b.safetensors'}:-0.5",
+                       "--control-vector-layer-range", "1", "2")
     summed = {layer: 1.5 * a.directions[layer] - 0.5 * b.directions[layer] for layer in (1, 2)}
     expected = llm.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, steering_vectors=summed),
                             use_tqdm=False)[0].outputs[0].text.strip()

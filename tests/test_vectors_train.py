@@ -117,7 +117,7 @@ def test_logistic_separates_the_training_pairs(llm, hidden):
     (dict(batch_size=0), "batch_size"),
 ])
 def test_bad_arguments_name_the_field(llm, kwargs, field):
-    args = dict(positives=POSITIVES, negatives=NEGATIVES, **kwargs)
+    args = {"positives": POSITIVES, "negatives": NEGATIVES, **kwargs}
     with pytest.raises(ValueError, match=field):
         train(llm, args.pop("positives"), args.pop("negatives"), **args)
     assert not llm.engine.requests

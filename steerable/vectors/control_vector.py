@@ -39,9 +39,10 @@ class ControlVector:
         for layer, vector in self.directions.items():
             if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
                 raise InvalidRequestError(f"directions: layer {layer!r} is not a non-negative integer")
-            tensor = torch.as_tensor(vector).detach().to("cpu", torch.float32).contiguous()
+            tensor = torch.as_tensor(vector).detach().to("cpu", torch.float32).clone()  # owned by the vector
             if tensor.ndim != 1:
-                raise InvalidRequestError(f"directions[{layer}]: expected a 1-D vector, got shape {tuple(tensor.shape)}")
+                raise InvalidRequestError(f"directions[{layer}]: expected a 1-D vector, got shape "
+                                          f"{tuple(tensor.shape)}")
             if not torch.isfinite(tensor).all():
                 raise InvalidRequestError(f"directions[{layer}]: contains NaN or Inf")
             checked[layer] = tensor

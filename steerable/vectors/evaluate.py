@@ -82,12 +82,12 @@ class EvalReport:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike) -> None:
-        """p(matching) and KL against the scale, one PNG (matplotlib, no display needed)."""
-        import matplotlib
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
+        """p(matching) and KL against the scale, one PNG (a bare matplotlib Figure: no display, no
+        change to the global pyplot backend)."""
+        from matplotlib.figure import Figure
 
-        fig, left = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        left = fig.subplots()
         left.plot(self.scales, [r.p_match for r in self.rows], "o-", color="tab:blue")
         left.set_xlabel("scale" + (" (x residual norm)" if self.relative else ""))
         left.set_ylabel("p(matching)", color="tab:blue")
@@ -99,7 +99,6 @@ class EvalReport:
             right.set_ylabel("KL on neutral text (nats)", color="tab:red")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)
 
 
 def evaluate(llm: Any, cv: ControlVector, items: Sequence[Any], scales: Sequence[float] = (-2, -1, 0, 1, 2),
@@ -127,6 +126,8 @@ def evaluate(llm: Any, cv: ControlVector, items: Sequence[Any], scales: Sequence
     steered = sorted(set(scale_list) - {0.0})
     specs = {s: cv.to_spec(s, relative, POSITIONS[positions]) for s in steered}  # checked before any request
     tok = llm.get_tokenizer()
+    if tok is None:
+        raise InvalidRequestError("items: this model has no tokenizer, and items are text")
     chat = bool(getattr(tok, "chat_template", None)) if chat is None else chat
     tokens = [item.tokens(tok, chat, f"items[{i}]") for i, item in enumerate(parsed)]
     prompts = [ids for ids, _, _ in tokens] + [tok(text, add_special_tokens=True).input_ids for text in neutral]
