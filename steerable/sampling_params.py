@@ -14,6 +14,11 @@ from steerable.errors import InvalidRequestError
 class SamplingParams:
     """How to generate for one request (vLLM names and defaults; ``temperature=0`` is greedy).
 
+    ``logprobs=N`` returns the sampled token and the N most likely ones at every sampled position,
+    ``-1`` every vocabulary entry (full next-token distributions, e.g. for a KL); the ids in
+    ``logprob_token_ids`` are always added (SGLang's ``token_ids_logprob``), which implies
+    ``logprobs=0`` when ``logprobs`` is None.
+
     ``steering_vectors``, ``steering_module_ref`` and ``capture`` attach the steering and capture
     planes to this request; they are validated against the model when the request is admitted.
     """
@@ -32,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     steering_vectors: Any = None
@@ -44,6 +50,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logprob_token_ids is not None:
+            if not isinstance(self.logprob_token_ids, (list, tuple)):
+                raise InvalidRequestError(f"logprob_token_ids must be a list of token ids, got "
+                                          f"{type(self.logprob_token_ids).__name__}")
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = 0
         self.validate()
 
     @property
@@ -78,8 +91,11 @@ class SamplingParams:
             raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise InvalidRequestError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
+            raise InvalidRequestError(f"logprobs must be an integer >= 0, -1 (every token) or None, "
+                                      f"got {self.logprobs!r}")
+        if not all(is_int(t) and t >= 0 for t in self.logprob_token_ids or []):
+            raise InvalidRequestError(f"logprob_token_ids must be non-negative integers, got {self.logprob_token_ids!r}")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):

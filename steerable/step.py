@@ -50,7 +50,7 @@ class SamplingInput:
     top_k: np.ndarray  # int64 [S]; 0 disables
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # int64 [S]: noise key, a function of the request's seed and the position sampled
-    logprobs: list[int | None]
+    logprobs: list[tuple[int, list[int]] | None]  # (top-N, or -1 for all; ids always reported)
     suppress: dict[int, np.ndarray] = field(default_factory=dict)  # row -> token ids masked (min_tokens)
     penalties: list[PenaltyInput] = field(default_factory=list)
 

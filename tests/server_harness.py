@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-
 import time
 
 import httpx
@@ -20,14 +19,14 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def serve_test_model(model: str, log: str) -> ServerProcess:
+def serve_test_model(model: str, log: str, extra_args: list[str] = ()) -> ServerProcess:
     """Ready when it returns; a context manager that stops it and checks it is gone."""
     # One intra-op thread, as the tests' own torch (conftest): same kernels, same bits, no oversubscription.
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     return ServerProcess(model, ["--device", "cpu", "--log-level", "warning", "--api-key", USER_KEY,
                                  "--admin-api-key", ADMIN_KEY, "--served-model-name", SERVED_NAME,
                                  "--kv-cache-tokens", "8192", "--max-body-bytes", str(MAX_BODY_BYTES),
-                                 "--max-capture-bytes", str(MAX_CAPTURE_BYTES)], log=log, env=env,
+                                 "--max-capture-bytes", str(MAX_CAPTURE_BYTES), *extra_args], log=log, env=env,
                          startup_timeout=180)
 
 

@@ -22,7 +22,8 @@ def llm(model_dirs):
     (dict(max_tokens=-3), "max_tokens"),
     (dict(top_k=-1), "top_k"),
     (dict(min_p=2.0), "min_p"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(logprob_token_ids=[-3]), "logprob_token_ids"),
     (dict(stop=[""]), "stop"),
     (dict(seed="x"), "seed"),
 ])

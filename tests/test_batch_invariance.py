@@ -4,8 +4,8 @@ prefix-cache hits or preemption."""
 import random
 
 import pytest
-
 from conftest import PROMPTS
+
 from steerable import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -95,3 +95,15 @@ def test_serve(cache_dir):
     positive(serve, "seconds", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
     assert serve["requests"] == 6 and serve["failed"] == 0 and serve["output_tokens"] == offline["output_tokens"]
     positive(ratio, "output_tok_s_ratio", "itl_p50_over_offline_ms_per_token")
+
+
+def test_capture_corpus_with_hf_baseline(cache_dir):
+    r = run("capture_corpus", cache_dir)
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["steerable", "hf"]
+    for x in runs.values():
+        positive(x, "seconds", "prompt_tok_s", "prompt_tokens", "gb_written")
+    assert runs["steerable"]["rows"] == runs["hf"]["rows"] == runs["steerable"]["prompt_tokens"]
+    check = r["check"][0]
+    assert check["rows_ok"] and check["values_checked"] and check["max_abs_diff"] < 1e-5
+    positive(r["ratio"][0], "prompt_tok_s_ratio")

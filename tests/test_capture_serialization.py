@@ -12,10 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from steerable.capture import consumers as consumers_mod
-from steerable.capture.consumers import (CaptureConsumer, FilesystemConsumer, LoggingConsumer,
-                                         read_capture_shard)
-from steerable.capture.serialization import (WIRE_DTYPES, CaptureMeta, deserialize_captured,
-                                             match_capture_request_id, serialize_capture_layer)
+from steerable.capture.consumers import CaptureConsumer, FilesystemConsumer, LoggingConsumer, read_capture_shard
+from steerable.capture.serialization import (
+    WIRE_DTYPES,
+    CaptureMeta,
+    deserialize_captured,
+    match_capture_request_id,
+    serialize_capture_layer,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 TABLE = ["req-0-0123abcd", "req-1-deadbeef", "req-10-cafef00d"]

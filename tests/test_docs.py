@@ -4,7 +4,6 @@ import pathlib
 import re
 
 import pytest
-
 from conftest import smollm2_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

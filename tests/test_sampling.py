@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import PROMPTS
+
 from steerable import LLM, SamplingParams
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import openai
 import pytest
 import torch
-
 from server_harness import ADMIN, MAX_BODY_BYTES, SERVED_NAME, USER, USER_KEY, assert_nothing_held, metrics, wait_idle
-from steerable import LLM, CaptureSpec, SamplingParams, SelectSpec, SteeringSpec, Add, Clamp
+
+from steerable import LLM, Add, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
 from steerable.capture import deserialize_captured, match_capture_request_id
 
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Steering vectors shift", "Paged attention stores keys"]
@@ -477,3 +477,57 @@ def test_chunked_body_over_the_limit_is_413(http):
 
     r = http.post("/v1/completions", content=body(), headers={**USER, "Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
+def _control_vector_file(tmp_path, name: str, seed: int) -> str:
+    from steerable.vectors import ControlVector
+    path = str(tmp_path / name)
+    ControlVector({1: vector(seed, 3.0), 2: vector(seed + 1, 3.0)}).save(path)
+    return path
+
+
+def test_module_from_a_control_vector_file(client, offline, http, tmp_path):
+    """The module route takes a control-vector file's contents (base64), as llama.cpp users have them."""
+    from steerable.vectors import ControlVector
+    path = _control_vector_file(tmp_path, "happy.gguf", 40)
+    data = base64.b64encode(open(path, "rb").read()).decode()
+    r = http.post("/v1/steering/modules", json={"happy": {"control_vector": data, "scale": 0.5}}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    try:
+        served = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                           extra_body={"steering_module_ref": "happy", "return_token_ids": True})
+    finally:
+        http.delete("/v1/steering/modules/happy", headers=ADMIN)
+    ref = run_offline(offline, PROMPTS[1], max_tokens=8, temperature=0,
+                      steering_vectors=ControlVector.load(path).to_spec(0.5)).outputs[0]
+    plain = run_offline(offline, PROMPTS[1], max_tokens=8, temperature=0).outputs[0]
+    assert served.choices[0].token_ids == ref.token_ids != plain.token_ids
+    for bad, field in [({"control_vector": "%%%"}, "control_vector"),
+                       ({"control_vector": base64.b64encode(b"not a vector file").decode()}, "control_vector"),
+                       ({"control_vector": data, "strength": 1}, "strength")]:
+        r = http.post("/v1/steering/modules", json={"bad": bad}, headers=ADMIN)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    assert "bad" not in http.get("/v1/steering/modules", headers=USER).json()["modules"]
+
+
+def test_serve_control_vector_flags_set_the_global_default(model_dirs, offline, tmp_path):
+    """``steerable serve --control-vector a.gguf:1.5 --control-vector b.gguf:-0.5`` steers every request
+    with the per-layer sum, as ``llama-server`` does; it equals the summed spec set offline."""
+    from server_harness import serve_test_model
+
+    from steerable.vectors import combine_control_vectors
+    a, b = _control_vector_file(tmp_path, "a.gguf", 50), _control_vector_file(tmp_path, "b.gguf", 60)
+    flags = ["--control-vector", f"{a}:1.5", "--control-vector", f"{b}:-0.5"]
+    with serve_test_model(model_dirs["qwen3"], str(tmp_path / "cv-server.log"), extra_args=flags) as running:
+        with httpx.Client(base_url=running.url, timeout=60) as h:
+            r = h.post("/v1/completions", headers=USER, json={"model": SERVED_NAME, "prompt": PROMPTS[2],
+                                                               "max_tokens": 8, "temperature": 0,
+                                                               "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    offline.set_steering_vectors(combine_control_vectors([f"{a}:1.5", f"{b}:-0.5"]))
+    try:
+        ref = run_offline(offline, PROMPTS[2], max_tokens=8, temperature=0).outputs[0]
+    finally:
+        offline.clear_steering_vectors()
+    plain = run_offline(offline, PROMPTS[2], max_tokens=8, temperature=0).outputs[0]
+    assert r.json()["choices"][0]["token_ids"] == ref.token_ids != plain.token_ids

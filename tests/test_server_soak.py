@@ -10,8 +10,8 @@ import random
 import httpx
 import pytest
 import torch
-
 from server_harness import MAX_BODY_BYTES, USER, assert_nothing_held
+
 from steerable import LLM, CaptureSpec, SamplingParams
 from steerable.capture import deserialize_captured
 

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import smollm2_gguf
 
 pytestmark = [pytest.mark.slow,
@@ -23,6 +22,7 @@ def llm():
 @pytest.fixture(scope="module")
 def hf():
     import os
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -218,6 +218,10 @@ class LLMEngine(ResumableRequests):
         params.validate()
         if resumable and params.n != 1:
             raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.logprob_token_ids or []):
+            raise InvalidRequestError(f"logprob_token_ids: {params.logprob_token_ids} has ids outside the "
+                                      f"vocabulary [0, {vocab})")
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         prompt_text, token_ids = self._tokenize(prompt)

@@ -41,7 +41,7 @@ class OutputProcessor:
         piece = request.detokenizer.step(token)
         request.output_text += piece
         if token_logprobs is not None:
-            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t], False))
+            request.logprobs.append({t: Logprob(lp, rank, self.tokenizer.token_text(t))
                                      for t, (lp, rank) in token_logprobs.items()})
             request.cumulative_logprob += token_logprobs[token][0]
         params = request.params

@@ -95,7 +95,7 @@ class StepBuilder:
             min_p=np.fromiter((p.min_p for p in params), dtype=np.float32, count=n),
             seeds=np.fromiter((noise_seed(p.seed if p.seed is not None else r.sampling_seed, r.num_tokens)
                                for p, r in zip(params, requests)), dtype=np.int64, count=n),
-            logprobs=[p.logprobs for p in params])
+            logprobs=[None if p.logprobs is None else (p.logprobs, list(p.logprob_token_ids or [])) for p in params])
         for i, (request, p) in enumerate(zip(requests, params)):
             if request.num_output_tokens < p.min_tokens and request.stop_token_ids:
                 sampling.suppress[i] = np.array(sorted(request.stop_token_ids), dtype=np.int64)

@@ -12,6 +12,7 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: Any | None):
         self.hf = hf_tokenizer
+        self._token_texts: dict[int, str] = {}
 
     @property
     def available(self) -> bool:
@@ -33,6 +34,14 @@ class Tokenizer:
         if self.hf is None:
             return ""
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone with special tokens kept (the text of a logprob entry), memoised:
+        ``logprobs=-1`` names every vocabulary entry at every position."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], False)
+        return text
 
     def stream(self, prompt_token_ids: list[int], skip_special_tokens: bool) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)

@@ -146,6 +146,8 @@ class SpecParser:
         """Any accepted form -> interventions; ``ValueError`` names ``where`` and the bad part."""
         if spec is None:
             return []
+        if callable(getattr(spec, "to_spec", None)):  # a steerable.vectors.ControlVector (duck-typed: no import)
+            spec = spec.to_spec()
         if isinstance(spec, (Add, Clamp)):
             spec = [spec]
         seen: Seen = {}
@@ -155,8 +157,8 @@ class SpecParser:
             return self._parse_vectors(spec, None, where, seen)
         if isinstance(spec, (list, tuple)) and all(isinstance(i, (Add, Clamp)) for i in spec):
             return [self._parse_item(item, f"{where}[{i}]", seen) for i, item in enumerate(spec)]
-        raise InvalidRequestError(f"{where}: expected a SteeringSpec, Add/Clamp items or a dict of vectors, "
-                         f"got {type(spec).__name__}")
+        raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp items or a dict "
+                                  f"of vectors, got {type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
         scale = finite_number(spec.scale, f"{where}.scale")

@@ -29,7 +29,7 @@ class SampleHandle:
     host: torch.Tensor
     done: torch.cuda.Event | None
     raw_logprobs: torch.Tensor | None
-    logprobs: list[int | None]
+    logprobs: list[tuple[int, list[int]] | None]  # per row: (top-N, extra token ids) or None
 
 
 class Sampler:
@@ -67,9 +67,9 @@ class Sampler:
         token_list = handle.host.tolist()
         logprobs: list[dict | None] = [None] * len(token_list)
         if handle.raw_logprobs is not None:
-            for i, num in enumerate(handle.logprobs):
-                if num is not None:
-                    logprobs[i] = _top_logprobs(handle.raw_logprobs[i], token_list[i], num)
+            for i, asked in enumerate(handle.logprobs):
+                if asked is not None:
+                    logprobs[i] = requested_logprobs(handle.raw_logprobs[i], token_list[i], *asked)
         return token_list, logprobs
 
 
@@ -130,11 +130,19 @@ def _race(logits: torch.Tensor, sampling: SamplingInput, rows: np.ndarray) -> to
     return (probs / noise).argmax(dim=-1)
 
 
-def _top_logprobs(logprobs: torch.Tensor, token: int, num: int) -> dict[int, tuple[float, int]]:
-    """The sampled token's logprob and rank plus the ``num`` most likely tokens (vLLM semantics)."""
-    chosen = logprobs[token]
-    rank = int((logprobs > chosen).sum().item()) + 1
-    result = {token: (float(chosen), rank)}
+def requested_logprobs(logprobs: torch.Tensor, token: int, num: int,
+                       token_ids: list[int]) -> dict[int, tuple[float, int]]:
+    """``{token id: (logprob, rank)}`` for one sampled row (vLLM semantics): the sampled token, the
+    ``num`` most likely tokens (``-1``: every vocabulary entry) and every id in ``token_ids``. A
+    rank is 1 + the number of tokens strictly more likely."""
+    if num == -1:
+        ascending = logprobs.sort().values
+        ranks = logprobs.numel() - torch.searchsorted(ascending, logprobs, right=True) + 1
+        return dict(zip(range(logprobs.numel()), zip(logprobs.tolist(), ranks.tolist())))
+    ids = [token, *token_ids]
+    values = logprobs[ids]
+    ranks = (logprobs[None, :] > values[:, None]).sum(dim=1) + 1
+    result = {t: (v, r) for t, v, r in zip(ids, values.tolist(), ranks.tolist())}
     if num:
         values, ids = logprobs.topk(num)
         for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from steerable.entrypoints.cli import generate, serve
+from steerable.entrypoints.cli import capture, demo, generate, serve, vectors
 
-VERBS = [generate, serve]
+VERBS = [generate, serve, vectors, capture, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,10 +22,12 @@ def add_model_arg(parser: argparse.ArgumentParser, positional: bool = False) -> 
         parser.add_argument("--model", default=DEFAULT_MODEL, help=help_text)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The knobs of ``LLM(...)``."""
+def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype") -> None:
+    """The knobs of ``LLM(...)``; a verb whose own ``--dtype`` means something else (``capture``:
+    the stored dtype) names the model's another way."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    group.add_argument(dtype_flag, dest="dtype", default="auto",
+                       help="model dtype: auto | float32 | bfloat16 | float16 (default: auto)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt plus output, in tokens (default: the model's, capped by the KV cache)")
@@ -69,3 +71,46 @@ def run_checked(func: Any, args: argparse.Namespace) -> int:
     except (CliError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def layer_list(text: str) -> list[int]:
+    """``"4,8,12"``, ``"8-20"`` (inclusive) or a mix such as ``"2,4-6"`` -> sorted layer indices."""
+    layers: set[int] = set()
+    try:
+        for part in text.split(","):
+            start, sep, end = part.strip().partition("-")
+            layers.update(range(int(start), int(end) + 1) if sep else [int(start)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layers like 4,8,12 or 8-20, got {text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError(f"no layers in {text!r}")
+    return sorted(layers)
+
+
+def number_list(text: str) -> list[float]:
+    """``"-2,-1,0,1,2"`` -> floats."""
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_control_vector_args(parser: argparse.ArgumentParser) -> None:
+    """llama.cpp's flags: control vectors summed per layer, applied to every request."""
+    group = parser.add_argument_group("control vectors")
+    group.add_argument("--control-vector", action="append", metavar="FILE[:SCALE]",
+                       help="a control vector (.gguf or .safetensors) times SCALE (default 1) added to every token; "
+                            "repeat to sum several per layer, as llama.cpp does")
+    group.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"),
+                       help="steer only layers START..END (inclusive) of the summed vector")
+
+
+def control_vector(args: argparse.Namespace) -> Any:
+    """The summed ControlVector of ``--control-vector`` flags (None without any), read and checked
+    before the model loads; ``check_model`` against the loaded model follows."""
+    if not args.control_vector:
+        if args.control_vector_layer_range:
+            raise CliError("--control-vector-layer-range needs at least one --control-vector")
+        return None
+    from steerable.vectors import combine_control_vectors
+    return combine_control_vectors(args.control_vector, args.control_vector_layer_range)

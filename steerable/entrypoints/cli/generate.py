@@ -6,7 +6,15 @@ import argparse
 import sys
 import time
 
-from steerable.entrypoints.cli.common import CliError, add_engine_args, add_model_arg, engine_kwargs, run_checked
+from steerable.entrypoints.cli.common import (
+    CliError,
+    add_control_vector_args,
+    add_engine_args,
+    add_model_arg,
+    control_vector,
+    engine_kwargs,
+    run_checked,
+)
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -26,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="print the top-N logprobs of each token")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    add_control_vector_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=lambda args: run_checked(generate, args))
 
@@ -40,8 +49,13 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CliError(str(err)) from None
     kwargs = engine_kwargs(args)
+    steering = control_vector(args)
     prompts = args.prompt or [DEFAULT_PROMPT]
     with LLM(**kwargs) as llm:
+        if steering is not None:
+            cfg = llm.llm_engine.model_config
+            steering.check_model(cfg.hidden_size, cfg.num_layers, "--control-vector")
+            llm.set_steering_vectors(steering)
         tokenizer = llm.get_tokenizer()
         use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
         start = time.perf_counter()

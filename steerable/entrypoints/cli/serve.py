@@ -7,7 +7,15 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from steerable.entrypoints.cli.common import CliError, add_engine_args, add_model_arg, engine_kwargs, run_checked
+from steerable.entrypoints.cli.common import (
+    CliError,
+    add_control_vector_args,
+    add_engine_args,
+    add_model_arg,
+    control_vector,
+    engine_kwargs,
+    run_checked,
+)
 
 if TYPE_CHECKING:
     from steerable.entrypoints.openai.state import ServerSettings
@@ -39,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "used instead of the tokenizer's")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: info)")
+    add_control_vector_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=lambda args: run_checked(serve, args))
 
@@ -46,11 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     kwargs = engine_kwargs(args)
+    steering = control_vector(args)
     from steerable.entrypoints.async_llm import AsyncLLM
     from steerable.entrypoints.openai import build_app, run_server
 
     llm = AsyncLLM(**kwargs)
     try:
+        if steering is not None:  # llama.cpp's global control vectors: the default every request gets
+            cfg = llm.engine.model_config
+            steering.check_model(cfg.hidden_size, cfg.num_layers, "--control-vector")
+            llm.engine.set_steering_vectors(steering)
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

@@ -5,18 +5,22 @@ answers: a request keeps the snapshot it was admitted with, as offline."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from steerable.capture.serialization import serialize_captured
-from steerable.capture.session import COMPONENTS
+from steerable.checks import finite_number
 from steerable.entrypoints.openai.auth import require_admin, require_user
 from steerable.entrypoints.openai.errors import APIError
 from steerable.entrypoints.openai.protocol import GlobalSteeringRequest, StreamStartRequest
 from steerable.entrypoints.openai.state import server_state
 from steerable.errors import InvalidRequestError
+from steerable.hook_points import COMPONENTS
 from steerable.steering.wire import steering_from_json
+from steerable.vectors.files import load_bytes
 
 admin = APIRouter(dependencies=[Depends(require_admin)])
 user = APIRouter(dependencies=[Depends(require_user)])
@@ -40,11 +44,30 @@ async def clear_global(request: Request) -> dict[str, Any]:
 
 @admin.post("/v1/steering/modules")
 async def register_modules(body: dict[str, Any], request: Request) -> dict[str, Any]:
-    """``{"name": spec, ...}``: each spec in any JSON form ``steering_vectors`` takes."""
+    """``{"name": spec, ...}``: each spec in any JSON form ``steering_vectors`` takes, or a control
+    vector file's contents, ``{"control_vector": base64 of a .gguf or .safetensors, "scale": s}``."""
     llm = server_state(request).llm
-    await llm.register_steering_modules({name: steering_from_json(spec, f"modules[{name!r}]")
+    await llm.register_steering_modules({name: _module_spec(spec, f"modules[{name!r}]")
                                          for name, spec in body.items()})
     return {"modules": (await llm.get_steering_status())["modules"]}
+
+
+def _module_spec(spec: Any, where: str) -> Any:
+    if not (isinstance(spec, dict) and "control_vector" in spec):
+        return steering_from_json(spec, where)
+    unknown = sorted(set(spec) - {"control_vector", "scale"})
+    if unknown:
+        raise InvalidRequestError(f"{where}: unknown key(s) {unknown}; a control-vector module takes "
+                                  "'control_vector' (base64 file contents) and 'scale'")
+    data = spec["control_vector"]
+    if not isinstance(data, str):
+        raise InvalidRequestError(f"{where}.control_vector: expected the file's contents as a base64 string")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise InvalidRequestError(f"{where}.control_vector: not valid base64") from None
+    cv = load_bytes(raw, f"{where}.control_vector")
+    return cv.to_spec(finite_number(spec.get("scale", 1.0), f"{where}.scale"))
 
 
 @admin.delete("/v1/steering/modules/{name}")

@@ -1,0 +1,128 @@
+"""Corpus capture: shards equal ``steerable.capture`` on the same texts, read back with plain
+safetensors; a run interrupted (an injected failure, or a process killed after its first shard)
+and resumed writes the same shards as an uninterrupted one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import CORPUS
+from safetensors.torch import load_file
+
+import steerable
+from steerable import LLM
+from steerable.capture import corpus
+from steerable.capture.corpus import capture_corpus
+from steerable.entrypoints.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = [f"{i}: {CORPUS[i % 7]}" for i in range(11)]
+
+
+@pytest.fixture(scope="module")
+def llm(capture_dirs):
+    return LLM(capture_dirs["llama"], device="cpu", kv_cache_tokens=2048)
+
+
+def read_shards(out) -> list[dict[str, torch.Tensor]]:
+    index = json.loads((out / "index.json").read_text())
+    return [load_file(out / entry["file"]) for entry in index["shards"]]
+
+
+@pytest.mark.parametrize("select", ["all_prompt", "last_prompt"])
+def test_shards_equal_steerable_capture(llm, tmp_path, select):
+    index = capture_corpus(llm, TEXTS, tmp_path, layers=[0, 2], select=select, shard_size=4, batch_size=3)
+    shards = read_shards(tmp_path)
+    assert [e["start"] for e in index["shards"]] == [0, 4, 8] and index["complete"]
+    assert [e["rows"] for e in index["shards"]] == [len(s["example"]) for s in shards]
+    reference = steerable.capture(llm, TEXTS, layers=[0, 2], select=select)
+    for layer in (0, 2):
+        assert torch.equal(torch.cat([s[f"layer.{layer}"] for s in shards]), reference.rows(layer))
+    meta = reference.meta(0)
+    assert torch.equal(torch.cat([s["position"] for s in shards]), meta.positions.long())
+    assert torch.equal(torch.cat([s["token_id"] for s in shards]), meta.token_ids.long())
+    examples = torch.cat([s["example"] for s in shards])
+    assert examples.tolist() == [i for i, out in enumerate(reference.outputs)
+                                 for _ in range(len(out.capture_meta["hidden_states"][0]))]
+    assert len(examples) > len(TEXTS) or select == "last_prompt"
+    saved = json.loads((tmp_path / "index.json").read_text())
+    assert saved["layers"] == [0, 2] and saved["hook"] == "post_mlp" and saved["num_examples"] == len(TEXTS)
+    assert saved["select"] == steerable.SelectSpec.parse(select).to_wire()
+
+
+def test_stored_dtype_and_hook(llm, tmp_path):
+    capture_corpus(llm, TEXTS[:3], tmp_path, layers=[1], hook="pre_attn", dtype="bfloat16")
+    shard = read_shards(tmp_path)[0]
+    reference = steerable.capture(llm, TEXTS[:3], layers=[1], hook="pre_attn", dtype="bfloat16")
+    assert shard["layer.1"].dtype == torch.bfloat16 and torch.equal(shard["layer.1"], reference.rows(1))
+
+
+def shard_bytes(out) -> dict[str, bytes]:
+    return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+
+
+def test_resume_after_an_injected_failure(llm, tmp_path, monkeypatch):
+    kwargs = dict(layers=[0, 1, 2], select="all_prompt", shard_size=2, batch_size=2)
+    capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
+    real_save, calls = corpus.save_file, []
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(corpus, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
+    index = json.loads((tmp_path / "cut" / "index.json").read_text())
+    assert len(index["shards"]) == 2 and not index["complete"]
+    assert not [n for n in os.listdir(tmp_path / "cut") if n.endswith(".part")]
+    monkeypatch.setattr(corpus, "save_file", real_save)
+    with pytest.raises(ValueError, match="resume"):
+        capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
+    with pytest.raises(ValueError, match="resume: layers differs"):
+        capture_corpus(llm, TEXTS, tmp_path / "cut", **{**kwargs, "layers": [0]}, resume=True)
+    capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs, resume=True)
+    assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
+
+
+def test_resume_after_the_process_is_killed(capture_dirs, tmp_path):
+    texts = [f"{i} {CORPUS[i % 7]}" for i in range(60)]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    args = ["capture", "--model", capture_dirs["llama"], "--input", str(tmp_path / "texts.jsonl"), "--field",
+            "body", "--layers", "0-2", "--select", '{"prompt": "all"}', "--shard-size", "1", "--batch-size", "1",
+            "--device", "cpu", "--kv-cache-tokens", "1024"]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "steerable.entrypoints.cli", *args, "--out", str(tmp_path / "cut")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    index_path = tmp_path / "cut" / "index.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if index_path.exists() and json.loads(index_path.read_text())["shards"]:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    cut = json.loads(index_path.read_text())
+    assert 1 <= len(cut["shards"]) < len(texts) and not cut["complete"]  # killed mid-run
+    assert main([*args, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 2  # without --resume: refused
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(layers=[3]), "layers"), (dict(hook="mlp"), "hook"), (dict(select="some"), "select"),
+    (dict(dtype="int8"), "dtype"), (dict(shard_size=0), "shard_size"), (dict(texts=[]), "texts"),
+])
+def test_bad_arguments_write_nothing(llm, tmp_path, kwargs, field):
+    texts = kwargs.pop("texts", TEXTS)
+    with pytest.raises(ValueError, match=field):
+        capture_corpus(llm, texts, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
