@@ -31,6 +31,7 @@ from steerable.outputs import RequestOutput
 from steerable.request import Request, SchedulerOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
+from steerable.steering.spec import SteeringSpec
 from steerable.step import PLACEHOLDER
 from steerable.worker.model_runner import Launched, ModelRunner
 
@@ -155,6 +156,10 @@ class LLMEngine(ResumableRequests):
     def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
         with self.lock.hold():
             self.steering.unregister_modules(names)
+
+    def get_steering_module(self, name: str) -> SteeringSpec:
+        with self.lock.hold():
+            return self.steering.module_spec(name)
 
     def list_steerable_layers(self) -> dict[str, list[int]]:
         return self.steering.steerable_layers()

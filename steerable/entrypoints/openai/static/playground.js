@@ -1,0 +1,498 @@
+// The playground talks to this server's public API like any client. The API key lives in this
+// tab's sessionStorage only: never in the page, a URL or a cookie.
+"use strict";
+
+const KEY = "steerable.apiKey";
+const $ = (id) => document.getElementById(id);
+const state = { role: null, module: null, controller: null, tokenTexts: new Map() };
+
+// Where a server error goes: the first [param prefix, element id] whose prefix names its param.
+const RUN_SLOTS = [["prompt", "prompt-error"], ["messages", "prompt-error"], ["max_tokens", "max-tokens-error"],
+  ["temperature", "temperature-error"], ["seed", "seed-error"], ["steering_module_ref", "module-error"],
+  ["capture", "heat-error"]];
+const TRAIN_SLOTS = [["positives", "positives-error"], ["negatives", "negatives-error"],
+  ["layers", "train-layers-error"], ["hook", "train-hook-error"]];
+const SWEEP_SLOTS = [["items", "items-error"], ["scales", "scales-error"], ["module", "module-error"]];
+
+// ---------------------------------------------------------------- the API
+
+class ApiError extends Error {
+  constructor(status, message, param) {
+    super(message);
+    this.status = status;
+    this.param = param;
+  }
+}
+
+async function api(method, path, body, signal) {
+  const headers = {};
+  const key = sessionStorage.getItem(KEY);
+  if (key) headers.Authorization = `Bearer ${key}`;
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, { method, headers, signal,
+    body: body === undefined ? undefined : JSON.stringify(body) });
+  if (!response.ok) {
+    let error = {};
+    try { error = (await response.json()).error || {}; } catch { /* not the API's JSON error shape */ }
+    throw new ApiError(response.status, error.message || `HTTP ${response.status} ${response.statusText}`, error.param);
+  }
+  return response;
+}
+
+async function apiJson(method, path, body) {
+  return (await api(method, path, body)).json();
+}
+
+function showError(err, slots, fallback) {
+  const param = err.param || "";
+  const slot = slots.find(([prefix]) => param === prefix || param.startsWith(`${prefix}.`) || param.startsWith(`${prefix}[`));
+  $(slot ? slot[1] : fallback).textContent = err.message;
+}
+
+function clearErrors(...ids) {
+  for (const id of ids) $(id).textContent = "";
+}
+
+// ---------------------------------------------------------------- bytes
+
+function base64Bytes(text) {
+  return Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+}
+
+function bytesBase64(bytes) {
+  let text = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+
+function littleEndian(text, read, size) {
+  const view = new DataView(base64Bytes(text).buffer);
+  return Array.from({ length: view.byteLength / size }, (_, i) => read.call(view, i * size, true));
+}
+
+// ---------------------------------------------------------------- key and model
+
+async function connect() {
+  clearErrors("api-key-error");
+  state.tokenTexts.clear();
+  try {
+    const who = await apiJson("GET", "v1/auth");
+    const card = (await apiJson("GET", "v1/models")).data[0];
+    state.role = who.role;
+    $("model-info").textContent = `${card.id}: ${card.num_layers} layers, width ${card.hidden_size}`;
+    $("key-status").textContent = who.role === "admin" ? "Admin key: every control is available."
+      : "User key: run and sweep with registered modules.";
+    setAdmin(who);
+    await loadModules();
+  } catch (err) {
+    state.role = null;
+    setAdmin(null);
+    $("key-status").textContent = "";
+    showError(err, [], "api-key-error");
+  }
+}
+
+function setAdmin(who) {
+  const admin = who?.role === "admin";
+  $("upload-fieldset").disabled = !admin;
+  $("train-fieldset").disabled = !admin;
+  const reason = $("admin-reason");
+  reason.hidden = admin;
+  if (!who) reason.textContent = "Enter an API key first.";
+  else if (!who.admin_routes) reason.textContent = "Uploading and training are disabled: this server has no admin "
+    + "key (start it with --admin-api-key).";
+  else reason.textContent = "Uploading and training are disabled for a user key: they register modules that every "
+    + "user of this server gets, so they need the admin key.";
+}
+
+function useKey(event) {
+  event.preventDefault();
+  sessionStorage.setItem(KEY, $("api-key").value);
+  $("api-key").value = "";
+  connect();
+}
+
+function forgetKey() {
+  sessionStorage.removeItem(KEY);
+  state.role = null;
+  setAdmin(null);
+  $("key-status").textContent = "Key forgotten.";
+}
+
+// ---------------------------------------------------------------- modules
+
+async function loadModules(wanted) {
+  clearErrors("module-error");
+  try {
+    const names = Object.keys((await apiJson("GET", "v1/steering/modules")).modules);
+    const box = $("module");
+    const keep = wanted ?? box.value;
+    box.replaceChildren(...names.map((name) => new Option(name, name)));
+    if (!names.length) box.append(new Option("(no modules registered)", ""));
+    box.value = names.includes(keep) ? keep : names[0] ?? "";
+    await chooseModule();
+  } catch (err) {
+    showError(err, [], "module-error");
+  }
+}
+
+async function chooseModule() {
+  clearErrors("module-error", "heat-error");
+  state.module = null;
+  $("module-info").textContent = "";
+  const name = $("module").value;
+  let layers = [];
+  if (name) {
+    try {
+      const { spec } = await apiJson("GET", `v1/steering/modules/${encodeURIComponent(name)}`);
+      state.module = moduleDirections(name, spec);
+      layers = [...state.module.directions.keys()].sort((a, b) => a - b);
+      $("module-info").textContent = layers.length ? `Adds at ${state.module.hooks.join(", ")}, layers ${layers.join(", ")}.`
+        : "This module adds no vector (clamps only): there is no direction for the heatmap.";
+      if (state.module.hooks.length) $("heat-hook").value = state.module.hooks[0];
+    } catch (err) {
+      showError(err, [], "module-error");
+    }
+  }
+  const select = $("heat-layer");
+  const keep = Number(select.value);
+  select.replaceChildren(...layers.map((layer) => new Option(`layer ${layer}`, layer)));
+  if (layers.length) select.value = layers.includes(keep) ? keep : layers[Math.floor(layers.length / 2)];
+}
+
+// Per layer, the sum of what the module adds there (at any hook), as float64.
+function moduleDirections(name, spec) {
+  const directions = new Map();
+  const hooks = new Set();
+  for (const item of spec.interventions || []) {
+    if (item.type !== "add") continue;
+    const vector = littleEndian(item.vector.data, DataView.prototype.getFloat32, 4);
+    const sum = directions.get(item.layer);
+    directions.set(item.layer, sum ? sum.map((x, i) => x + vector[i]) : vector);
+    hooks.add(item.hook);
+  }
+  return { name, directions, hooks: [...hooks] };
+}
+
+async function upload(event) {
+  event.preventDefault();
+  clearErrors("upload-error");
+  const file = $("upload-file").files[0];
+  if (!file) {
+    $("upload-error").textContent = "Choose a .gguf or .safetensors file first.";
+    return;
+  }
+  const name = $("upload-name").value.trim();
+  try {
+    const data = bytesBase64(new Uint8Array(await file.arrayBuffer()));
+    await apiJson("POST", "v1/steering/modules", { [name]: { control_vector: data, scale: 1 } });
+    await loadModules(name);
+  } catch (err) {
+    showError(err, [], "upload-error");
+  }
+}
+
+function lines(id) {
+  return $(id).value.split("\n").map((line) => line.trim()).filter(Boolean);
+}
+
+// "4-6,9" -> [4, 5, 6, 9]; anything else is sent as typed, for the server to name.
+function parseLayers(text) {
+  return text.split(",").flatMap((part) => {
+    const range = part.trim().match(/^(\d+)\s*-\s*(\d+)$/);
+    if (!range) return [Number(part)];
+    return Array.from({ length: Math.max(0, range[2] - range[1] + 1) }, (_, i) => Number(range[1]) + i);
+  });
+}
+
+async function trainVector(event) {
+  event.preventDefault();
+  clearErrors("positives-error", "negatives-error", "train-layers-error", "train-hook-error", "train-error");
+  const body = { positives: lines("positives"), negatives: lines("negatives"), hook: $("train-hook").value,
+    method: $("train-method").value, module: $("train-name").value.trim() };
+  const layers = $("train-layers").value.trim();
+  if (layers) body.layers = parseLayers(layers);
+  $("train").disabled = true;
+  try {
+    await apiJson("POST", "v1/vectors/train", body);
+    await loadModules(body.module);
+  } catch (err) {
+    showError(err, TRAIN_SLOTS, "train-error");
+  } finally {
+    $("train").disabled = false;
+  }
+}
+
+// ---------------------------------------------------------------- run
+
+function requestBody(layer, hook) {
+  if ($("seed").value === "") $("seed").value = Math.floor(Math.random() * 2 ** 31);  // both runs share it
+  const number = (id) => ($(id).value === "" ? null : Number($(id).value));
+  const body = { max_tokens: number("max-tokens"), temperature: number("temperature"), seed: number("seed"),
+    stream: true, capture: { layers: [layer], hook, select: "all", dtype: "float32" } };
+  if (document.querySelector("input[name=mode]:checked").value === "chat") {
+    const system = $("system").value.trim();
+    body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: $("prompt").value }];
+  } else {
+    body.prompt = $("prompt").value;
+  }
+  return body;
+}
+
+// Server-sent events through fetch: appends each delta to `pane`; resolves to the final choice
+// (which carries the captures).
+async function stream(path, body, pane, signal) {
+  const response = await api("POST", path, body, signal);
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  let final = null;
+  pane.setAttribute("aria-busy", "true");
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      const events = (buffer + value).split("\n\n");
+      buffer = events.pop();
+      for (const event of events) {
+        const data = event.replace(/^data: /, "");
+        if (data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new ApiError(chunk.error.code, chunk.error.message, chunk.error.param);
+        for (const choice of chunk.choices) {
+          pane.append(choice.text ?? choice.delta?.content ?? "");
+          if (choice.finish_reason) final = choice;
+        }
+      }
+    }
+  } finally {
+    pane.removeAttribute("aria-busy");
+  }
+  return final;
+}
+
+async function run(event) {
+  event.preventDefault();
+  clearErrors(...RUN_SLOTS.map(([, id]) => id), "run-error");
+  const module = state.module;
+  const layer = Number($("heat-layer").value);
+  if (!module || !module.directions.has(layer)) {
+    $("module-error").textContent = "Choose a module that adds a vector (or upload or train one) first.";
+    return;
+  }
+  const hook = $("heat-hook").value;
+  const base = requestBody(layer, hook);
+  const steered = { ...base, steering_module_ref: { name: module.name, scale: Number($("scale").value) } };
+  const path = base.messages ? "v1/chat/completions" : "v1/completions";
+  const controller = new AbortController();
+  state.controller = controller;
+  setRunning(true, "Running…");
+  for (const id of ["pane-base", "pane-steered", "heat-base", "heat-steered", "heat-legend", "heat-readout"]) {
+    $(id).replaceChildren();
+  }
+  try {
+    const finals = await Promise.all([stream(path, base, $("pane-base"), controller.signal),
+      stream(path, steered, $("pane-steered"), controller.signal)]);
+    await drawHeatmaps(finals, module.directions.get(layer), `layer ${layer}, ${hook}`);
+    setRunning(false, "Done.");
+  } catch (err) {
+    controller.abort();  // the other run, if it still streams
+    setRunning(false, err.name === "AbortError" ? "Stopped." : "");
+    if (err.name !== "AbortError") showError(err, RUN_SLOTS, "run-error");
+  }
+}
+
+function setRunning(running, status) {
+  $("run").disabled = running;
+  $("stop").disabled = !running;
+  $("run-status").textContent = status;
+}
+
+// ---------------------------------------------------------------- heatmap
+
+// Each captured row (one token read by the model) projected on the unit direction.
+function projections(wire, direction) {
+  if (wire.dtype !== "torch.float32") throw new Error(`capture: expected float32 rows, got ${wire.dtype}`);
+  const [rows, width] = wire.shape;
+  const values = littleEndian(wire.data, DataView.prototype.getFloat32, 4);
+  const tokens = littleEndian(wire.meta.token_ids, DataView.prototype.getInt32, 4);
+  const positions = littleEndian(wire.meta.positions, DataView.prototype.getInt32, 4);
+  const norm = Math.hypot(...direction) || 1;
+  return Array.from({ length: rows }, (_, r) => {
+    let dot = 0;
+    for (let i = 0; i < width; i++) dot += values[r * width + i] * direction[i];
+    return { token: tokens[r], position: positions[r], value: dot / norm };
+  });
+}
+
+async function tokenTexts(ids) {
+  const missing = [...new Set(ids)].filter((id) => !state.tokenTexts.has(id));
+  await Promise.all(missing.map(async (id) => {
+    state.tokenTexts.set(id, (await apiJson("POST", "detokenize", { tokens: [id] })).prompt);
+  }));
+}
+
+async function drawHeatmaps(finals, direction, site) {
+  const rows = finals.map((final) => {
+    const layers = final?.captures?.hidden_states;
+    if (!layers) throw new Error("capture: the server returned no captured hidden states");
+    return projections(Object.values(layers)[0], direction);
+  });
+  await tokenTexts(rows.flat().map((cell) => cell.token));
+  // Residual streams share a large offset along most directions: colour around the unsteered mean.
+  const centre = rows[0].reduce((sum, cell) => sum + cell.value, 0) / Math.max(1, rows[0].length);
+  const spread = Math.max(1e-12, ...rows.flat().map((cell) => Math.abs(cell.value - centre)));
+  $("heat-legend").textContent = `${site}. White: the unsteered mean, ${centre.toFixed(3)}; full red or blue: `
+    + `${spread.toFixed(3)} above or below it.`;
+  drawRow($("heat-base"), rows[0], centre, spread);
+  drawRow($("heat-steered"), rows[1], centre, spread);
+}
+
+function drawRow(container, cells, centre, spread) {
+  container.replaceChildren(...cells.map((cell, i) => {
+    const text = state.tokenTexts.get(cell.token);
+    const span = document.createElement("span");
+    span.setAttribute("role", "listitem");
+    span.textContent = text.replace(/\n/g, "⏎").replace(/\t/g, "⇥") || "∅";
+    const label = `${JSON.stringify(text)} at position ${cell.position}: ${cell.value.toFixed(4)}`;
+    span.title = label;
+    span.setAttribute("aria-label", label);
+    const t = (cell.value - centre) / spread;
+    span.style.backgroundColor = colour(t);
+    span.classList.toggle("light", Math.abs(t) > 0.6);
+    span.tabIndex = i === 0 ? 0 : -1;
+    return span;
+  }));
+}
+
+// White at 0, red (+1) or blue (-1) at the ends.
+function colour(t) {
+  const end = t >= 0 ? [215, 48, 39] : [69, 117, 180];
+  const a = Math.min(1, Math.abs(t));
+  return `rgb(${end.map((c) => Math.round(255 + (c - 255) * a)).join(", ")})`;
+}
+
+// One tab stop per row; arrow keys, Home and End move between its cells.
+function heatKeys(event) {
+  const cells = [...event.currentTarget.children];
+  const i = cells.indexOf(document.activeElement);
+  const moves = { ArrowRight: i + 1, ArrowLeft: i - 1, Home: 0, End: cells.length - 1 };
+  if (i < 0 || !(event.key in moves)) return;
+  event.preventDefault();
+  const next = cells[Math.max(0, Math.min(cells.length - 1, moves[event.key]))];
+  cells[i].tabIndex = -1;
+  next.tabIndex = 0;
+  next.focus();
+}
+
+function readout(event) {
+  if (event.target.title) $("heat-readout").textContent = event.target.title;
+}
+
+// ---------------------------------------------------------------- sweep
+
+async function sweep(event) {
+  event.preventDefault();
+  clearErrors("items-error", "scales-error", "module-error", "sweep-error");
+  if (!state.module) {
+    $("module-error").textContent = "Choose a module to sweep first.";
+    return;
+  }
+  let items;
+  try {
+    items = lines("items").map((line, i) => {
+      try { return JSON.parse(line); } catch (err) { throw new Error(`items[${i}]: not JSON (${err.message})`); }
+    });
+  } catch (err) {
+    $("items-error").textContent = err.message;
+    return;
+  }
+  const scales = $("scales").value.split(",").filter((s) => s.trim()).map(Number);  // NaN travels as null: a 400
+  $("sweep").disabled = true;
+  $("sweep-status").textContent = "Sweeping…";
+  try {
+    const report = await apiJson("POST", "v1/vectors/evaluate", { module: state.module.name, items, scales });
+    plot(report.rows);
+    table(report.rows);
+    $("sweep-status").textContent = `${report.items} items; steerability ${report.steerability.toFixed(3)} per unit `
+      + `of scale; ${Math.round(report.anti_steerable * 100)} % anti-steerable.`;
+  } catch (err) {
+    $("sweep-status").textContent = "";
+    showError(err, SWEEP_SLOTS, "sweep-error");
+  } finally {
+    $("sweep").disabled = false;
+  }
+}
+
+function svg(tag, attributes, text) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function plot(rows) {
+  const box = { left: 48, right: 464, top: 16, bottom: 220 };
+  const scales = rows.map((row) => row.scale);
+  const lo = Math.min(...scales);
+  const hi = Math.max(...scales) === lo ? lo + 1 : Math.max(...scales);
+  const x = (s) => box.left + (s - lo) / (hi - lo) * (box.right - box.left);
+  const y = (p) => box.bottom - p * (box.bottom - box.top);
+  const parts = [];
+  for (const p of [0, 0.25, 0.5, 0.75, 1]) {
+    parts.push(svg("line", { class: "grid", x1: box.left, x2: box.right, y1: y(p), y2: y(p) }),
+      svg("text", { x: box.left - 6, y: y(p) + 4, "text-anchor": "end" }, p.toFixed(2)));
+  }
+  for (const s of scales) parts.push(svg("text", { x: x(s), y: box.bottom + 16, "text-anchor": "middle" }, `${s}`));
+  parts.push(svg("text", { x: (box.left + box.right) / 2, y: box.bottom + 34, "text-anchor": "middle" }, "scale"),
+    svg("line", { class: "axis", x1: box.left, x2: box.left, y1: box.top, y2: box.bottom }),
+    svg("line", { class: "axis", x1: box.left, x2: box.right, y1: box.bottom, y2: box.bottom }));
+  const sorted = [...rows].sort((a, b) => a.scale - b.scale);
+  parts.push(svg("polyline", { class: "curve", points: sorted.map((r) => `${x(r.scale)},${y(r.p_match)}`).join(" ") }));
+  for (const row of sorted) {
+    const point = svg("circle", { cx: x(row.scale), cy: y(row.p_match), r: 4 });
+    point.append(svg("title", {}, `scale ${row.scale}: p(matching) ${row.p_match.toFixed(4)}`));
+    parts.push(point);
+  }
+  $("sweep-plot").replaceChildren(...parts);
+}
+
+function table(rows) {
+  $("sweep-table").tBodies[0].replaceChildren(...rows.map((row) => {
+    const tr = document.createElement("tr");
+    const kl = row.kl === null ? "n/a" : row.kl.toFixed(4);
+    for (const text of [`${row.scale}`, row.p_match.toFixed(4), row.logit_diff.toFixed(4), row.wrong_way.toFixed(2), kl]) {
+      tr.append(Object.assign(document.createElement("td"), { textContent: text }));
+    }
+    return tr;
+  }));
+}
+
+// ---------------------------------------------------------------- wiring
+
+function setMode() {
+  const chat = document.querySelector("input[name=mode]:checked").value === "chat";
+  $("system-group").hidden = !chat;
+  $("prompt-label").textContent = chat ? "User message" : "Prompt";
+}
+
+$("key-form").addEventListener("submit", useKey);
+$("forget-key").addEventListener("click", forgetKey);
+$("module").addEventListener("change", chooseModule);
+$("refresh-modules").addEventListener("click", () => loadModules());
+$("upload-file").addEventListener("change", () => {
+  const file = $("upload-file").files[0];
+  if (file && !$("upload-name").value) $("upload-name").value = file.name.replace(/\.(gguf|safetensors)$/, "");
+});
+$("upload-form").addEventListener("submit", upload);
+$("train-form").addEventListener("submit", trainVector);
+$("run-form").addEventListener("submit", run);
+$("stop").addEventListener("click", () => state.controller?.abort());
+$("scale").addEventListener("input", () => { $("scale-value").value = $("scale").value; });
+$("sweep-form").addEventListener("submit", sweep);
+for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", setMode);
+for (const row of [$("heat-base"), $("heat-steered")]) {
+  row.addEventListener("keydown", heatKeys);
+  row.addEventListener("focusin", readout);
+  row.addEventListener("mouseover", readout);
+}
+if (sessionStorage.getItem(KEY) !== null) connect(); else setAdmin(null);
