@@ -7,14 +7,13 @@ screenshots go to a temp folder named at the start. Select with ``-m browser``."
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
-import os
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from browser_harness import CHROMIUM, CHROMIUM_ARGS, require_browser
 from server_harness import ADMIN, ADMIN_KEY, USER, USER_KEY
 
 from steerable.capture import deserialize_captured
@@ -22,27 +21,10 @@ from steerable.vectors import ControlVector
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 POSITIVES = ["I love this place.", "What a wonderful day.", "The food was delicious."]
 NEGATIVES = ["I hate this place.", "What a terrible day.", "The food was disgusting."]
 ITEMS = [{"prompt": "The quick brown", "matching": " fox", "other": " dog"},
          {"question": "Pick one.\n(A) fox\n(B) dog", "matching": "B"}]
-
-
-def require_browser() -> None:
-    """Skip without Chromium or playwright, except on CI (or with STEERABLE_REQUIRE_BROWSER=1),
-    where a missing browser must fail rather than silently skip the page's tests."""
-    missing = [what for what, ok in [(CHROMIUM, os.path.exists(CHROMIUM)),
-                                     ("playwright", importlib.util.find_spec("playwright") is not None)] if not ok]
-    if not missing:
-        return
-    message = (f"the playground's browser tests need {' and '.join(missing)}: apt-get install -y chromium "
-               "(Debian's package) and pip install playwright; never 'playwright install'")
-    if os.environ.get("CI") or os.environ.get("STEERABLE_REQUIRE_BROWSER") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
