@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from browser_harness import CHROMIUM, CHROMIUM_ARGS, require_browser
-from server_harness import ADMIN, ADMIN_KEY, USER, USER_KEY
+from server_harness import ADMIN, ADMIN_KEY, USER, USER_KEY, assert_nothing_held
 
 from steerable.capture import deserialize_captured
 from steerable.vectors import ControlVector
@@ -183,7 +183,29 @@ def test_chat_mode_equals_the_chat_api(page, http, shots):
     check_heatmap(page, http, steered, "steered", v)
 
 
+def test_stop_aborts_both_runs_and_the_server_keeps_serving(page, http):
+    v = torch.randn(64, generator=torch.Generator().manual_seed(23))
+    assert http.post("/v1/steering/modules", json={"pg-stop": {"1": v.tolist()}}, headers=ADMIN).status_code == 200
+    try:
+        enter_key(page, USER_KEY)
+        choose_module(page, "pg-stop", "layers 1.")
+        page.fill("#max-tokens", "400")
+        page.fill("#prompt", "Hello")
+        page.click("#run")
+        expect(page.locator("#pane-steered")).not_to_be_empty()
+        page.click("#stop")
+        expect(page.locator("#run-status")).to_have_text("Stopped.")
+        assert page.is_enabled("#run") and page.is_disabled("#stop")
+        assert_nothing_held(http)
+        page.fill("#max-tokens", "4")
+        run_page(page, "", scale_steps=0)  # and the next run completes
+    finally:
+        http.delete("/v1/steering/modules/pg-stop", headers=ADMIN)
+
+
 def test_user_key_sees_admin_controls_disabled(page, shots):
+    assert page.text_content("#key-status") == "This server needs an API key."
+    assert page.text_content("#api-key-error") == ""
     enter_key(page, USER_KEY)
     assert page.text_content("#key-status").startswith("User key")
     for control in ("#upload-file", "#upload", "#positives", "#train"):

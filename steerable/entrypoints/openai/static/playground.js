@@ -72,7 +72,8 @@ function littleEndian(text, read, size) {
 
 // ---------------------------------------------------------------- key and model
 
-async function connect() {
+// On load (`quiet`), a server that wants a key is not an error yet: the page just asks for one.
+async function connect(quiet = false) {
   clearErrors("api-key-error");
   state.tokenTexts.clear();
   try {
@@ -87,8 +88,8 @@ async function connect() {
   } catch (err) {
     state.role = null;
     setAdmin(null);
-    $("key-status").textContent = "";
-    showError(err, [], "api-key-error");
+    $("key-status").textContent = quiet && err.status === 401 ? "This server needs an API key." : "";
+    if (!(quiet && err.status === 401)) showError(err, [], "api-key-error");
   }
 }
 
@@ -495,4 +496,4 @@ for (const row of [$("heat-base"), $("heat-steered")]) {
   row.addEventListener("focusin", readout);
   row.addEventListener("mouseover", readout);
 }
-if (sessionStorage.getItem(KEY) !== null) connect(); else setAdmin(null);
+connect(true);
