@@ -1,10 +1,11 @@
-// The playground talks to this server's public API like any client. The API key lives in this
-// tab's sessionStorage only: never in the page, a URL or a cookie.
-"use strict";
+// The playground page: the controls, the two streamed runs and the sweep, wired to this server's
+// public API like any client (api.js); the heatmap and the plot are drawn by their own modules.
 
-const KEY = "steerable.apiKey";
-const $ = (id) => document.getElementById(id);
-const state = { role: null, module: null, controller: null, tokenTexts: new Map() };
+import { $, KEY, ApiError, api, apiJson, bytesBase64, clearErrors, littleEndian, showError } from "./api.js";
+import { drawHeatmaps, forgetTokens, wireHeatmapRow } from "./heatmap.js";
+import { plot, table } from "./sweep.js";
+
+const state = { module: null, controller: null };  // the chosen module's directions; the run's AbortController
 
 // Where a server error goes: the first [param prefix, element id] whose prefix names its param.
 const RUN_SLOTS = [["prompt", "prompt-error"], ["messages", "prompt-error"], ["max_tokens", "max-tokens-error"],
@@ -14,79 +15,21 @@ const TRAIN_SLOTS = [["positives", "positives-error"], ["negatives", "negatives-
   ["layers", "train-layers-error"], ["hook", "train-hook-error"]];
 const SWEEP_SLOTS = [["items", "items-error"], ["scales", "scales-error"], ["module", "module-error"]];
 
-// ---------------------------------------------------------------- the API
-
-class ApiError extends Error {
-  constructor(status, message, param) {
-    super(message);
-    this.status = status;
-    this.param = param;
-  }
-}
-
-async function api(method, path, body, signal) {
-  const headers = {};
-  const key = sessionStorage.getItem(KEY);
-  if (key) headers.Authorization = `Bearer ${key}`;
-  if (body !== undefined) headers["Content-Type"] = "application/json";
-  const response = await fetch(path, { method, headers, signal,
-    body: body === undefined ? undefined : JSON.stringify(body) });
-  if (!response.ok) {
-    let error = {};
-    try { error = (await response.json()).error || {}; } catch { /* not the API's JSON error shape */ }
-    throw new ApiError(response.status, error.message || `HTTP ${response.status} ${response.statusText}`, error.param);
-  }
-  return response;
-}
-
-async function apiJson(method, path, body) {
-  return (await api(method, path, body)).json();
-}
-
-function showError(err, slots, fallback) {
-  const param = err.param || "";
-  const slot = slots.find(([prefix]) => param === prefix || param.startsWith(`${prefix}.`) || param.startsWith(`${prefix}[`));
-  $(slot ? slot[1] : fallback).textContent = err.message;
-}
-
-function clearErrors(...ids) {
-  for (const id of ids) $(id).textContent = "";
-}
-
-// ---------------------------------------------------------------- bytes
-
-function base64Bytes(text) {
-  return Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
-}
-
-function bytesBase64(bytes) {
-  let text = "";
-  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  return btoa(text);
-}
-
-function littleEndian(text, read, size) {
-  const view = new DataView(base64Bytes(text).buffer);
-  return Array.from({ length: view.byteLength / size }, (_, i) => read.call(view, i * size, true));
-}
-
 // ---------------------------------------------------------------- key and model
 
 // On load (`quiet`), a server that wants a key is not an error yet: the page just asks for one.
 async function connect(quiet = false) {
   clearErrors("api-key-error");
-  state.tokenTexts.clear();
+  forgetTokens();
   try {
     const who = await apiJson("GET", "v1/auth");
     const card = (await apiJson("GET", "v1/models")).data[0];
-    state.role = who.role;
     $("model-info").textContent = `${card.id}: ${card.num_layers} layers, width ${card.hidden_size}`;
     $("key-status").textContent = who.role === "admin" ? "Admin key: every control is available."
       : "User key: run and sweep with registered modules.";
     setAdmin(who);
     await loadModules();
   } catch (err) {
-    state.role = null;
     setAdmin(null);
     $("key-status").textContent = quiet && err.status === 401 ? "This server needs an API key." : "";
     if (!(quiet && err.status === 401)) showError(err, [], "api-key-error");
@@ -115,7 +58,6 @@ function useKey(event) {
 
 function forgetKey() {
   sessionStorage.removeItem(KEY);
-  state.role = null;
   setAdmin(null);
   $("key-status").textContent = "Key forgotten.";
 }
@@ -308,87 +250,6 @@ function setRunning(running, status) {
   $("run-status").textContent = status;
 }
 
-// ---------------------------------------------------------------- heatmap
-
-// Each captured row (one token read by the model) projected on the unit direction.
-function projections(wire, direction) {
-  if (wire.dtype !== "torch.float32") throw new Error(`capture: expected float32 rows, got ${wire.dtype}`);
-  const [rows, width] = wire.shape;
-  const values = littleEndian(wire.data, DataView.prototype.getFloat32, 4);
-  const tokens = littleEndian(wire.meta.token_ids, DataView.prototype.getInt32, 4);
-  const positions = littleEndian(wire.meta.positions, DataView.prototype.getInt32, 4);
-  const norm = Math.hypot(...direction) || 1;
-  return Array.from({ length: rows }, (_, r) => {
-    let dot = 0;
-    for (let i = 0; i < width; i++) dot += values[r * width + i] * direction[i];
-    return { token: tokens[r], position: positions[r], value: dot / norm };
-  });
-}
-
-async function tokenTexts(ids) {
-  const missing = [...new Set(ids)].filter((id) => !state.tokenTexts.has(id));
-  await Promise.all(missing.map(async (id) => {
-    state.tokenTexts.set(id, (await apiJson("POST", "detokenize", { tokens: [id] })).prompt);
-  }));
-}
-
-async function drawHeatmaps(finals, direction, site) {
-  const rows = finals.map((final) => {
-    const layers = final?.captures?.hidden_states;
-    if (!layers) throw new Error("capture: the server returned no captured hidden states");
-    return projections(Object.values(layers)[0], direction);
-  });
-  await tokenTexts(rows.flat().map((cell) => cell.token));
-  // Residual streams share a large offset along most directions: colour around the unsteered mean.
-  const centre = rows[0].reduce((sum, cell) => sum + cell.value, 0) / Math.max(1, rows[0].length);
-  const spread = Math.max(1e-12, ...rows.flat().map((cell) => Math.abs(cell.value - centre)));
-  $("heat-legend").textContent = `${site}. White: the unsteered mean, ${centre.toFixed(3)}; full red or blue: `
-    + `${spread.toFixed(3)} above or below it.`;
-  drawRow($("heat-base"), rows[0], centre, spread);
-  drawRow($("heat-steered"), rows[1], centre, spread);
-}
-
-function drawRow(container, cells, centre, spread) {
-  container.replaceChildren(...cells.map((cell, i) => {
-    const text = state.tokenTexts.get(cell.token);
-    const span = document.createElement("span");
-    span.setAttribute("role", "listitem");
-    span.textContent = text.replace(/\n/g, "⏎").replace(/\t/g, "⇥") || "∅";
-    const label = `${JSON.stringify(text)} at position ${cell.position}: ${cell.value.toFixed(4)}`;
-    span.title = label;
-    span.setAttribute("aria-label", label);
-    const t = (cell.value - centre) / spread;
-    span.style.backgroundColor = colour(t);
-    span.classList.toggle("light", Math.abs(t) > 0.6);
-    span.tabIndex = i === 0 ? 0 : -1;
-    return span;
-  }));
-}
-
-// White at 0, red (+1) or blue (-1) at the ends.
-function colour(t) {
-  const end = t >= 0 ? [215, 48, 39] : [69, 117, 180];
-  const a = Math.min(1, Math.abs(t));
-  return `rgb(${end.map((c) => Math.round(255 + (c - 255) * a)).join(", ")})`;
-}
-
-// One tab stop per row; arrow keys, Home and End move between its cells.
-function heatKeys(event) {
-  const cells = [...event.currentTarget.children];
-  const i = cells.indexOf(document.activeElement);
-  const moves = { ArrowRight: i + 1, ArrowLeft: i - 1, Home: 0, End: cells.length - 1 };
-  if (i < 0 || !(event.key in moves)) return;
-  event.preventDefault();
-  const next = cells[Math.max(0, Math.min(cells.length - 1, moves[event.key]))];
-  cells[i].tabIndex = -1;
-  next.tabIndex = 0;
-  next.focus();
-}
-
-function readout(event) {
-  if (event.target.title) $("heat-readout").textContent = event.target.title;
-}
-
 // ---------------------------------------------------------------- sweep
 
 async function sweep(event) {
@@ -424,50 +285,6 @@ async function sweep(event) {
   }
 }
 
-function svg(tag, attributes, text) {
-  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
-  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-function plot(rows) {
-  const box = { left: 48, right: 464, top: 16, bottom: 220 };
-  const scales = rows.map((row) => row.scale);
-  const lo = Math.min(...scales);
-  const hi = Math.max(...scales) === lo ? lo + 1 : Math.max(...scales);
-  const x = (s) => box.left + (s - lo) / (hi - lo) * (box.right - box.left);
-  const y = (p) => box.bottom - p * (box.bottom - box.top);
-  const parts = [];
-  for (const p of [0, 0.25, 0.5, 0.75, 1]) {
-    parts.push(svg("line", { class: "grid", x1: box.left, x2: box.right, y1: y(p), y2: y(p) }),
-      svg("text", { x: box.left - 6, y: y(p) + 4, "text-anchor": "end" }, p.toFixed(2)));
-  }
-  for (const s of scales) parts.push(svg("text", { x: x(s), y: box.bottom + 16, "text-anchor": "middle" }, `${s}`));
-  parts.push(svg("text", { x: (box.left + box.right) / 2, y: box.bottom + 34, "text-anchor": "middle" }, "scale"),
-    svg("line", { class: "axis", x1: box.left, x2: box.left, y1: box.top, y2: box.bottom }),
-    svg("line", { class: "axis", x1: box.left, x2: box.right, y1: box.bottom, y2: box.bottom }));
-  const sorted = [...rows].sort((a, b) => a.scale - b.scale);
-  parts.push(svg("polyline", { class: "curve", points: sorted.map((r) => `${x(r.scale)},${y(r.p_match)}`).join(" ") }));
-  for (const row of sorted) {
-    const point = svg("circle", { cx: x(row.scale), cy: y(row.p_match), r: 4 });
-    point.append(svg("title", {}, `scale ${row.scale}: p(matching) ${row.p_match.toFixed(4)}`));
-    parts.push(point);
-  }
-  $("sweep-plot").replaceChildren(...parts);
-}
-
-function table(rows) {
-  $("sweep-table").tBodies[0].replaceChildren(...rows.map((row) => {
-    const tr = document.createElement("tr");
-    const kl = row.kl === null ? "n/a" : row.kl.toFixed(4);
-    for (const text of [`${row.scale}`, row.p_match.toFixed(4), row.logit_diff.toFixed(4), row.wrong_way.toFixed(2), kl]) {
-      tr.append(Object.assign(document.createElement("td"), { textContent: text }));
-    }
-    return tr;
-  }));
-}
-
 // ---------------------------------------------------------------- wiring
 
 function setMode() {
@@ -491,9 +308,6 @@ $("stop").addEventListener("click", () => state.controller?.abort());
 $("scale").addEventListener("input", () => { $("scale-value").value = $("scale").value; });
 $("sweep-form").addEventListener("submit", sweep);
 for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", setMode);
-for (const row of [$("heat-base"), $("heat-steered")]) {
-  row.addEventListener("keydown", heatKeys);
-  row.addEventListener("focusin", readout);
-  row.addEventListener("mouseover", readout);
-}
+wireHeatmapRow($("heat-base"));
+wireHeatmapRow($("heat-steered"));
 connect(true);
