@@ -191,3 +191,16 @@ def test_blocking_llm_cancel_aborts_the_batch_in_flight(model_dirs):
 
     asyncio.run(main())
 
+
+
+@pytest.mark.parametrize("env, outcome", [({}, pytest.skip.Exception), ({"CI": "true"}, pytest.fail.Exception),
+                                          ({"STEERABLE_REQUIRE_BROWSER": "1"}, pytest.fail.Exception)])
+def test_a_missing_browser_fails_on_ci_and_skips_elsewhere(monkeypatch, env, outcome):
+    import browser_harness
+    monkeypatch.setattr(browser_harness, "CHROMIUM", "/nonexistent/chromium")
+    for name in ("CI", "STEERABLE_REQUIRE_BROWSER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(outcome, match="apt-get install -y chromium"):
+        browser_harness.require_browser()

@@ -45,7 +45,8 @@ def browser(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("playground-screenshots")
-    request.config.pluginmanager.get_plugin("terminalreporter").write_line(f"playground screenshots: {folder}")
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print(f"\nplayground screenshots: {folder}")
     return folder
 
 
