@@ -8,10 +8,12 @@ llama.cpp q/k row permutation undone. The rest of the engine never needs to know
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import math
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -239,8 +241,29 @@ def iter_gguf_tensors(
 
 
 def load_gguf_tokenizer(path: str):
-    """Let transformers rebuild the tokenizer from the GGUF's embedded vocab, merges and chat template."""
+    """Let transformers rebuild the tokenizer from the GGUF's embedded vocab, merges and chat template.
+
+    The rebuild parses the whole file again and takes seconds, so its result is kept in a cache
+    folder keyed by the file's path, size and modification time (``$STEERABLE_CACHE_DIR``, default
+    ``~/.cache/steerable``); a later load reads the saved tokenizer instead."""
     from transformers import AutoTokenizer
 
     path = os.path.abspath(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    cached = _tokenizer_cache(path)
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    partial = f"{cached}.tmp{os.getpid()}"
+    try:  # save beside, then rename: a crash or a concurrent writer leaves no half-written cache
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cached)
+    except OSError:  # a read-only home or a lost race: the tokenizer in hand is as good
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
+
+
+def _tokenizer_cache(path: str) -> str:
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    root = os.environ.get("STEERABLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "steerable")
+    return os.path.join(root, "gguf-tokenizers", key)
