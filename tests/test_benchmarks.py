@@ -85,3 +85,14 @@ def test_latency(cache_dir):
     for x in modes.values():
         positive(x, "decode_ms_per_token", "full_s", "first_token_s")
         assert len(x["decode_ms_per_token_all"]) == 2
+
+
+def test_gemma_shape_throughput_and_kv_memory(cache_dir):
+    """The throughput workload on a Gemma 3 shape, and the KV-memory record of one long request
+    (chunks of 32 against a window of 8: the sliding groups must hold less than every layer)."""
+    r = run("throughput", cache_dir, "--shape", "gemma3-270m", "--skip-hf")
+    assert r["header"][0]["args"]["shape"] == "gemma3-270m"
+    positive(r["steerable"][0], "seconds", "output_tok_s")
+    m = run("kv_memory", cache_dir, "--max-num-batched-tokens", "32")["kv_memory"][0]
+    assert m["groups"] == 6 and m["windows"] == [8]
+    assert m["peak_blocks"] <= m["bound_blocks"] and m["decode_saving"] > m["peak_saving"] > 1.5

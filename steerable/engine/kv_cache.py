@@ -3,8 +3,9 @@
 The KV tensors themselves live in the model runner; this module only decides which physical block
 holds which 'block_size' tokens of which request, for each KV group (``steerable.kv_groups``):
 every request has one block list per group, all of the same logical length, drawn from one pool.
-A sliding-window group releases the blocks wholly before the window of the next chunk (their list
-entries become ``NULL_BLOCK``), so long contexts cost window-sized memory on those layers.
+When a request takes blocks, its sliding-window groups first release the blocks wholly before the
+window of its next chunk (their list entries become ``NULL_BLOCK``), so long contexts cost
+window-sized memory on those layers.
 
 A full block is identified by a chained hash over (parent hash, its token ids, the request's extra
 keys that reach it), so two requests share a block only when every token before and inside it, and

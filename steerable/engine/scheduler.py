@@ -40,6 +40,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
+        block_size = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -47,7 +48,10 @@ class Scheduler:
                 i += 1  # its last token is in flight: nothing left to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, num_new):  # at once when its blocks already cover them
+            # Most decode steps fit in the request's last block: skip the allocator (sliding-window
+            # groups hand back blocks there, so they do it when the request next takes a block).
+            fits = request.num_computed_tokens + num_new <= len(request.block_ids[0]) * block_size
+            while not fits and not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)

@@ -81,25 +81,20 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+        """act(gate) * up with act SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gelu_tanh_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-        # 0.5 x (1 + tanh(z)) == x * sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3): no tanh needed.
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = (gate * tl.sigmoid(2.0 * inner)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if GELU_TANH:
+            # 0.5 x (1 + tanh(z)) == x * sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3): no tanh needed
+            # (1.5957... = 2 sqrt(2 / pi)).
+            act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+        else:
+            act = gate * tl.sigmoid(gate)
+        act = act.to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -196,25 +191,26 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
     return out, y
 
 
-def _gated(kernel, x: torch.Tensor) -> torch.Tensor:
+def _gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     """[N, 2I] (gate | up) -> act(gate) * up, [N, I]."""
     n, width = x.shape
     inter = width // 2
     y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     if n:
         block = min(1024, _pow2(inter))
-        kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block, num_warps=4)
+        _gated_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
+                                                          GELU_TANH=gelu_tanh, num_warps=4)
     return y
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: [N, 2I] (gate | up) -> [N, I]."""
-    return _gated(_silu_mul_kernel, x)
+    return _gated(x, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU with tanh-approximated GELU (Gemma): [N, 2I] (gate | up) -> [N, I]."""
-    return _gated(_gelu_tanh_mul_kernel, x)
+    return _gated(x, gelu_tanh=True)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

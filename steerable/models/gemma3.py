@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from steerable.config import ModelConfig, rope_parameters
-from steerable.hook_points import POST_ATTN, POST_MLP, PRE_ATTN, HookPoints
+from steerable.hook_points import POST_ATTN, HookPoints
 from steerable.layers.activation import gelu_tanh_and_mul
 from steerable.layers.norm import GemmaRMSNorm
 from steerable.layers.rotary import RotaryEmbedding
-from steerable.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from steerable.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
 
@@ -120,19 +120,20 @@ class Gemma3MLP(LlamaMLP):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with Gemma's parts and two more norms: ``post_attention_layernorm`` normalises
+    the attention output (HF's names), ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``
+    wrap the MLP."""
+
+    norm_cls = GemmaRMSNorm
+    attention_cls = Gemma3Attention
+    mlp_cls = Gemma3MLP
+
     def __init__(self, cfg: Gemma3Config, layer: int, hooks: HookPoints, backend: ModuleType,
                  rotary: RotaryEmbedding):
-        super().__init__()
-        self.layer = layer
-        self.hooks = hooks
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Gemma3Attention(cfg, layer, hooks, backend, rotary)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, layer, hooks, backend, rotary)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Gemma3MLP(cfg.hidden_size, cfg.intermediate_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.entry_sites = [(POST_MLP, layer - 1)] * (layer > 0) + [(PRE_ATTN, layer)]
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, mlp_out: torch.Tensor | None,
                 ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,15 +101,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # What a family with this layer's shape swaps in (Gemma 3).
+    norm_cls: type[RMSNorm] = RMSNorm
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[LlamaMLP] = LlamaMLP
+
     def __init__(self, cfg: ModelConfig, layer: int, hooks: HookPoints, backend: ModuleType,
                  rotary: RotaryEmbedding, mlp: nn.Module | None = None):
         super().__init__()
         self.layer = layer
         self.hooks = hooks
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer, hooks, backend, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, layer, hooks, backend, rotary)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp if mlp is not None else self.mlp_cls(cfg.hidden_size, cfg.intermediate_size)
         # The previous layer's output is formed here, inside this layer's first norm.
         self.entry_sites = [(POST_MLP, layer - 1)] * (layer > 0) + [(PRE_ATTN, layer)]
 
