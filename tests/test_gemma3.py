@@ -15,7 +15,9 @@ import torch
 from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
 from hf_oracle import HFSteered
 from steerable import LLM, CaptureSpec, SamplingParams
-from steerable.models.gemma3 import gemma3_config
+from steerable.hook_points import HookPoints
+from steerable.layers.attention_backends import torch_ref
+from steerable.models.gemma3 import Gemma3ForCausalLM, gemma3_config
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -94,6 +96,28 @@ def test_bad_config_names_the_field(field, value):
     setattr(hf, field, value)
     with pytest.raises(ValueError, match=field):
         gemma3_config(hf)
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.bfloat16, 25.25), (torch.float32, 25.298221588134766)])
+def test_embedding_scale_is_rounded_to_the_weight_dtype(dtype, scale):
+    """HF multiplies embeddings by sqrt(hidden) cast to the weight dtype: 25.25 in bfloat16 for 640."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    cfg = gemma3_config(SimpleNamespace(architectures=["Gemma3ForCausalLM"], hidden_size=640, num_attention_heads=4,
+                                        head_dim=16, num_hidden_layers=1, intermediate_size=32, vocab_size=16,
+                                        rms_norm_eps=1e-6, sliding_window=8, tie_word_embeddings=True))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Gemma3ForCausalLM(cfg, HookPoints(), torch_ref, 64)
+    finally:
+        torch.set_default_dtype(previous)
+    assert model.embed_scale == scale
+    hf = Gemma3TextScaledWordEmbedding(16, 640, 0, embed_scale=640 ** 0.5).to(dtype)
+    hf.weight.data.copy_(torch.randn(16, 640, generator=torch.Generator().manual_seed(0)))
+    model.embed_tokens.weight.data.copy_(hf.weight)
+    ids = torch.arange(16)
+    assert torch.equal(model.embed(ids), hf(ids))
 
 
 def test_pattern_config_matches_hf(pattern_dir):

@@ -94,23 +94,17 @@ class KVCacheManager:
         hashes = request.block_hashes[: max_tokens // self.block_size]
         found = [[self.cached_blocks.get((g, h)) for h in hashes] for g in range(self.num_groups)]
         n = len(hashes)
-        for g, blocks in enumerate(found):
+        for g, blocks in enumerate(found):  # a full group needs every block up to the hit's end
             if self.windows[g] is None:
                 n = min(n, next((i for i, b in enumerate(blocks) if b is None), n))
-        # Shrink until each windowed group has every block from its window start to the end.
-        last_missing = []
-        for g, blocks in enumerate(found):
-            missing, trail = -1, []
-            for i, block in enumerate(blocks):
-                missing = i if block is None else missing
-                trail.append(missing)
-            last_missing.append(trail)
-        while n and any(self.windows[g] is not None and last_missing[g][n - 1] >= self.first_needed(g, n * self.block_size)
-                        for g in range(self.num_groups)):
+        while n and not all(None not in blocks[self.first_needed(g, n * self.block_size):n]
+                            for g, blocks in enumerate(found)):  # a windowed one the window before it
             n -= 1
-        hits = [[b if i >= self.first_needed(g, n * self.block_size) else NULL_BLOCK for i, b in enumerate(blocks[:n])]
-                for g, blocks in enumerate(found)]
-        return (hits, n * self.block_size) if n else (empty, 0)
+        if not n:
+            return empty, 0
+        start = n * self.block_size
+        return [[NULL_BLOCK] * self.first_needed(g, start) + blocks[self.first_needed(g, start):n]
+                for g, blocks in enumerate(found)], start
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[Sequence[int]] = ()) -> bool:
         """Give the request blocks for ``num_new_tokens`` more tokens (after ``cached_blocks``, one

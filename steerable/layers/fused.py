@@ -1,7 +1,8 @@
 """Fused Triton kernels for the per-token elementwise work of a decoder layer on CUDA.
 
-Eager PyTorch spends several kernels on each RMSNorm, RoPE and gated activation (SwiGLU, GeGLU); in a CUDA-graph decode step
-those launches, not the bytes, set the time. Each op here is one kernel that reads its input once.
+Eager PyTorch spends several kernels on each RMSNorm, RoPE and gated activation (SwiGLU, GeGLU); in
+a CUDA-graph decode step those launches, not the bytes, set the time. Each op here is one kernel
+that reads its input once.
 They round to the activation dtype at the same points as the PyTorch code they replace (and as HF),
 so float32 results agree to rounding and bf16 results differ at most in the last bit.
 The PyTorch implementations stay the CPU path and the reference in tests.
