@@ -151,6 +151,23 @@ def test_window_and_local_rope_matter(model_dirs, gemma, tmp_path, edit):
     assert (chosen_logprobs(other) - chosen_logprobs(gemma)).abs().max() > 1e-2
 
 
+def test_final_logit_softcapping_matches_hf(model_dirs, tmp_path):
+    """Released configs have none, but a config with a cap gets HF's tanh capping of the logits."""
+    path = _rewrite_config(model_dirs["gemma3"], str(tmp_path / "capped"),
+                           lambda config: config.update(final_logit_softcapping=2.0))
+    llm, hf = LLM(path, device="cpu", kv_cache_tokens=4096), hf_model(path)
+    ids = llm.get_tokenizer()(PROMPTS[5]).input_ids
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + out.outputs[0].token_ids])).logits[0]
+    assert logits.abs().max() <= 2.0  # capped
+    ref = torch.log_softmax(logits.float(), -1)
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        for token, lp in entry.items():
+            assert abs(lp.logprob - ref[len(ids) - 1 + step, token].item()) < 1e-4
+
+
 @pytest.fixture(scope="module")
 def multimodal_dir(tmp_path_factory) -> str:
     """A tiny Gemma3ForConditionalGeneration: the text tower plus a SigLIP vision tower and projector."""
