@@ -92,6 +92,15 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
 
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention (None: full); families mixing both override it."""
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of attention scores."""
+        return self.head_dim ** -0.5
+
     @staticmethod
     def architecture_of(hf_config: Any) -> str:
         architectures = getattr(hf_config, "architectures", None) or []
@@ -143,7 +152,7 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type not in ("llama3", "linear"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
     scaling["rope_type"] = rope_type
     return theta, scaling

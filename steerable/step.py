@@ -20,11 +20,12 @@ Site = tuple[str, int]  # (hook point, layer)
 
 @dataclass
 class BlockTableUpdate:
-    """New KV block ids: ``request_blocks[rows[i], cols[i]] = values[i]`` in the worker's table."""
+    """New KV block ids: ``request_blocks[g, rows[i], cols[i]] = values[g, i]`` in the worker's table
+    of each KV group g (``steerable.kv_groups``)."""
 
-    rows: np.ndarray  # int64
-    cols: np.ndarray  # int64
-    values: np.ndarray  # int64
+    rows: np.ndarray  # int64 [n]
+    cols: np.ndarray  # int64 [n]
+    values: np.ndarray  # int64 [G, n]
 
 
 @dataclass
@@ -124,7 +125,7 @@ class StepInput:
     step_id: int
     token_ids: np.ndarray  # int64 [T]; PLACEHOLDER: the token its request sampled last step
     positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: KV cache slot of each token
+    slot_mapping: np.ndarray  # int64 [G, T]: KV cache slot of each token in each KV group
     query_start: np.ndarray  # int64 [B + 1]
     seq_lens: np.ndarray  # int64 [B]
     request_slots: np.ndarray  # int64 [B]: each request's row in the worker's block table

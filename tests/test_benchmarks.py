@@ -107,3 +107,14 @@ def test_capture_corpus_with_hf_baseline(cache_dir):
     check = r["check"][0]
     assert check["rows_ok"] and check["values_checked"] and check["max_abs_diff"] < 1e-5
     positive(r["ratio"][0], "prompt_tok_s_ratio")
+
+
+def test_gemma_shape_throughput_and_kv_memory(cache_dir):
+    """The throughput workload on a Gemma 3 shape, and the KV-memory record of one long request
+    (chunks of 32 against a window of 8: the sliding groups must hold less than every layer)."""
+    r = run("throughput", cache_dir, "--shape", "gemma3-270m", "--skip-hf")
+    assert r["header"][0]["args"]["shape"] == "gemma3-270m"
+    positive(r["steerable"][0], "seconds", "output_tok_s")
+    m = run("kv_memory", cache_dir, "--max-num-batched-tokens", "32")["kv_memory"][0]
+    assert m["groups"] == 6 and m["windows"] == [8]
+    assert m["peak_blocks"] <= m["bound_blocks"] and m["decode_saving"] > m["peak_saving"] > 1.5

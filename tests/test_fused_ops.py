@@ -28,6 +28,13 @@ def _ref_rms(x, w, eps):
     return w * h.to(x.dtype)
 
 
+def _ref_gemma_rms(x, w, eps):
+    """Gemma's norm: (1 + w) applied in float32 before the downcast."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).to(x.dtype)
+
+
 def _close(out, ref, dtype):
     """Against a float32 reference computed from the same (rounded) inputs: float32 agrees to
     rounding; 16-bit outputs within their precision (relative norm error, METHOD.md's bands)."""
@@ -44,6 +51,16 @@ def test_rms_norm(dtype, rows, width):
     assert _close(fused.rms_norm(x, w, 1e-6), _ref_rms(x.float(), w.float(), 1e-6), dtype)
     strided = torch.randn(rows, 2 * width, generator=g).to(DEVICE, dtype)[:, :width]
     assert _close(fused.rms_norm(strided, w, 1e-6), _ref_rms(strided.float(), w.float(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 640, generator=g) * 3).to(DEVICE, dtype)
+    w = torch.randn(640, generator=g).to(DEVICE, dtype)  # zero-centred, as Gemma stores it
+    out = fused.rms_norm(x, w, 1e-6, unit_offset=True)
+    assert _close(out, _ref_gemma_rms(x.float(), w.float(), 1e-6), dtype)
+    assert not _close(out, _ref_rms(x.float(), w.float(), 1e-6), dtype)  # the offset did act
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -70,6 +87,9 @@ def test_add_rms_norm(dtype, num_tables, with_delta):
     assert _close(normed, _ref_rms(ref.float(), w.float(), 1e-6), dtype)
     if num_tables:
         assert not torch.equal(out, residual if delta is None else residual + delta)  # the tables did act
+    gemma_out, gemma_normed = fused.add_rms_norm(residual, delta, adds, w, 1e-6, unit_offset=True)
+    assert torch.equal(gemma_out, ref)
+    assert _close(gemma_normed, _ref_gemma_rms(ref.float(), w.float(), 1e-6), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,22 +100,34 @@ def test_silu_and_mul(dtype, rows, inter):
     assert _close(fused.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid(-large) = 1 / (1 + inf) = 0, as meant
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (16, 8, 128)])
+@pytest.mark.parametrize("rows, inter", [(1, 128), (5, 2048)])
+def test_gelu_tanh_and_mul(dtype, rows, inter):
+    x = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 3).to(DEVICE, dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert _close(fused.gelu_tanh_and_mul(x), torch.nn.functional.gelu(gate, approximate="tanh") * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True, "gemma"])  # none, Llama-style, Gemma (1 + w)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (16, 8, 128), (4, 1, 256)])
 def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
-    g = torch.Generator().manual_seed(heads * head_dim + qk_norm)
+    g = torch.Generator().manual_seed(heads * head_dim + bool(qk_norm))
     tokens = 11
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
     positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
     rotary = RotaryEmbedding(head_dim, 512, 10000.0).to(DEVICE)
     qw = (torch.randn(head_dim, generator=g) + 1).to(DEVICE, dtype) if qk_norm else None
     kw = (torch.randn(head_dim, generator=g) + 1).to(DEVICE, dtype) if qk_norm else None
-    q, k, v = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw, 1e-6)
+    gemma = qk_norm == "gemma"
+    q, k, v = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw, 1e-6,
+                                 unit_offset=gemma)
     rq, rk, rv = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     rq, rk = rq.reshape(tokens, heads, head_dim), rk.reshape(tokens, kv_heads, head_dim)
     if qk_norm:
-        rq, rk = _ref_rms(rq, qw.float(), 1e-6), _ref_rms(rk, kw.float(), 1e-6)
+        norm = _ref_gemma_rms if gemma else _ref_rms
+        rq, rk = norm(rq, qw.float(), 1e-6), norm(rk, kw.float(), 1e-6)
     rq, rk = rotary(positions, rq, rk)
     assert _close(q, rq, dtype) and _close(k, rk, dtype)
     assert torch.equal(v.float(), rv.reshape(tokens, kv_heads, head_dim))
@@ -108,7 +140,7 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
     slots = torch.randperm(6 * block_size, generator=g)[:tokens].to(DEVICE)
     slots[3] = -1
     q2, k2, v2 = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw,
-                                    1e-6, kv_cache=(k_cache, v_cache, slots))
+                                    1e-6, kv_cache=(k_cache, v_cache, slots), unit_offset=gemma)
     assert k2 is None and v2 is None and torch.equal(q2, q)
     written = slots >= 0
     assert torch.equal(k_cache.flatten(0, 1)[slots[written]], k[written])

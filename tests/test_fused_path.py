@@ -26,7 +26,7 @@ def _vec(seed, scale=1.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
 def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family):
     assert fused.enabled(torch.zeros(1))  # the switch is on: CPU tensors take the fused kernels
     path = capture_dirs[family]

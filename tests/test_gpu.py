@@ -1,7 +1,10 @@
 """GPU: the CPU fidelity cases on CUDA in float32 (Triton attention, CUDA graphs on), and graph
-replay == eager in bfloat16 with steering and capture inside the graph."""
+replay == eager in bfloat16 with steering and capture inside the graph (Qwen3, and Gemma 3 270M-
+and 4B-shaped random models, whose sliding windows the prompts outgrow)."""
 
+import pathlib
 import random
+import sys
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ def _vec(seed, scale=3.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_greedy_matches_hf_on_gpu(model_dirs, family):
     llm = LLM(model_dirs[family], dtype="float32", device="cuda", kv_cache_tokens=8192)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -92,6 +95,48 @@ def test_graph_replay_is_bit_identical_to_eager(model_dirs):
             assert torch.equal(t, b.captures["hidden_states"][layer])
     assert torch.equal(eager_stream[0][1], graph_stream[0][1])
     assert eager_stream[1][1] == graph_stream[1][1]
+
+
+@pytest.fixture(scope="module")
+def gemma_shapes(tmp_path_factory):
+    """Random bf16 Gemma 3 checkpoints of the 270M and 4B text models' shapes (benchmarks/common.py)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import common
+
+    root = tmp_path_factory.mktemp("gemma_shapes")
+    return {shape: common.build_random_model(str(root / shape), *common.SHAPES[shape][:2])
+            for shape in ("gemma3-270m", "gemma3-4b")}
+
+
+@pytest.mark.parametrize("shape", ["gemma3-270m", "gemma3-4b"])
+def test_gemma_graph_replay_equals_eager(gemma_shapes, shape):
+    """bf16, 24 requests whose contexts outgrow the window (512 / 1024), per-request steering on a
+    local and a global layer, captures: decode steps replayed from graphs give eager's tokens and
+    rows bit for bit."""
+    path = gemma_shapes[shape]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 200000) for _ in range(rng.randrange(300, 1400))] for _ in range(24)]
+    hidden = 640 if shape == "gemma3-270m" else 2560
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=65536, enforce_eager=eager)
+        params = []
+        for i in range(24):
+            kw = dict(max_tokens=40, temperature=0, ignore_eos=True)
+            if i % 3 == 0:
+                vec = (torch.randn(hidden, generator=torch.Generator().manual_seed(i)) * 2).tolist()
+                kw["steering_vectors"] = {"post_attn": {4: vec}, "post_mlp": {5: vec}}
+            if i % 4 == 0:
+                kw["capture"] = CaptureSpec(layers=[0, 5], select="all_generated")
+            params.append(SamplingParams(**kw))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[eager] = (outs, llm.llm_engine.stats())
+    (eager_outs, _), (graph_outs, stats) = results[True], results[False]
+    assert stats["graph_replays"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    for a, b in zip(eager_outs, graph_outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for layer, t in a.captures.get("hidden_states", {}).items():
+            assert torch.equal(t, b.captures["hidden_states"][layer])
 
 
 def test_gpu_kv_cache_sized_from_free_memory(model_dirs):

@@ -67,9 +67,9 @@ def test_cached_gguf_tokenizer_equals_the_rebuilt_one(tmp_path, monkeypatch):
     """The tokenizer rebuilt from the GGUF is saved once; a later load reads the saved copy, which must
     tokenize, decode and apply the chat template exactly as the rebuilt one."""
     from steerable.models.gguf import load_gguf_tokenizer
-    monkeypatch.setenv("STEERABLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rebuilt = load_gguf_tokenizer(smollm2_gguf())
-    assert len(list((tmp_path / "gguf-tokenizers").iterdir())) == 1
+    assert len(list((tmp_path / "steerable" / "gguf-tokenizers").iterdir())) == 1
     cached = load_gguf_tokenizer(smollm2_gguf())
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
     for text in [*PROMPTS, "Ünïcödé — and emoji 🙂", "  leading spaces\\n\\ttabs"]:

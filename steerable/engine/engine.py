@@ -25,6 +25,7 @@ from steerable.engine.scheduler import Scheduler
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
 from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
+from steerable.kv_groups import KVGroups
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
@@ -62,18 +63,22 @@ class LLMEngine(ResumableRequests):
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
         self.worker = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
-        kv_capacity = self.worker.num_blocks * config.block_size
+        kv_groups = KVGroups.for_model(self.model_config)
+        kv_capacity = kv_groups.max_tokens(self.worker.num_blocks, config.block_size, config.max_num_batched_tokens,
+                                           max_len)
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
             max_len = kv_capacity
         self.max_model_len = max_len
-        self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 kv_groups.windows)
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
         self.capture = CaptureSession(self.layout, self.dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit)
-        self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size)
+        self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
+                                   kv_groups.num_groups)
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id

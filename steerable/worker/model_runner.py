@@ -15,6 +15,7 @@ import torch
 from steerable.capture.gather import CaptureBuffers, copy_to_host
 from steerable.config import EngineConfig, ModelConfig
 from steerable.hook_points import HookPoints
+from steerable.kv_groups import KVGroups
 from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, iter_weights
@@ -73,9 +74,11 @@ class ModelRunner:
         self.model.load_weights(iter_weights(source, model_config.hf_config, dtype))
         self.model.eval().requires_grad_(False)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_groups = KVGroups.for_model(model_config)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device,
+                                    self.kv_groups.num_groups)
         self.workspace = None
         if self.backend is not torch_ref:
             self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, model_config.num_heads,
@@ -92,11 +95,13 @@ class ModelRunner:
     # ------------------------------------------------------------ memory
 
     def _allocate_kv_cache(self) -> int:
+        """One pool of blocks, each holding ``block_size`` tokens of ``kv_groups.slots`` layers;
+        every layer reads the blocks of its KV group at its slot."""
         cfg = self.model_config
-        layers = len(self.attention_layers)
-        bytes_per_block = 2 * layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        if self.config.kv_cache_tokens is not None:
-            num_blocks = self.config.kv_cache_tokens // self.block_size
+        slots = self.kv_groups.slots
+        bytes_per_block = 2 * slots * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if self.config.kv_cache_tokens is not None:  # as much memory as that many tokens of every layer
+            num_blocks = self.config.kv_cache_tokens // self.block_size * len(self.attention_layers) // slots
         elif self.device.type == "cuda":
             num_blocks = int(self._profile_free_bytes() // bytes_per_block)
         else:
@@ -104,14 +109,15 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError("not enough memory for a single KV block; lower the model size or raise "
                              "gpu_memory_utilization / kv_cache_tokens")
-        shape = (2, layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, slots, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Unwritten slots are never read (attention masks by seq_lens), so GPU memory need not be cleared.
         make = torch.empty if self.device.type == "cuda" else torch.zeros
         self.kv_cache = make(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", num_blocks, self.block_size,
-                    num_blocks * bytes_per_block / 2**30)
+            layer.kv_group, slot = self.kv_groups.placement(i)
+            layer.k_cache, layer.v_cache = self.kv_cache[0, slot], self.kv_cache[1, slot]
+        logger.info("KV cache: %d blocks of %d tokens x %d layers in %d groups (%.1f GiB)", num_blocks,
+                    self.block_size, slots, self.kv_groups.num_groups, num_blocks * bytes_per_block / 2**30)
         return num_blocks
 
     @torch.inference_mode()
@@ -131,11 +137,12 @@ class ModelRunner:
         lens = [bs] * (tokens // bs) + ([tokens % bs] if tokens % bs else [])
         seqs = min(self.max_num_seqs, len(lens))
         starts = np.concatenate([[0], np.cumsum(lens)])
+        groups = self.kv_groups.num_groups
         meta = AttentionMetadata(
-            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((groups, tokens), -1, dtype=torch.int64, device=self.device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_table=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(groups, len(lens), 1, dtype=torch.int32, device=self.device),
             max_query_len=max(lens), workspace=self.workspace)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, ids, ForwardContext(ids, ids, meta, tokens))

@@ -2,7 +2,9 @@
 
 Same contract as ``triton_paged``: K/V for every position < seq_len is in the paged cache (after
 ``store_kv``); query row i of sequence b sits at position ``seq_len - query_len + i`` and attends
-causally (optionally within a sliding window). Loops over sequences, so it syncs with the device.
+causally (optionally within a sliding window; blocks wholly before the window of the first query
+are not read, so a sliding-window KV group may have released them). Loops over sequences, so it
+syncs with the device.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_start, q_end = starts[b], starts[b + 1]
         if q_end == q_start or seq_len == 0:
             continue
-        blocks = block_table[b, : -(-seq_len // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len]
-        values = v_cache[blocks].flatten(0, 1)[:seq_len]
+        first = 0
+        if sliding_window is not None:
+            first = max(0, seq_len - (q_end - q_start) - sliding_window + 1) // block_size * block_size
+        blocks = block_table[b, first // block_size: -(-seq_len // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len - first]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len - first]
         q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
+        k_pos = torch.arange(first, seq_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
