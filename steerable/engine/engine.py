@@ -1,9 +1,10 @@
 """The engine (the driver): admit requests, schedule, hand the worker one plain step input per
-step, and finish the previous step into outputs while the device runs the next.
+step, and finish earlier steps into outputs while the device runs later ones.
 
 It owns the scheduler, the KV block manager and the control planes of steering and capture; the
-worker owns the model and everything on the device. Public methods are thread-safe: a step holds
-the engine lock, and calls from other threads (a server's handlers) get in between steps.
+worker owns the model and everything on the device (one ``ModelRunner``, or the ranks of a
+tensor/pipeline-parallel executor behind the same interface). Public methods are thread-safe: a
+step holds the engine lock, and calls from other threads (a server's handlers) get in between steps.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ from steerable.engine.output_processor import OutputProcessor, RequestGroup
 from steerable.engine.scheduler import Scheduler
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
+from steerable.distributed.executor import create_worker
 from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
 from steerable.models.registry import resolve_model_config
@@ -30,7 +33,6 @@ from steerable.outputs import RequestOutput
 from steerable.request import PLACEHOLDER, Request, SchedulerOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
-from steerable.worker.model_runner import Launched, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _InFlight:
     sched: SchedulerOutput
-    launched: Launched
+    launched: Any  # the worker's handle
     delivery: Delivery | None
 
 
@@ -59,7 +61,7 @@ class LLMEngine:
                                  f"max_position_embeddings ({max_len})")
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
-        self.worker = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
+        self.worker = create_worker(config, self.model_config, self.source, self.device, self.dtype, max_len)
         kv_capacity = self.worker.num_blocks * config.block_size
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
@@ -69,13 +71,18 @@ class LLMEngine:
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
         self.capture = CaptureSession(self.layout, self.dtype)
+        stages = config.pipeline_parallel_size
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                   cache_limit=self.capture.cache_limit)
+                                   cache_limit=self.capture.cache_limit, pipeline_stages=stages)
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size)
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
-        self._inflight: _InFlight | None = None  # launched, not finished
+        # Launched, not finished, oldest first. Between steps one stays in flight so host work
+        # overlaps the device; a pipeline keeps one per stage but the last in flight (stages - 1).
+        self._inflight: deque[_InFlight] = deque()
+        self._depth = max(1, stages - 1)
+        self._dead: str | None = None
         self._rng = random.Random(config.seed)
         self.num_steps = 0
         self.lock = EngineLock()
@@ -111,25 +118,34 @@ class LLMEngine:
             self._check_open()
             try:
                 return self._step()
+            except EngineDeadError as err:  # a worker rank is gone: nothing can run any more
+                self._fail_all()
+                self._dead = str(err)
+                raise
             except Exception as err:
                 self._fail_all()
                 raise EngineError(f"an engine step failed ({type(err).__name__}: {err}); every request in "
                                   "the engine was finished with finish_reason='error'") from err
 
     def finish_inflight(self) -> list[RequestOutput]:
-        """Complete the step still on the device, if any, so no row of it is left to deliver later."""
+        """Complete the steps still on the device, so no row of them is left to deliver later."""
         with self.lock.call():
-            if self._inflight is None:
-                return []
-            inflight, self._inflight = self._inflight, None
-            return self._complete(inflight)
+            return self._finish_all()
+
+    def _finish_all(self) -> list[RequestOutput]:
+        outputs = []
+        while self._inflight:
+            outputs += self._complete(self._inflight.popleft())
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine is shut down; create a new LLM")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
 
     # ---------------------------------------------------------------- control planes
 
@@ -193,7 +209,7 @@ class LLMEngine:
             if self._closed:
                 return
             self._closed = True
-            self._inflight = None
+            self._drain()
             for group in list(self.groups.values()):
                 self._finish_group(group, "abort")
             for consumer in self.capture.consumers:
@@ -267,20 +283,21 @@ class LLMEngine:
     # ---------------------------------------------------------------- the loop
 
     def _step(self) -> list[RequestOutput]:
-        """Launch the next step, then finish the previous one while the device runs it.
+        """Launch the next step, then finish the oldest one while the device runs the newer ones.
 
-        The step launched here was scheduled before the previous step's tokens reached the host:
-        each running request already holds a placeholder for its pending token, which the device
-        fills in from the previous step's samples. Host bookkeeping (outputs, stop checks,
-        detokenization, the next schedule) thus overlaps device work. A request that stops on a
-        sampled token has one extra row computed and discarded. Returns finished requests and
-        progress of streaming ones.
+        On a single stage the step launched here was scheduled before the previous step's tokens
+        reached the host: each running request already holds a placeholder for its pending token,
+        which the device fills in from the previous step's samples. Host bookkeeping (outputs,
+        stop checks, detokenization, the next schedule) thus overlaps device work. A request that
+        stops on a sampled token has one extra row computed and discarded.
+
+        A pipeline samples on its last stage, so a request waits for its token before it runs
+        again; the scheduler fills the stages with other requests instead (one batch per stage).
+        Returns finished requests and progress of streaming ones.
         """
         outputs = []
-        if self._inflight is not None and self._must_sync():
-            inflight, self._inflight = self._inflight, None
-            outputs += self._complete(inflight)
-        launched = None
+        if self._inflight and self.scheduler.pipeline_stages == 1 and self._must_sync():
+            outputs += self._finish_all()
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             step = self.builder.build(self.num_steps, sched)
@@ -290,12 +307,13 @@ class LLMEngine:
             delivery = None
             if planned is not None:
                 step.capture, delivery = planned
-            launched = _InFlight(sched, self.worker.launch(step), delivery)
+            self._inflight.append(_InFlight(sched, self.worker.launch(step), delivery))
             self._advance(sched)
             self.num_steps += 1
-        if self._inflight is not None:
-            outputs += self._complete(self._inflight)
-        self._inflight = launched
+        # With nothing new to launch, the oldest step must finish for the next schedule to have work.
+        finish = max(0, len(self._inflight) - self._depth) if not sched.is_empty else min(1, len(self._inflight))
+        for _ in range(finish):
+            outputs += self._complete(self._inflight.popleft())
         return outputs
 
     def _must_sync(self) -> bool:
@@ -365,9 +383,18 @@ class LLMEngine:
 
     def _fail_all(self) -> None:
         """After a failed step: finish everything with 'error' so nothing stays half-updated."""
-        self._inflight = None
+        self._drain()
         for group in list(self.groups.values()):
             self._finish_group(group, "error")
+
+    def _drain(self) -> None:
+        """Wait for the steps in flight and drop their results (every rank then agrees on what ran)."""
+        while self._inflight:
+            inflight = self._inflight.popleft()
+            try:
+                self.worker.finish(inflight.launched)
+            except Exception:  # the step's own failure was raised already (or the worker is gone)
+                logger.debug("dropping a failed in-flight step", exc_info=True)
 
     # ---------------------------------------------------------------- introspection
 

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import transformers
 
+from steerable.models.checkpoint import CheckpointTensor
+
 # GGUF architecture -> (HF config class name, HF architecture, q/k rows permuted by llama.cpp's converter).
 # Mistral GGUFs are llama-structured (llama.cpp converts them as such), so they load as Llama.
 _ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -193,19 +195,36 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"unrecognised GGUF tensor {gguf_name!r}")
 
 
-def _dequantize(tensor) -> torch.Tensor:
-    """GGUF tensor -> torch tensor in HF layout. GGUF lists dims fastest-first (ne order), so reverse them."""
+def _read(tensor, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The ``box`` of a GGUF tensor in HF layout (GGUF lists dims fastest-first, so an HF row of a
+    matrix is a GGUF row). A matrix's rows are cut from the memory map before dequantizing, and its
+    columns too where they fall on quantization-block boundaries: only that part is paged in."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    data = np.asarray(tensor.data).reshape(shape[0] if len(shape) >= 2 else 1, -1)
+    if len(shape) != 2:  # vectors (norms, biases) are small: decode whole, then cut
+        return _decode(tensor, data).reshape(shape)[tuple(slice(a, b) for a, b in box)]
+    (r0, r1), (c0, c1) = box
+    rows = data[r0:r1]
+    block, type_size = (1, 1) if tensor.tensor_type in (T.F32, T.F16) else GGML_QUANT_SIZES[tensor.tensor_type]
+    if c0 % block == 0 and c1 % block == 0:
+        return _decode(tensor, rows[:, c0 // block * type_size:c1 // block * type_size])
+    return _decode(tensor, rows)[:, c0:c1]
+
+
+def _decode(tensor, raw: np.ndarray) -> torch.Tensor:
+    """Rows of stored data (typed for F32/F16, bytes otherwise) -> a float tensor of those rows."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
-    shape = tuple(reversed([int(d) for d in tensor.shape]))
     kind = tensor.tensor_type
     if kind in (T.F32, T.F16):  # the reader already typed these; copy out of the memory map
-        return torch.from_numpy(np.array(tensor.data)).reshape(shape)
+        return torch.from_numpy(np.array(raw))
     if kind == T.BF16:  # raw bytes; reinterpret directly so a bf16 target skips the fp32 round trip
-        return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
     try:
-        return torch.from_numpy(dequantize(tensor.data, kind)).reshape(shape)
+        return torch.from_numpy(dequantize(np.array(raw), kind)).reshape(len(raw), -1)
     except NotImplementedError:
         raise ValueError(f"unsupported GGUF tensor type {kind.name} for {tensor.name!r}") from None
 
@@ -218,10 +237,26 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(
-    path: str, config: transformers.PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` one at a time so peak memory is one dequantized tensor, not the model.
+def _slice(tensor, dtype: torch.dtype, permuted_heads: int | None) -> CheckpointTensor:
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+
+    def read(box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        w = _read(tensor, shape, box)
+        if permuted_heads:  # the permutation stays inside each head's rows: a slice of whole heads undoes alone
+            head_rows = shape[0] // permuted_heads
+            start, stop = box[0]
+            if start % head_rows or stop % head_rows:
+                raise ValueError(f"{tensor.name}: rows [{start}, {stop}) do not cover whole heads of {head_rows} rows")
+            w = _unpermute(w, (stop - start) // head_rows)
+        return w.to(dtype)
+
+    return CheckpointTensor(shape, read)
+
+
+def iter_gguf_slices(path: str, dtype: torch.dtype, num_heads: int = 0,
+                     num_kv_heads: int = 0) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield ``(hf_name, tensor)`` pairs, each tensor read (dequantized, q/k un-permuted with the
+    head counts) only when loaded and only in the part loaded: a rank's shard, or all of it.
 
     ``lm_head.weight`` is only yielded when the file has its own ``output.weight`` (i.e. not tied).
     """
@@ -231,11 +266,18 @@ def iter_gguf_tensors(
         if tensor.name in _NON_PARAMETERS:
             continue
         name = _hf_name(tensor.name)
-        w = _dequantize(tensor)
+        heads = None
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            q = ".attn_q." in tensor.name
-            w = _unpermute(w, config.num_attention_heads if q else config.num_key_value_heads)
-        yield name, w.to(dtype)
+            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+        yield name, _slice(tensor, dtype, heads)
+
+
+def iter_gguf_tensors(path: str, config: transformers.PretrainedConfig | None,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor read whole, one at a time (peak memory is one dequantized tensor)."""
+    heads = (config.num_attention_heads, config.num_key_value_heads) if config is not None else (0, 0)
+    for name, tensor in iter_gguf_slices(path, dtype, *heads):
+        yield name, tensor.load()
 
 
 def load_gguf_tokenizer(path: str):
