@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmarks: a Qwen3-0.6B-shaped checkpoint with random weights (built once,
-cached), a seeded workload of token-id prompts, CUDA-synchronised timing and JSON-line output.
+"""Shared pieces of the benchmarks: a Qwen3-shaped checkpoint with random weights (0.6B by default,
+8B with ``--shape qwen3-8b``; built once, cached), a seeded workload of token-id prompts,
+CUDA-synchronised timing and JSON-line output.
 
 Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
 and runs the baseline it is compared with in the same process, so ratios survive shared machines.
@@ -35,6 +36,11 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
 QWEN3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    bos_token_id=1, eos_token_id=2)
+# Qwen3-8B's shape (the tensor/pipeline-parallel targets, DESIGN.md §6): untied head, 36 layers.
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False)
+SHAPES = {"qwen3-0.6b": QWEN3_06B, "qwen3-8b": QWEN3_8B}
 
 
 # ---------------------------------------------------------------- model
@@ -47,7 +53,7 @@ def build_random_qwen3(path: str, shape: dict, seed: int = 0) -> str:
     import transformers
     from transformers import Qwen3Config
 
-    config = Qwen3Config(**shape, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+    config = Qwen3Config(**{"tie_word_embeddings": True, **shape}, rms_norm_eps=1e-6, initializer_range=0.02,
                          architectures=["Qwen3ForCausalLM"])
     if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
         config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
@@ -86,20 +92,21 @@ def model_path(args: argparse.Namespace) -> str:
         return args.model
     if args.smoke:
         return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-smoke-random"), QWEN3_SMOKE)
-    return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-0.6b-random"), QWEN3_06B)
+    return build_random_qwen3(os.path.join(args.cache_dir, f"{args.shape}-random"), SHAPES[args.shape])
 
 
-def make_llm(args: argparse.Namespace, path: str):
-    """The engine under test, configured from the common flags; its load time is a record."""
+def make_llm(args: argparse.Namespace, path: str, **overrides: Any):
+    """The engine under test, configured from the common flags (``overrides`` on top, e.g. the
+    parallel sizes); its load time is a record."""
     from steerable import LLM
 
-    llm, seconds = timed(lambda: LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                     kv_cache_tokens=args.kv_cache_tokens, enforce_eager=args.enforce_eager,
-                                     seed=args.seed))
+    kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
+                  enforce_eager=args.enforce_eager, seed=args.seed, **overrides)
+    llm, seconds = timed(lambda: LLM(path, **kwargs))
     emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-          "device": str(llm.engine.device)})
+          "device": str(llm.engine.device), **overrides})
     return llm
 
 
@@ -228,7 +235,8 @@ def header(args: argparse.Namespace, path: str) -> None:
 def parser(description: str) -> argparse.ArgumentParser:
     """Flags every script shares. Defaults left as None are filled by ``setup`` (full or --smoke)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: random Qwen3-0.6B shape)")
+    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: a random Qwen3 of --shape)")
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="the random model's shape")
     p.add_argument("--smoke", action="store_true", help="tiny random model, few short requests (CPU, seconds)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints are kept")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")

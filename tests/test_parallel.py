@@ -285,6 +285,19 @@ def test_greedy_matches_one_rank_and_hf(parallel, single, models):
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, TOKENS), out.prompt
 
 
+def test_streamed_outputs_grow_one_token_at_a_time(parallel):
+    """Streaming progress shows each sampled token once, never a placeholder of a step in flight."""
+    _, llm = parallel
+    engine = llm.engine
+    engine.add_request("streamed", PROMPTS[1], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                       stream=True)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [out.outputs[0].token_ids for out in engine.step()]
+    assert [len(tokens) for tokens in seen] == [1, 2, 3, 4, 5]
+    assert all(tokens == seen[-1][:len(tokens)] for tokens in seen) and min(seen[-1]) >= 0
+
+
 # ---------------------------------------------------------------- steering
 
 

@@ -41,13 +41,15 @@ class TPGroup:
         return x
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Every rank's ``x`` concatenated along ``dim`` in rank order, on rank 0 (None elsewhere)."""
+        """Every rank's ``x`` concatenated along ``dim`` in rank order, for rank 0 (None elsewhere).
+        An all-gather, not a gather: a ring collective like the all-reduces (NCCL sets up no
+        point-to-point connections for it, which a CUDA graph capture could not do)."""
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=self.ranks[0], group=self.group)
-        return torch.cat(parts, dim=dim) if parts is not None else None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank (in place)."""
@@ -58,8 +60,9 @@ class TPGroup:
 
 class PipeLink:
     """The residual stream between consecutive stages, between ranks of the same tensor-parallel
-    rank. Sends are asynchronous so two stages never block sending to each other; a send is
-    complete before the next one starts (the tensor stays referenced until then)."""
+    rank. Sends never block the host, so two stages never wait on each other's sends: on gloo a
+    send completes before the next one starts (its tensor stays referenced until then); with NCCL
+    the device stream orders them."""
 
     def __init__(self, prev: int | None, next: int | None):
         self.prev = prev
@@ -72,7 +75,11 @@ class PipeLink:
     def send(self, tensor: torch.Tensor) -> None:
         self.flush()
         tensor = tensor.contiguous()
-        self._pending = (dist.isend(tensor, dst=self.next), tensor)
+        work = dist.isend(tensor, dst=self.next)
+        if tensor.is_cuda:  # the device stream waits for the send (the host does not): the next
+            work.wait()  # forward may overwrite the tensor, a CUDA graph's output
+        else:
+            self._pending = (work, tensor)
 
     def flush(self) -> None:
         if self._pending is not None:

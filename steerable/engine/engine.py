@@ -31,6 +31,7 @@ from steerable.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
 from steerable.request import PLACEHOLDER, Request, SchedulerOutput
+from steerable.step import StepOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 
@@ -78,10 +79,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
-        # Launched, not finished, oldest first. Between steps one stays in flight so host work
-        # overlaps the device; a pipeline keeps one per stage but the last in flight (stages - 1).
+        # Launched, not finished, oldest first: one on a single stage (host work overlaps the
+        # device), one per stage on a pipeline.
         self._inflight: deque[_InFlight] = deque()
-        self._depth = max(1, stages - 1)
         self._dead: str | None = None
         self._rng = random.Random(config.seed)
         self.num_steps = 0
@@ -135,7 +135,7 @@ class LLMEngine:
     def _finish_all(self) -> list[RequestOutput]:
         outputs = []
         while self._inflight:
-            outputs += self._complete(self._inflight.popleft())
+            outputs += self._emit(*self._collect(self._inflight.popleft()))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -283,38 +283,55 @@ class LLMEngine:
     # ---------------------------------------------------------------- the loop
 
     def _step(self) -> list[RequestOutput]:
-        """Launch the next step, then finish the oldest one while the device runs the newer ones.
+        """Launch the next step, then finish the previous one while the device runs it.
 
-        On a single stage the step launched here was scheduled before the previous step's tokens
-        reached the host: each running request already holds a placeholder for its pending token,
-        which the device fills in from the previous step's samples. Host bookkeeping (outputs,
-        stop checks, detokenization, the next schedule) thus overlaps device work. A request that
-        stops on a sampled token has one extra row computed and discarded.
-
-        A pipeline samples on its last stage, so a request waits for its token before it runs
-        again; the scheduler fills the stages with other requests instead (one batch per stage).
-        Returns finished requests and progress of streaming ones.
+        The step launched here was scheduled before the previous step's tokens reached the host:
+        each running request already holds a placeholder for its pending token, which the device
+        fills in from the previous step's samples. Host bookkeeping (outputs, stop checks,
+        detokenization, the next schedule) thus overlaps device work. A request that stops on a
+        sampled token has one extra row computed and discarded. Returns finished requests and
+        progress of streaming ones.
         """
+        if self.scheduler.pipeline_stages > 1:
+            return self._step_pipelined()
         outputs = []
-        if self._inflight and self.scheduler.pipeline_stages == 1 and self._must_sync():
+        if self._inflight and self._must_sync():
             outputs += self._finish_all()
-        sched = self.scheduler.schedule()
-        if not sched.is_empty:
-            step = self.builder.build(self.num_steps, sched)
-            step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
-            step.steering_update = self.steering.take_update()
-            planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
-            delivery = None
-            if planned is not None:
-                step.capture, delivery = planned
-            self._inflight.append(_InFlight(sched, self.worker.launch(step), delivery))
-            self._advance(sched)
-            self.num_steps += 1
-        # With nothing new to launch, the oldest step must finish for the next schedule to have work.
-        finish = max(0, len(self._inflight) - self._depth) if not sched.is_empty else min(1, len(self._inflight))
-        for _ in range(finish):
-            outputs += self._complete(self._inflight.popleft())
+        launched = self._launch_next()
+        if len(self._inflight) > 1 or (self._inflight and not launched):
+            outputs += self._emit(*self._collect(self._inflight.popleft()))
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """A pipeline of P stages keeps P steps in flight, one batch of requests per stage; only the
+        last stage samples, so a request waits for its token before it runs again. When all P are
+        in flight the oldest's tokens are taken first, so its requests can join the step launched
+        next; the rest of its processing (detokenization, stop checks, outputs) then overlaps the
+        devices. As on one stage, a request that stops has one extra step computed and discarded."""
+        ready = None
+        if len(self._inflight) >= self.scheduler.pipeline_stages:
+            ready = self._collect(self._inflight.popleft())
+        launched = self._launch_next()
+        if ready is None and self._inflight and not launched:
+            ready = self._collect(self._inflight.popleft())
+        return self._emit(*ready) if ready is not None else []
+
+    def _launch_next(self) -> bool:
+        """Schedule and launch a step; False when there was nothing to run."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return False
+        step = self.builder.build(self.num_steps, sched)
+        step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
+        step.steering_update = self.steering.take_update()
+        planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
+        delivery = None
+        if planned is not None:
+            step.capture, delivery = planned
+        self._inflight.append(_InFlight(sched, self.worker.launch(step), delivery))
+        self._advance(sched)
+        self.num_steps += 1
+        return True
 
     def _must_sync(self) -> bool:
         """Selections that read the token id of generated rows, and penalties that count generated
@@ -334,24 +351,34 @@ class LLMEngine:
                 request.all_token_ids.append(PLACEHOLDER)
                 request.num_pending += 1
 
-    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
+    def _collect(self, inflight: _InFlight) -> tuple[_InFlight, StepOutput]:
+        """Wait for a step; deliver its captured rows and put its sampled tokens in place."""
         result = self.worker.finish(inflight.launched)
         if inflight.delivery is not None:
             self.capture.deliver(inflight.delivery, result.captured, result.graphed)
+        sampled = iter(result.sampled)
+        for item in inflight.sched.scheduled:
+            request = item.request
+            token = next(sampled) if item.samples else None
+            if request.finished:  # stopped (or aborted) while this step was in flight
+                continue
+            if token is not None:
+                request.all_token_ids[item.token_index] = token
+                request.num_pending -= 1
+            self.kv.cache_computed_blocks(request)
+        return inflight, result
+
+    def _emit(self, inflight: _InFlight, result: StepOutput) -> list[RequestOutput]:
+        """Stop checks, text and outputs for a collected step's tokens."""
         outputs = []
         sampled = iter(zip(result.sampled, result.logprobs))
         for item in inflight.sched.scheduled:
-            request = item.request
             if not item.samples:
-                if not request.finished:
-                    self.kv.cache_computed_blocks(request)
                 continue
+            request = item.request
             token, token_logprobs = next(sampled)
-            if request.finished:  # stopped (or aborted) while this step was in flight
+            if request.finished:
                 continue
-            request.all_token_ids[item.token_index] = token
-            request.num_pending -= 1
-            self.kv.cache_computed_blocks(request)
             self.outputs.accept_token(request, token, token_logprobs)
             group = request.group
             if request.finish_reason is not None:

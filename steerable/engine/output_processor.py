@@ -71,8 +71,10 @@ class OutputProcessor:
     @staticmethod
     def output(group: RequestGroup) -> RequestOutput:
         """The group's cumulative state; captures (of every completion, by index) once all finished."""
-        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason, r.logprobs,
-                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None)
+        # Tokens of steps still in flight are placeholders: not shown.
+        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids[:r.num_output_tokens - r.num_pending],
+                                        r.finish_reason, r.logprobs, r.stop_reason,
+                                        r.cumulative_logprob if r.logprobs is not None else None)
                        for r in group.children]
         first = group.children[0]
         finished = group.finished
