@@ -221,7 +221,7 @@ def _commit() -> str | None:
         return None
 
 
-def header(args: argparse.Namespace, path: str) -> None:
+def header(args: argparse.Namespace, path: str | None) -> None:
     import transformers
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     emit({"record": "header", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -260,8 +260,9 @@ COMMON_DEFAULTS = {"num_requests": (256, 6), "min_len": (100, 4), "max_len": (10
                    "kv_cache_tokens": (None, 4096)}
 
 
-def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) -> str:
-    """Fill defaults (full, smoke), open --out, build or find the model, print the header; returns the model path."""
+def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None, model: bool = True) -> str | None:
+    """Fill defaults (full, smoke), open --out, build or find the model (unless ``model`` is
+    False), print the header; returns the model path."""
     global _BENCH, _OUT
     _BENCH, _OUT = bench, args.out
     for key, (full, smoke) in {**COMMON_DEFAULTS, **(defaults or {})}.items():
@@ -272,6 +273,6 @@ def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) ->
     transformers.utils.logging.disable_progress_bar()
     if args.smoke:  # tiny matrices: one thread is as fast and immune to oversubscription
         torch.set_num_threads(1)
-    path = model_path(args)
+    path = model_path(args) if model else None
     header(args, path)
     return path

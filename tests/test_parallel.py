@@ -237,6 +237,36 @@ def test_worker_error_at_start_is_reported(models, monkeypatch):
     assert not _worker_pids() - before
 
 
+EXIT_SCRIPT = """
+import sys, psutil
+from steerable import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", device="cpu", kv_cache_tokens=4096, tensor_parallel_size=2)
+    llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)
+"""  # and exits without shutdown()
+
+
+def test_interpreter_exit_leaves_no_worker(models, tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != START_METHOD_ENV}
+    done = subprocess.run([sys.executable, str(script), models["llama"]], env=env, capture_output=True, text=True,
+                          timeout=HANG_S - 10)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert pids  # the worker (and multiprocessing's resource tracker)
+    time.sleep(1.0)
+    assert not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 # ---------------------------------------------------------------- torchrun
 
 

@@ -164,6 +164,9 @@ class ParallelExecutor:
             self._dead = f"the engine failed to start ({type(err).__name__}: {err})"
             return err  # the driver's own error (a model that does not split, say): raised as it is
         what = "; ".join(failures) if failures else f"{type(err).__name__}: {err}"
+        if failures and not self.procs.reports and not self._ranks.joined:  # died before running any code of ours
+            what += (" - a script that starts a parallel LLM must guard its entry point with "
+                     "`if __name__ == '__main__':`, as multiprocessing requires")
         self._dead = f"the parallel engine stopped ({what}); create a new LLM"
         return EngineDeadError(self._dead)
 

@@ -74,9 +74,7 @@ class WorkerProcesses:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while not self.store.check(keys):
             if self.failures():
-                hint = "" if self.reports else (" (a script that starts a parallel LLM must guard its entry point "
-                                                "with `if __name__ == '__main__':`, as multiprocessing requires)")
-                raise RuntimeError("; ".join(self.failures()) + hint)
+                raise RuntimeError("; ".join(self.failures()))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker processes did not start within {JOIN_TIMEOUT_S:.0f} s")
             time.sleep(0.02)

@@ -8,6 +8,7 @@ the engine constructor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from dataclasses import dataclass
@@ -61,7 +62,8 @@ def run_spawned(args: WorkerArgs, errors: Connection) -> None:
         store.set(JOINED_KEY.format(rank=args.rank), "1")
         serve(args, args.rank, store)
     except BaseException:
-        errors.send_bytes(traceback.format_exc().encode())
+        with contextlib.suppress(OSError):  # the driver may be gone already
+            errors.send_bytes(traceback.format_exc().encode())
         raise SystemExit(1) from None
 
 
