@@ -2,9 +2,9 @@
 
 A message travels as one fixed-size frame (kind, length, the first bytes of the payload) and, when
 the payload is larger, one more transfer of the rest: a typical step is a single collective.
-Sends to the driver are asynchronous and complete before the next one starts, because a gloo send
-waits for its receive: a stage blocked reporting step N while the driver broadcasts step N + 1
-would otherwise wait forever.
+A gloo send (a broadcast too) completes only when its receiver takes it, so sends here are
+asynchronous and each completes before the next one starts: a stage reporting step N while the
+driver broadcasts step N + 1 would otherwise wait for each other forever.
 """
 
 from __future__ import annotations
@@ -47,16 +47,26 @@ def _join(first: torch.Tensor, rest: torch.Tensor | None) -> memoryview:
 
 
 class ControlChannel:
-    """Rank 0 broadcasts; every other rank receives the same messages in the same order."""
+    """Rank 0 broadcasts; every other rank receives the same messages in the same order. A
+    broadcast completes only once every rank receives it, and the last stage of a pipeline takes
+    the next step only after finishing (and reporting) the previous one: so the driver does not
+    wait for a message to arrive before running its own part of the step, only before sending
+    the next message."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def publish(self, kind: Kind, payload: bytes = b"") -> None:
+        self.flush()
         frame, rest = _frame(kind, payload)
-        dist.broadcast(frame, src=0, group=self.group)
-        if rest is not None:
-            dist.broadcast(rest, src=0, group=self.group)
+        for tensor in (frame, rest) if rest is not None else (frame,):
+            self._pending.append((dist.broadcast(tensor, src=0, group=self.group, async_op=True), tensor))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
 
     def receive(self) -> tuple[Kind, memoryview]:
         frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)

@@ -72,6 +72,7 @@ class ParallelExecutor:
         self.placement = Placement.of(0, tp, args.partition)
         self.stages = [Placement.of(s * tp, tp, args.partition) for s in range(pp)]
         self._dead: str | None = None
+        self._started = False
         procs, store = None, None
         if torchrun_rank() is None:
             if device.type == "cuda" and torch.cuda.device_count() - (device.index or 0) < world:
@@ -99,6 +100,7 @@ class ParallelExecutor:
             raise self._fail(err) from err
         self.num_blocks = self.runner.num_blocks
         self.max_blocks_per_seq = self.runner.max_blocks_per_seq
+        self._started = True
 
     # ------------------------------------------------------------ one step
 
@@ -160,9 +162,9 @@ class ParallelExecutor:
                 logger.error("worker rank %d failed:\n%s", rank, text)
         self._ranks.healthy = False
         self._finalizer()
-        if not failures and not isinstance(err, RuntimeError):
+        if not failures and not self._started and not isinstance(err, RuntimeError):
             self._dead = f"the engine failed to start ({type(err).__name__}: {err})"
-            return err  # the driver's own error (a model that does not split, say): raised as it is
+            return err  # the driver's own error while loading (a model that does not split, say): as it is
         what = "; ".join(failures) if failures else f"{type(err).__name__}: {err}"
         if failures and not self.procs.reports and not self._ranks.joined:  # died before running any code of ours
             what += (" - a script that starts a parallel LLM must guard its entry point with "
@@ -195,6 +197,7 @@ class _Ranks:
         if self.healthy and self.channel is not None:
             try:
                 self.channel.publish(Kind.SHUTDOWN)
+                self.channel.flush()
             except Exception as err:  # a rank died since the last step; the kill below still runs
                 logger.warning("could not tell the ranks to stop: %s", err)
         if self.procs is not None:

@@ -57,6 +57,13 @@ class TPGroup:
             dist.broadcast(x, src=self.ranks[0], group=self.group)
         return x
 
+    def warm_up(self, device: torch.device) -> None:
+        """Run each collective once: NCCL creates its communicator and connections on first use,
+        which must not happen while a CUDA graph is being captured."""
+        x = torch.zeros(1, device=device)
+        self.broadcast(self.all_reduce(x))
+        self.gather(x)
+
 
 class PipeLink:
     """The residual stream between consecutive stages, between ranks of the same tensor-parallel

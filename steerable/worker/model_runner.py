@@ -86,7 +86,8 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device,
+                                    steps_in_flight=max(1, placement.pp_size - 1))
         # The residual stream from the previous stage lands here: (h, delta) of up to max_tokens rows.
         self.pipeline_in = None if placement.is_first_stage else torch.zeros(
             2 * max_tokens, model_config.hidden_size, dtype=dtype, device=device)
@@ -99,6 +100,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
         self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components)
+        self.parallel.tp.warm_up(device)
         self.num_blocks = self.parallel.agree_min(self._kv_cache_blocks())  # every rank holds the same blocks
         self._allocate_kv_cache(self.num_blocks)
         self.graphs = None
