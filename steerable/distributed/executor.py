@@ -93,7 +93,7 @@ class ParallelExecutor:
             context = init_groups(self.placement, local_device, store)
             self._ranks.joined = True
             self.channel = self._ranks.channel = ControlChannel(context.control)
-            self.reports = ReportChannel(context.results)
+            self.reports = ReportChannel(context.reports)
             self.runner = ModelRunner(config, model_config, args.source, local_device, args.dtype, args.max_model_len,
                                       context)
         except BaseException as err:

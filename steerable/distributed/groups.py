@@ -103,7 +103,7 @@ class ParallelContext:
     tp: TPGroup
     pipe: PipeLink | None = None
     control: dist.ProcessGroup | None = None  # gloo, every rank: the driver's steps
-    results: dist.ProcessGroup | None = None  # gloo, every rank: stage reports to the driver
+    reports: dist.ProcessGroup | None = None  # gloo, every rank: stage reports to the driver
 
     @classmethod
     def single(cls, num_layers: int) -> ParallelContext:
@@ -126,7 +126,7 @@ def init_groups(placement: Placement, device: torch.device, store: dist.Store | 
                             world_size=placement.world_size if store is not None else -1, timeout=DATA_TIMEOUT,
                             init_method=None if store is not None else "env://")
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    results = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    reports = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     tp = TPGroup()
     for stage in range(placement.pp_size):
         ranks = tuple(placement.stage_rank(stage, r) for r in range(placement.tp_size))
@@ -138,7 +138,7 @@ def init_groups(placement: Placement, device: torch.device, store: dist.Store | 
         stage, r = placement.stage, placement.tp_rank
         pipe = PipeLink(placement.stage_rank(stage - 1, r) if not placement.is_first_stage else None,
                         placement.stage_rank(stage + 1, r) if not placement.is_last_stage else None)
-    return ParallelContext(placement, tp, pipe, control, results)
+    return ParallelContext(placement, tp, pipe, control, reports)
 
 
 def close_groups() -> None:

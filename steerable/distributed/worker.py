@@ -78,7 +78,7 @@ def serve(args: WorkerArgs, local_rank: int, store: dist.Store | None) -> None:
     context = init_groups(placement, device, store)
     try:
         runner = ModelRunner(config, args.model_config, args.source, device, args.dtype, args.max_model_len, context)
-        control, reports = ControlChannel(context.control), ReportChannel(context.results)
+        control, reports = ControlChannel(context.control), ReportChannel(context.reports)
         while True:
             kind, payload = control.receive()
             if kind is Kind.SHUTDOWN:
