@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,8 +27,6 @@ from steerable.distributed.worker import JOINED_KEY, WorkerArgs, run_spawned
 
 JOIN_TIMEOUT_S = 300.0  # a rank's interpreter start and imports
 STOP_TIMEOUT_S = 10.0  # after the shutdown message, before a rank is killed
-
-
 START_METHOD_ENV = "STEERABLE_WORKER_START_METHOD"
 
 
@@ -57,7 +56,7 @@ class WorkerProcesses:
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
         context = _start_context()
         self.processes: dict[int, mp.Process] = {}
-        self.pipes = {}
+        self.pipes: dict[int, Connection] = {}  # rank -> where its traceback arrives if it fails
         self.reports: dict[int, str] = {}  # rank -> the traceback it sent
         for rank in range(1, world_size):
             receiver, sender = context.Pipe(duplex=False)

@@ -44,20 +44,21 @@ def layer_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Placement:
+    """One rank's position: its stage, its tensor-parallel rank, and the stage's layers."""
+
     rank: int
     tp_size: int
     pp_size: int
-    num_layers: int
     layers: tuple[int, int]  # this stage's [start, end)
 
     @classmethod
     def of(cls, rank: int, tp_size: int, partition: list[tuple[int, int]]) -> Placement:
         """Rank ``rank`` with ``tp_size`` ranks per stage and ``partition`` (``layer_partition``)."""
-        return cls(rank, tp_size, len(partition), partition[-1][1], partition[rank // tp_size])
+        return cls(rank, tp_size, len(partition), partition[rank // tp_size])
 
     @classmethod
     def single(cls, num_layers: int) -> Placement:
-        return cls(0, 1, 1, num_layers, (0, num_layers))
+        return cls(0, 1, 1, (0, num_layers))
 
     @property
     def world_size(self) -> int:
@@ -94,9 +95,6 @@ class Placement:
         if point == POST_MLP:
             return start - 1 <= layer < end - 1 or (self.is_last_stage and layer == end - 1)
         return start <= layer < end
-
-    def describe(self) -> str:
-        return f"rank {self.rank} (tensor-parallel rank {self.tp_rank} of pipeline stage {self.stage})"
 
     def reports(self, step: StepInput) -> bool:
         """Whether this rank sends the driver a report of ``step``: tensor-parallel rank 0 of a
