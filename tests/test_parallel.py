@@ -221,6 +221,37 @@ def test_killed_worker_fails_fast_and_shutdown_leaves_no_process(models):
     assert not _worker_pids() - before
 
 
+FAULT = """
+import os
+if os.environ.get("STEERABLE_TEST_FAULT_STEP"):  # a spawned rank 1 raises in the middle of a generate
+    from steerable.worker import model_runner
+
+    launch = model_runner.ModelRunner.launch
+
+    def faulty(self, step):
+        if step.step_id == int(os.environ["STEERABLE_TEST_FAULT_STEP"]) and self.parallel.placement.rank == 1:
+            raise RuntimeError("injected fault")
+        return launch(self, step)
+
+    model_runner.ModelRunner.launch = faulty
+"""
+
+
+def test_raising_worker_fails_the_call_with_its_error(models, tmp_path, monkeypatch):
+    """A rank that raises mid-run (a fault injected into the spawned rank only, through
+    sitecustomize): the call in progress raises the rank's own error, promptly."""
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("STEERABLE_TEST_FAULT_STEP", "5")
+    with deadline(), _env(START_METHOD_ENV, "spawn"):
+        llm = LLM(models["llama"], dtype="float32", device="cpu", kv_cache_tokens=4096, pipeline_parallel_size=2)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1 raised RuntimeError: injected fault"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    llm.shutdown()
+
+
 def test_worker_error_at_start_is_reported(models, monkeypatch):
     """A rank that raises while building its shard: the engine constructor raises its error."""
     monkeypatch.setitem(registry._MODELS, "ParallelOnlyHereForCausalLM", registry._MODELS["LlamaForCausalLM"])
