@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: a random-weight checkpoint of a known shape (Qwen3-0.6B by
-default; ``--shape gemma3-270m`` or ``gemma3-4b`` for Gemma 3's text models; built once, cached), a
-seeded workload of token-id prompts, CUDA-synchronised timing and JSON-line output.
+default; ``--shape qwen3-8b`` for the tensor/pipeline-parallel targets; ``gemma3-270m`` or
+``gemma3-4b`` for Gemma 3's text models; built once, cached), a seeded workload of token-id
+prompts, CUDA-synchronised timing and JSON-line output.
 
 Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
 and runs the baseline it is compared with in the same process, so ratios survive shared machines.
@@ -36,6 +37,10 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
 QWEN3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    bos_token_id=1, eos_token_id=2)
+# Qwen3-8B's shape (the tensor/pipeline-parallel targets, DESIGN.md §6): untied head, 36 layers.
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False)
 # Gemma 3: every sixth layer global (pattern default), local RoPE base 10k, global 1M (linear x8 from 4B up).
 GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
@@ -49,6 +54,7 @@ GEMMA3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_h
                     sliding_window=8, query_pre_attn_scalar=32, bos_token_id=2, eos_token_id=1)
 # --shape -> (transformers config class, full shape, --smoke shape)
 SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_06B, QWEN3_SMOKE),
+          "qwen3-8b": ("Qwen3Config", QWEN3_8B, QWEN3_SMOKE),
           "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M, GEMMA3_SMOKE),
           "gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B, GEMMA3_SMOKE)}
 
@@ -63,7 +69,7 @@ def _config(config_name: str, shape: dict):
     if config_name == "Gemma3TextConfig":  # takes the flat RoPE keys and builds its per-layer-type table
         return cls(**shape, rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True,
                    architectures=["Gemma3ForCausalLM"])
-    config = cls(**shape, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+    config = cls(**{"tie_word_embeddings": True, **shape}, rms_norm_eps=1e-6, initializer_range=0.02,
                  architectures=["Qwen3ForCausalLM"])
     if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
         config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
@@ -118,17 +124,18 @@ def model_path(args: argparse.Namespace) -> str:
     return build_random_model(os.path.join(args.cache_dir, name), config_name, smoke if args.smoke else full)
 
 
-def make_llm(args: argparse.Namespace, path: str):
-    """The engine under test, configured from the common flags; its load time is a record."""
+def make_llm(args: argparse.Namespace, path: str, **overrides: Any):
+    """The engine under test, configured from the common flags (``overrides`` on top, e.g. the
+    parallel sizes); its load time is a record."""
     from steerable import LLM
 
-    llm, seconds = timed(lambda: LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                     kv_cache_tokens=args.kv_cache_tokens, enforce_eager=args.enforce_eager,
-                                     seed=args.seed))
+    kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
+                  enforce_eager=args.enforce_eager, seed=args.seed, **overrides)
+    llm, seconds = timed(lambda: LLM(path, **kwargs))
     emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-          "device": str(llm.engine.device)})
+          "device": str(llm.engine.device), **overrides})
     return llm
 
 
@@ -243,7 +250,7 @@ def _commit() -> str | None:
         return None
 
 
-def header(args: argparse.Namespace, path: str) -> None:
+def header(args: argparse.Namespace, path: str | None) -> None:
     import transformers
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     emit({"record": "header", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -283,8 +290,9 @@ COMMON_DEFAULTS = {"num_requests": (256, 6), "min_len": (100, 4), "max_len": (10
                    "kv_cache_tokens": (None, 4096)}
 
 
-def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) -> str:
-    """Fill defaults (full, smoke), open --out, build or find the model, print the header; returns the model path."""
+def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None, model: bool = True) -> str | None:
+    """Fill defaults (full, smoke), open --out, build or find the model (unless ``model`` is
+    False), print the header; returns the model path."""
     global _BENCH, _OUT
     _BENCH, _OUT = bench, args.out
     for key, (full, smoke) in {**COMMON_DEFAULTS, **(defaults or {})}.items():
@@ -295,6 +303,6 @@ def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) ->
     transformers.utils.logging.disable_progress_bar()
     if args.smoke:  # tiny matrices: one thread is as fast and immune to oversubscription
         torch.set_num_threads(1)
-    path = model_path(args)
+    path = model_path(args) if model else None
     header(args, path)
     return path

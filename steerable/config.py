@@ -47,8 +47,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size} tokens)")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:  # issue 11
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -62,6 +62,18 @@ class KVGroups:
                 return group, layers.index(layer)
         raise ValueError(f"layer {layer} has no KV group")
 
+    def stage_placement(self, layers: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """For the layers a worker holds (a pipeline stage's, or all): how many slots its blocks
+        need, and each layer's (group, slot) among them. Every stage uses the same groups and block
+        ids; a block on a stage holds only that stage's layers of the group."""
+        used: dict[int, int] = {}
+        placed = []
+        for layer in layers:
+            group = self.placement(layer)[0]
+            placed.append((group, used.get(group, 0)))
+            used[group] = used.get(group, 0) + 1
+        return max(used.values()), placed
+
     def blocks_needed(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
         """Blocks one sequence of ``num_tokens`` holds at most, computed ``max_chunk`` tokens a step:
         a windowed group holds the window before a chunk plus the chunk."""

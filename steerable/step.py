@@ -9,6 +9,7 @@ graph to replay, which rows to gather). Nothing in here refers to engine objects
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -157,3 +158,20 @@ class StepOutput:
     logprobs: list[dict[int, tuple[float, int]] | None]
     captured: dict[tuple[int, int], torch.Tensor]  # (capture group, layer) -> rows on the host
     graphed: bool
+
+
+class Worker(Protocol):
+    """What the engine drives: one model runner, or an executor over several ranks. ``launch``
+    enqueues a step and returns a handle; ``finish`` waits for it. Several steps may be launched
+    before the first is finished; they finish in launch order."""
+
+    num_blocks: int  # KV blocks every rank holds
+    max_blocks_per_seq: int
+
+    def launch(self, step: StepInput) -> Any: ...
+
+    def finish(self, launched: Any) -> StepOutput: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def shutdown(self) -> None: ...

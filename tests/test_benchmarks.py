@@ -118,3 +118,22 @@ def test_gemma_shape_throughput_and_kv_memory(cache_dir):
     m = run("kv_memory", cache_dir, "--max-num-batched-tokens", "32")["kv_memory"][0]
     assert m["groups"] == 6 and m["windows"] == [8]
     assert m["peak_blocks"] <= m["bound_blocks"] and m["decode_saving"] > m["peak_saving"] > 1.5
+
+
+def test_parallel(cache_dir, monkeypatch):
+    """TP=1, TP=2 and PP=2 on CPU (gloo): every record and the summary's ratios are there."""
+    monkeypatch.setenv("STEERABLE_WORKER_START_METHOD", "forkserver")  # ranks start without re-importing torch
+    r = run("parallel", cache_dir, "--repeats", "1", "--latency-repeats", "1")
+    layouts = {x["layout"]: x for x in r["throughput"]}
+    assert list(layouts) == ["tp1", "tp2", "pp2"]
+    for x in layouts.values():
+        positive(x, "seconds", "output_tok_s", "total_tok_s", "output_tokens")
+    positive(layouts["tp2"], "decode_ms_per_token")
+    assert {"steered_cost_pct", "captured_cost_pct"} <= set(layouts["tp2"])
+    assert [x["tensor_parallel_size"] for x in r["llm_init"]] == [1, 2, 1]
+    mixed = r["mixed_capture"][0]
+    assert mixed["rows_ok"] and mixed["plain_ok"]
+    summary = r["summary"][0]
+    for key in ("tp2_throughput_ratio", "pp2_throughput_ratio", "tp2_latency_ratio", "tp2_steering_cost_pct",
+                "tp2_capture_cost_pct"):
+        assert isinstance(summary[key], float) and isinstance(summary[f"{key}_met"], bool)

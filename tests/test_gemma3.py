@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
 from hf_oracle import HFSteered
+
 from steerable import LLM, CaptureSpec, SamplingParams
 from steerable.hook_points import HookPoints
 from steerable.layers.attention_backends import torch_ref

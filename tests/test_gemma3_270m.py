@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from hf_oracle import HFSteered, add_edit, max_logprob_gap
+
 from steerable import LLM, SamplingParams, SelectSpec
 from steerable.models.gguf_file import GGUFFile, StringArray
 from steerable.models.loader import DEMO_MODELS, resolve_model

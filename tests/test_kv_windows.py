@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import hf_greedy, hf_model
+
 from steerable import LLM, SamplingParams
 from steerable.engine.kv_cache import NULL_BLOCK, KVCacheManager
 from steerable.kv_groups import KVGroups

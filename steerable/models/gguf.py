@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import transformers
 
+from steerable.models.checkpoint import CheckpointTensor
 from steerable.models.gguf_file import GGUFFile, GGUFTensor
 
 logger = logging.getLogger(__name__)
@@ -219,25 +220,43 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     raise ValueError(f"unrecognised GGUF tensor {gguf_name!r}")
 
 
-def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
-    """GGUF tensor -> torch tensor in HF layout (float32, or its own 16-bit type), out of the map."""
+def _read(tensor: GGUFTensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The ``box`` of a GGUF tensor in HF layout. A matrix's rows are cut from the memory map before
+    dequantizing, and its columns too where they fall on quantization-block boundaries: a tensor-
+    parallel rank pages in only its part."""
     from gguf import GGMLQuantizationType as T
     from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
 
     kind = T(tensor.ggml_type)
+    plain = {T.F32: (1, 4), T.F16: (1, 2), T.BF16: (1, 2)}  # (elements, bytes) per stored block
+    block, type_size = plain[kind] if kind in plain else GGML_QUANT_SIZES[kind]
+    shape = tensor.shape
+    data = tensor.data.reshape(-1, shape[-1] // block * type_size)  # one stored row per HF row
+    if len(shape) != 2:  # vectors (norms, biases) are small: decode whole, then cut
+        return _decode(kind, data, tensor.name).reshape(shape)[tuple(slice(a, b) for a, b in box)]
+    (r0, r1), (c0, c1) = box
+    rows = data[r0:r1]
+    if c0 % block == 0 and c1 % block == 0:
+        return _decode(kind, rows[:, c0 // block * type_size:c1 // block * type_size], tensor.name)
+    return _decode(kind, rows, tensor.name)[:, c0:c1]
+
+
+def _decode(kind: Any, raw: np.ndarray, name: str) -> torch.Tensor:
+    """Stored rows (bytes) -> a tensor of those rows: float32, or the file's own 16-bit type."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    raw = np.ascontiguousarray(raw)  # a copy out of the memory map
     if kind == T.F32:
-        return torch.from_numpy(tensor.data.view(np.float32).copy()).reshape(tensor.shape)
+        return torch.from_numpy(raw.view(np.float32))
     if kind == T.F16:
-        return torch.from_numpy(tensor.data.view(np.float16).copy()).reshape(tensor.shape)
+        return torch.from_numpy(raw.view(np.float16))
     if kind == T.BF16:  # reinterpret the raw bytes so a bf16 target skips the fp32 round trip
-        return torch.from_numpy(tensor.data.view(np.int16).copy()).view(torch.bfloat16).reshape(tensor.shape)
-    block, size = GGML_QUANT_SIZES[kind]
-    rows = tensor.data.reshape(-1, tensor.shape[-1] // block * size)
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     try:
-        return torch.from_numpy(dequantize(rows, kind)).reshape(tensor.shape)
+        return torch.from_numpy(dequantize(raw, kind)).reshape(len(raw), -1)
     except NotImplementedError:
-        raise ValueError(f"unsupported GGUF tensor type {kind.name} for {tensor.name!r}") from None
+        raise ValueError(f"unsupported GGUF tensor type {kind.name} for {name!r}") from None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -248,10 +267,27 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(
-    path: str, config: transformers.PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` one at a time so peak memory is one dequantized tensor, not the model.
+def _slice(tensor: GGUFTensor, dtype: torch.dtype, permuted_heads: int | None, norm_offset: bool) -> CheckpointTensor:
+    def read(box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        w = _read(tensor, box)
+        if permuted_heads:  # the permutation stays inside each head's rows: a slice of whole heads undoes alone
+            head_rows = tensor.shape[0] // permuted_heads
+            start, stop = box[0]
+            if start % head_rows or stop % head_rows:
+                raise ValueError(f"{tensor.name}: rows [{start}, {stop}) do not cover whole heads of {head_rows} rows")
+            w = _unpermute(w, (stop - start) // head_rows)
+        if norm_offset:
+            w = w.float() - 1  # stored as 1 + w (see the module docstring)
+        return w.to(dtype)
+
+    return CheckpointTensor(tensor.shape, read)
+
+
+def iter_gguf_slices(path: str, dtype: torch.dtype, num_heads: int = 0,
+                     num_kv_heads: int = 0) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield ``(hf_name, tensor)`` pairs, each tensor read (dequantized, q/k un-permuted with the
+    head counts, Gemma's norm offset removed) only when loaded and only in the part loaded: a
+    rank's shard, or all of it.
 
     ``lm_head.weight`` is only yielded when the file has its own ``output.weight`` (i.e. not tied).
     """
@@ -261,14 +297,19 @@ def iter_gguf_tensors(
     for tensor in reader.tensors:
         if tensor.name in _NON_PARAMETERS:
             continue
-        name = _hf_name(tensor.name, arch)
-        w = _dequantize(tensor)
+        heads = None
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            q = ".attn_q." in tensor.name
-            w = _unpermute(w, config.num_attention_heads if q else config.num_key_value_heads)
-        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
-            w = w.float() - 1  # stored as 1 + w (see the module docstring)
-        yield name, w.to(dtype)
+            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+        offset = arch == "gemma3" and tensor.name.endswith("norm.weight")
+        yield _hf_name(tensor.name, arch), _slice(tensor, dtype, heads, offset)
+
+
+def iter_gguf_tensors(path: str, config: transformers.PretrainedConfig | None,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor read whole, one at a time (peak memory is one dequantized tensor)."""
+    heads = (config.num_attention_heads, config.num_key_value_heads) if config is not None else (0, 0)
+    for name, tensor in iter_gguf_slices(path, dtype, *heads):
+        yield name, tensor.load()
 
 
 def load_gguf_tokenizer(path: str):

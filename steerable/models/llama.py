@@ -17,7 +17,7 @@ from steerable.hook_points import ATTENTION_HEADS, POST_ATTN, POST_MLP, PRE_ATTN
 from steerable.layers import fused
 from steerable.layers.activation import silu_and_mul
 from steerable.layers.attention import Attention
-from steerable.layers.linear import MergedLinear
+from steerable.layers.linear import MergedLinear, QKVLinear, RowLinear
 from steerable.layers.norm import RMSNorm
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.base import CausalLM
@@ -56,10 +56,12 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer = layer
         self.hooks = hooks
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Heads split over the tensor-parallel ranks: the sizes below are this rank's.
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  bias=cfg.attention_bias)
+        self.q_size = self.qkv_proj.num_heads * cfg.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * cfg.head_dim
+        self.o_proj = RowLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.head_dim = cfg.head_dim
         if cfg.qk_norm:
             self.q_norm = self.norm_cls(cfg.head_dim, cfg.rms_norm_eps)
@@ -67,7 +69,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale,
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, cfg.attention_scale,
                               cfg.attention_window(layer), backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -94,7 +96,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from steerable.models.checkpoint import CheckpointTensor
 
 @dataclass(frozen=True)
 class DemoModel:
@@ -95,11 +96,14 @@ def load_hf_config(source: ModelSource) -> Any:
     return AutoConfig.from_pretrained(source.path)
 
 
-def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors in ``dtype``, one at a time so peak host memory stays near one tensor."""
+def iter_weights(source: ModelSource, num_heads: int, num_kv_heads: int,
+                 dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """HF-named tensors in ``dtype``, not read yet: a loader reads the part its rank keeps, one
+    tensor at a time, so peak host memory stays near one tensor's shard. (The head counts undo
+    llama.cpp's q/k row order in GGUF files.)"""
     if source.gguf_file:
-        from steerable.models.gguf import iter_gguf_tensors
-        yield from iter_gguf_tensors(source.gguf_file, hf_config, dtype)
+        from steerable.models.gguf import iter_gguf_slices
+        yield from iter_gguf_slices(source.gguf_file, dtype, num_heads, num_kv_heads)
         return
     index = os.path.join(source.path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -112,7 +116,14 @@ def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Ite
     for filename in files:
         with safe_open(os.path.join(source.path, filename), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, _safetensors_tensor(f.get_slice(name), dtype)
+
+
+def _safetensors_tensor(handle: Any, dtype: torch.dtype) -> CheckpointTensor:
+    """A safetensors tensor read through its slice handle (only the rows/columns asked for)."""
+    def read(box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        return handle[tuple(slice(start, stop) for start, stop in box)].to(dtype)
+    return CheckpointTensor(tuple(handle.get_shape()), read)
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:

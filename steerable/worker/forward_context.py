@@ -32,6 +32,7 @@ class ForwardContext:
     num_tokens: int  # real rows; rows beyond are padding for a CUDA graph
     steering: StepSteering | None = None
     capture: StepCapture | None = None
+    pipeline_in: torch.Tensor | None = None  # [2, T_padded, H]: (h, delta) from the previous pipeline stage
 
     @property
     def num_padded_tokens(self) -> int:

@@ -10,7 +10,11 @@ from steerable.step import BlockTableUpdate
 
 
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, num_kv_groups: int = 1):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, num_kv_groups: int = 1,
+                 steps_in_flight: int = 1):
+        """``steps_in_flight``: how many earlier steps may still be queued on the device when a
+        step is prepared: one in the engine's loop; P - 1 on a rank of a P-stage pipeline, which
+        gets step N + P once step N has finished everywhere but may still be running N + 1..."""
         self.device = device
         self.max_seqs = max_seqs
         pin = device.type == "cuda"
@@ -19,11 +23,12 @@ class InputBuffers:
         # Rows: ids, positions, the KV slot in each KV group, steering rows.
         self.tokens = torch.zeros(3 + groups, max_tokens, dtype=torch.int64, device=device)
         self.seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)  # query_start, seq_lens
-        # Two sets of host staging, used by alternate steps: while one step's copies may still be
-        # queued behind the step in flight, the next step fills the other set.
-        self._tokens_host = [torch.zeros(3 + groups, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._slot_index_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Sets of host staging used in turn: a step fills a set whose last copies (steps_in_flight
+        # steps ago at least) have left it, so nothing queued behind a step in flight is overwritten.
+        sets = steps_in_flight + 1
+        self._tokens_host = [torch.zeros(3 + groups, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(sets)]
+        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
+        self._slot_index_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(sets)]
         self.parity = 0
         # Each running request owns a row of block ids per KV group (the last row stays zero for
         # padding); the step's block tables are gathered from them on the device.
@@ -34,7 +39,7 @@ class InputBuffers:
         self.last_sampled = torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
 
     def begin_step(self) -> None:
-        self.parity ^= 1
+        self.parity = (self.parity + 1) % len(self._tokens_host)
 
     def write_blocks(self, update: BlockTableUpdate) -> None:
         index = torch.from_numpy(np.stack([update.rows, update.cols])).to(self.device, non_blocking=True)
