@@ -23,15 +23,15 @@ import time
 import psutil
 import pytest
 import torch
-
 from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
+from test_qwen3_moe import build_qwen3_moe
+
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
 from steerable.capture import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, match_capture_request_id
 from steerable.distributed.launch import START_METHOD_ENV
 from steerable.distributed.placement import PARTITION_ENV
 from steerable.errors import EngineDeadError
 from steerable.models import registry
-from test_qwen3_moe import build_qwen3_moe
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 FAMILIES = ["llama", "qwen3", "qwen3_moe"]

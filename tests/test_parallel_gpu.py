@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-
 from conftest import PROMPTS
+from test_parallel import _max_abs_diff, _rows_by_prompt, _steer, _steering_batch
+
 from steerable import LLM, CaptureSpec
 from steerable.capture import ATTENTION_HEADS, HIDDEN_STATES
-from test_parallel import _max_abs_diff, _rows_by_prompt, _steering_batch, _steer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 

@@ -18,8 +18,17 @@ from steerable.layers.attention_backends import torch_ref
 from steerable.models.checkpoint import CheckpointTensor
 from steerable.models.loader import iter_weights, load_hf_config, resolve_model
 from steerable.models.registry import resolve_model_config
-from steerable.step import (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput, SamplingInput, StepInput,
-                            StepOutput, SteeringPlan, SteeringUpdate)
+from steerable.step import (
+    BlockTableUpdate,
+    CaptureGroup,
+    CapturePlan,
+    PenaltyInput,
+    SamplingInput,
+    SteeringPlan,
+    SteeringUpdate,
+    StepInput,
+    StepOutput,
+)
 
 # ---------------------------------------------------------------- placement
 
@@ -221,6 +230,7 @@ def test_gguf_slices_equal_slices_of_the_whole_tensor(tmp_path):
     BF16 and llama.cpp's q/k row order) equal the same slices of the fully read tensor."""
     pytest.importorskip("gguf")
     from test_gguf import _write_tiny
+
     from steerable.models.gguf import iter_gguf_slices
 
     path = tmp_path / "tiny.gguf"

@@ -16,8 +16,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerable.step import (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput, SamplingInput, StepInput,
-                            StepOutput, SteeringPlan, SteeringUpdate)
+from steerable.step import (
+    BlockTableUpdate,
+    CaptureGroup,
+    CapturePlan,
+    PenaltyInput,
+    SamplingInput,
+    SteeringPlan,
+    SteeringUpdate,
+    StepInput,
+    StepOutput,
+)
 
 _CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput, SamplingInput,
                                           StepInput, StepOutput, SteeringPlan, SteeringUpdate)}

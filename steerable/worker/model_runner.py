@@ -27,8 +27,8 @@ from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, iter_weights
 from steerable.models.registry import model_class
-from steerable.step import PLACEHOLDER, SamplingInput, StepInput, StepOutput
 from steerable.steering.tables import SteeringTables
+from steerable.step import PLACEHOLDER, SamplingInput, StepInput, StepOutput
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers
