@@ -68,7 +68,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
-        self.capture = CaptureSession(self.layout, self.dtype)
+        self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit)
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size)

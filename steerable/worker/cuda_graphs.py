@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class _Graph:
     graph: torch.cuda.CUDAGraph
     output: torch.Tensor  # final hidden states [padded, H], owned by the graph
-    staged: dict = field(default_factory=dict)  # capture gathers, owned by the graph
+    staged: list[torch.Tensor] = field(default_factory=list)  # capture blocks per group, owned by the graph
 
 
 class CudaGraphRunner:
@@ -45,7 +45,7 @@ class CudaGraphRunner:
                 return size
         return None
 
-    def run(self, ctx: ForwardContext, key: tuple) -> tuple[torch.Tensor, dict]:
+    def run(self, ctx: ForwardContext, key: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Replay (capturing first if new) the graph for ``key``: (hidden states, capture gathers)."""
         entry = self.graphs.get(key)
         if entry is None:
@@ -63,14 +63,14 @@ class CudaGraphRunner:
         # are the same values the replay writes again).
         self.model(ctx.input_ids, ctx.positions, ctx)
         if ctx.capture is not None:
-            ctx.capture.staged.clear()
+            ctx.capture.reset()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = self.model(ctx.input_ids, ctx.positions, ctx)
         if self.pool is None:
             self.pool = graph.pool()
-        entry = _Graph(graph, output, dict(ctx.capture.staged) if ctx.capture is not None else {})
+        entry = _Graph(graph, output, ctx.capture.staged() if ctx.capture is not None else [])
         self.graphs[key] = entry
         self.num_captures += 1
         logger.debug("captured CUDA graph %s (%d total)", key[0], len(self.graphs))

@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from steerable.capture.gather import CaptureBuffers, copy_to_host
+from steerable.capture.gather import CaptureBuffers
 from steerable.config import EngineConfig, ModelConfig
 from steerable.hook_points import HookPoints
 from steerable.layers.attention import Attention
@@ -47,7 +47,7 @@ class Launched:
 
     step_id: int
     samples: SampleHandle | None
-    captured: dict[tuple[int, int], torch.Tensor]
+    captured: list[torch.Tensor]
     copied: torch.cuda.Event | None
     graphed: bool
 
@@ -164,7 +164,7 @@ class ModelRunner:
             hidden, staged = self.graphs.run(ctx, key)
         else:
             hidden = self.model(ctx.input_ids, ctx.positions, ctx)
-            staged = ctx.capture.staged if ctx.capture is not None else {}
+            staged = ctx.capture.staged() if ctx.capture is not None else []
         samples = None
         sampling = step.sampling
         if sampling is not None:
@@ -173,7 +173,7 @@ class ModelRunner:
             samples = self.sampler.sample(logits, sampling)
             slots = torch.from_numpy(sampling.slots).to(self.device, non_blocking=True)
             self.buffers.last_sampled.index_copy_(0, slots, samples.tokens)
-        captured, copied = copy_to_host(staged, step.capture) if staged else ({}, None)
+        captured, copied = self.capture.copy_to_host(staged, step.capture) if staged else ([], None)
         return Launched(step.step_id, samples, captured, copied, key is not None)
 
     def finish(self, launched: Launched) -> StepOutput:
