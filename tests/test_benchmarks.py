@@ -58,7 +58,8 @@ def test_throughput_with_hf_baseline(cache_dir, tmp_path):
 def test_steering_cost(cache_dir):
     r = run("steering_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}
-    assert list(runs) == ["none", "global_all_layers", "per_request_distinct"]
+    assert list(runs) == ["none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers",
+                          "mixed_distinct"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
@@ -68,13 +69,19 @@ def test_steering_cost(cache_dir):
 
 
 def test_capture_cost(cache_dir):
-    r = run("capture_cost", cache_dir)
+    r = run("capture_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}
-    assert list(runs) == ["none", "stream_last_prompt", "per_request_last_prompt"]
+    assert list(runs) == ["none", "stream_last_prompt", "per_request_last_prompt", "none_bulk", "stream_all_generated"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
+        assert len(x["seconds_all"]) == 2
     assert runs["stream_last_prompt"]["rows_ok"] and runs["per_request_last_prompt"]["rows_ok"]
     assert runs["stream_last_prompt"]["tokens_dropped"] == 0
+    bulk = runs["stream_all_generated"]
+    assert bulk["rows_ok"] and bulk["baseline"] == "none_bulk" and bulk["requests"] == 4
+    positive(bulk, "fetch_s", "fetch_gb_s", "fetch_bytes")
+    assert bulk["rows_per_layer"] == runs["none_bulk"]["output_tokens"] - 4  # every generated input row
+    assert runs["none_bulk"]["cost_pct"] == 0.0 and runs["none"]["cost_pct"] == 0.0
     assert "graph_replays" in r["capture_status"][0]
 
 

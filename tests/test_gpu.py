@@ -64,7 +64,8 @@ def test_capture_matches_hf_on_gpu(capture_dirs):
 
 
 def test_graph_replay_is_bit_identical_to_eager(model_dirs):
-    """bf16, mixed batch with per-request steering and capture: graphs change nothing."""
+    """bf16, mixed batch with per-request adds, clamps and ablations, global steering and capture:
+    graphs change nothing."""
     path = model_dirs["qwen3"]
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 300) for _ in range(rng.randrange(5, 60))] for _ in range(24)]
@@ -73,13 +74,17 @@ def test_graph_replay_is_bit_identical_to_eager(model_dirs):
         kw = dict(max_tokens=20, temperature=0, ignore_eos=True)
         if i % 3 == 0:
             kw["steering_vectors"] = {"post_attn": {1: _vec(10 + i, 1.0)}}
+        elif i % 3 == 1:
+            kw["steering_vectors"] = SteeringSpec(clamps=[Clamp(1, _vec(40 + i), min=-0.5, max=0.5),
+                                                          Clamp(2, _vec(70 + i), hook="pre_attn", min=0.0, max=0.0)])
         if i % 4 == 0:
             kw["capture"] = CaptureSpec(layers=[0, 2], select="all_generated")
         params.append(SamplingParams(**kw))
     results = {}
     for eager in (True, False):
         llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=eager)
-        llm.set_steering_vectors({"pre_attn": {2: _vec(99, 0.5)}})
+        llm.set_steering_vectors(SteeringSpec(vectors={"pre_attn": {2: _vec(99, 0.5)}},
+                                              clamps=[Clamp(0, _vec(98), hook="post_attn", min=-1.0, max=1.0)]))
         llm.start_capture(layers=[1], select="all_generated")
         outs = llm.generate(prompts, params, use_tqdm=False)
         stream = llm.fetch_captured()

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from steerable.hook_points import SiteWrite
+
 try:
     import triton
     import triton.language as tl
@@ -48,9 +50,48 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(res_ptr, delta_ptr, t1_ptr, i1_ptr, t2_ptr, i2_ptr, w_ptr, out_ptr, y_ptr,
-                             stride_res, stride_delta, stride_t1, stride_t2, stride_out, stride_y, H, eps,
-                             HAS_DELTA: tl.constexpr, NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr):
+    def _steer_site(x, row, index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
+                    offs, mask, dtype: tl.constexpr, ADD: tl.constexpr, CLAMPS: tl.constexpr):
+        """The steering writes of one hook point on one row of float32 ``x`` (holding values of the
+        activation dtype): add the row's table vector, then each projection clamp slot
+        ``x += strength * (clip(x.d, lo, hi) - x.d) * d`` in float32, rounding where the separate
+        ops round. Standalone and fused kernels share it, so they agree bit for bit."""
+        if ADD:
+            r = tl.load(index_ptr + row)
+            x = (x + tl.load(add_ptr + r * stride_add + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        if CLAMPS > 0:
+            r = tl.load(index_ptr + row)
+            for k in tl.static_range(CLAMPS):
+                d = tl.load(dir_ptr + r * stride_dir_row + k * stride_dir_slot + offs, mask=mask,
+                            other=0.0).to(tl.float32)
+                lo = tl.load(bounds_ptr + (r * CLAMPS + k) * 3)
+                hi = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 1)
+                strength = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 2)
+                p = tl.sum(x * d, axis=0)
+                x = x + (strength * (tl.minimum(tl.maximum(p, lo), hi) - p)) * d
+            x = x.to(dtype).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _steer_kernel(x_ptr, out_ptr, stride_x, stride_out, H,
+                      index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
+                      ADD: tl.constexpr, CLAMPS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _steer_site(x, row, index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
+                        offs, mask, dtype, ADD, CLAMPS)
+        tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(res_ptr, delta_ptr, w_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
+                             stride_y, H, eps,
+                             i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k,
+                             i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k,
+                             HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
+                             ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -59,12 +100,10 @@ if triton is not None:
         if HAS_DELTA:
             d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
             x = (x + d).to(dtype).to(tl.float32)
-        if NUM_TABLES >= 1:
-            r1 = tl.load(i1_ptr + row)
-            x = (x + tl.load(t1_ptr + r1 * stride_t1 + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        if NUM_TABLES >= 2:
-            r2 = tl.load(i2_ptr + row)
-            x = (x + tl.load(t2_ptr + r2 * stride_t2 + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        x = _steer_site(x, row, i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k, offs, mask, dtype,
+                        ADD1, CLAMPS1)
+        x = _steer_site(x, row, i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k, offs, mask, dtype,
+                        ADD2, CLAMPS2)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -145,19 +184,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                         BLOCK=_pow2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
+                                         BLOCK=_pow2(shape[-1]), num_warps=_num_warps(shape[-1]))
     return y.view(shape)
 
 
-def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
-                 table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = residual + delta + table_1[index_1] + table_2[index_2]`` (each part optional, rounded
-    to the activation dtype after every add as the separate ops would round) and ``rms_norm(h)``,
-    in one kernel: the residual add and additive steering cost no pass of their own.
-    residual/delta: [N, H]; tables [R, H] with int64 row indices [>= N]; at most two tables."""
-    if len(table_adds) > 2:
-        raise ValueError(f"add_rms_norm takes at most two tables, got {len(table_adds)}")
+def _site_args(write: SiteWrite | None, like: torch.Tensor) -> tuple[list, bool, int]:
+    """Kernel arguments of one site's writes (placeholders where it has none), ADD, CLAMPS."""
+    if write is None:
+        return [like, like, 0, like, like, 0, 0], False, 0
+    add, directions, bounds = write.add, write.clamp_dir, write.clamp_bounds
+    clamps = directions.shape[1] if directions is not None else 0
+    if bounds is not None and not bounds.is_contiguous():
+        raise ValueError("clamp bounds must be contiguous [rows, slots, 3]")
+    return ([write.index, add if add is not None else like, add.stride(0) if add is not None else 0,
+             directions if clamps else like, bounds if clamps else like,
+             directions.stride(0) if clamps else 0, directions.stride(1) if clamps else 0],
+            add is not None, clamps)
+
+
+def _num_warps(width: int) -> int:
+    return 4 if width <= 4096 else 8
+
+
+def steer(hidden: torch.Tensor, write: SiteWrite) -> torch.Tensor:
+    """``hidden`` [N, H] with one site's writes applied (additive row, then clamp slots), in one
+    kernel: the unfused path, bit for bit what ``add_rms_norm`` computes for its residual."""
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    n, width = hidden.shape
+    out = torch.empty_like(hidden)
+    if n:
+        args, add, clamps = _site_args(write, hidden)
+        _steer_kernel[(n,)](hidden, out, hidden.stride(0), out.stride(0), width, *args, ADD=add, CLAMPS=clamps,
+                            BLOCK=_pow2(width), num_warps=_num_warps(width))
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + delta``, then the steering writes of up to two hook points in order (each an
+    additive table row and projection clamps, rounded to the activation dtype as the separate ops
+    round), and ``rms_norm(h)``, in one kernel: the residual add and steering cost no pass of their
+    own. residual/delta: [N, H]; each write's index covers at least N rows."""
+    if len(writes) > 2:
+        raise ValueError(f"add_rms_norm takes the writes of at most two hook points, got {len(writes)}")
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     if delta is not None and delta.stride(-1) != 1:
         delta = delta.contiguous()
@@ -165,12 +234,13 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
     out = torch.empty_like(residual)
     y = torch.empty_like(residual)
     if n:
-        (t1, i1), (t2, i2) = [*table_adds, *[(residual, residual)] * (2 - len(table_adds))]
+        (args1, add1, clamps1), (args2, add2, clamps2) = [_site_args(w, residual)
+                                                          for w in [*writes, *[None] * (2 - len(writes))]]
         _add_rms_norm_kernel[(n,)](
-            residual, delta if delta is not None else residual, t1, i1, t2, i2, weight, out, y,
-            residual.stride(0), delta.stride(0) if delta is not None else 0, t1.stride(0), t2.stride(0),
-            out.stride(0), y.stride(0), width, eps, HAS_DELTA=delta is not None, NUM_TABLES=len(table_adds),
-            BLOCK=_pow2(width), num_warps=4 if width <= 4096 else 8)
+            residual, delta if delta is not None else residual, weight, out, y, residual.stride(0),
+            delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps, *args1, *args2,
+            HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
+            BLOCK=_pow2(width), num_warps=_num_warps(width))
     return out, y
 
 
