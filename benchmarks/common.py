@@ -1,5 +1,7 @@
 """Shared pieces of the benchmarks: a Qwen3-0.6B-shaped checkpoint with random weights (built once,
-cached), a seeded workload of token-id prompts, CUDA-synchronised timing and JSON-line output.
+cached) or, with ``--shape qwen3-30b-a3b``, a Qwen3-30B-A3B-shaped MoE whose 61 GB of random bf16
+weights are drawn on the device (``load_format="dummy"``: the checkpoint would not fit the disk), a
+seeded workload of token-id prompts, CUDA-synchronised timing and JSON-line output.
 
 Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
 and runs the baseline it is compared with in the same process, so ratios survive shared machines.
@@ -35,6 +37,14 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
 QWEN3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    bos_token_id=1, eos_token_id=2)
+# Qwen3-30B-A3B's shape (every layer sparse: 128 experts, 8 per token) and a tiny one for --smoke.
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                     tie_word_embeddings=False)
+QWEN3_MOE_SMOKE = dict(QWEN3_SMOKE, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
 
 
 # ---------------------------------------------------------------- model
@@ -81,25 +91,48 @@ def build_random_qwen3(path: str, shape: dict, seed: int = 0) -> str:
     return path
 
 
+def build_config_only(path: str, shape: dict) -> str:
+    """A Qwen3-MoE directory holding only ``config.json`` (weights come from ``load_format="dummy"``)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**shape, rms_norm_eps=1e-6, initializer_range=0.02, architectures=["Qwen3MoeForCausalLM"])
+    if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    else:
+        config.rope_theta = 1e6
+    config.dtype = torch.bfloat16
+    config.save_pretrained(path)
+    return path
+
+
 def model_path(args: argparse.Namespace) -> str:
+    """The checkpoint to load; sets ``args.load_format`` ("dummy" for a config-only shape)."""
+    args.load_format = "auto"
     if args.model:
         return args.model
+    if args.shape == "qwen3-30b-a3b":
+        args.load_format = "dummy"
+        name, shape = ("qwen3-moe-smoke", QWEN3_MOE_SMOKE) if args.smoke else ("qwen3-30b-a3b", QWEN3_30B_A3B)
+        return build_config_only(os.path.join(args.cache_dir, f"{name}-config"), shape)
     if args.smoke:
         return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-smoke-random"), QWEN3_SMOKE)
     return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-0.6b-random"), QWEN3_06B)
 
 
-def make_llm(args: argparse.Namespace, path: str):
+def make_llm(args: argparse.Namespace, path: str, enforce_eager: bool | None = None):
     """The engine under test, configured from the common flags; its load time is a record."""
     from steerable import LLM
 
+    eager = args.enforce_eager if enforce_eager is None else enforce_eager
     llm, seconds = timed(lambda: LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
-                                     kv_cache_tokens=args.kv_cache_tokens, enforce_eager=args.enforce_eager,
-                                     seed=args.seed))
+                                     kv_cache_tokens=args.kv_cache_tokens, enforce_eager=eager,
+                                     seed=args.seed, load_format=args.load_format))
     emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-          "device": str(llm.engine.device)})
+          "device": str(llm.engine.device), "enforce_eager": eager})
     return llm
 
 
@@ -228,7 +261,9 @@ def header(args: argparse.Namespace, path: str) -> None:
 def parser(description: str) -> argparse.ArgumentParser:
     """Flags every script shares. Defaults left as None are filled by ``setup`` (full or --smoke)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: random Qwen3-0.6B shape)")
+    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: a random model of --shape)")
+    p.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-30b-a3b"],
+                   help="the random model's shape; qwen3-30b-a3b draws its weights on the device")
     p.add_argument("--smoke", action="store_true", help="tiny random model, few short requests (CPU, seconds)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints are kept")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")

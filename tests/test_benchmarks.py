@@ -55,6 +55,21 @@ def test_throughput_with_hf_baseline(cache_dir, tmp_path):
     assert len(out.read_text().splitlines()) == sum(len(v) for v in r.values())
 
 
+def test_throughput_moe_graphs_vs_eager(cache_dir):
+    """The Qwen3-30B-A3B shape (tiny in --smoke, weights drawn by the engine): graphs and eager runs
+    and the HF baseline from the same config."""
+    r = run("throughput", cache_dir, "--shape", "qwen3-30b-a3b", "--compare-eager", "--hf-requests", "2",
+            "--hf-batch-size", "2")
+    runs = {x["enforce_eager"]: x for x in r["steerable"]}
+    assert set(runs) == {False, True} and len(r["llm_init"]) == 2
+    for x in runs.values():
+        positive(x, "seconds", "output_tok_s")
+        assert x["graph_replays_timed"] == 0  # CPU: no CUDA graphs
+    positive(r["graphs_vs_eager"][0], "speedup")
+    positive(r["hf"][0], "seconds", "output_tok_s")
+    assert r["header"][0]["args"]["load_format"] == "dummy"
+
+
 def test_steering_cost(cache_dir):
     r = run("steering_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}

@@ -22,7 +22,9 @@ from torch import nn
 
 from steerable.config import ModelConfig
 from steerable.hook_points import ROUTER_LOGITS, HookLayout, HookPoints
+from steerable.layers import fused
 from steerable.layers.activation import silu_and_mul
+from steerable.layers.fused_moe import fused_experts
 from steerable.layers.linear import default_weight_loader
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qwen3_config
@@ -103,7 +105,18 @@ class Qwen3MoeSparseBlock(nn.Module):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, ctx)
         num_tokens, k = experts.shape
-        # Group the T*k (token, expert) assignments by expert: one host sync for the group sizes.
+        if fused.enabled(x):  # grouped GEMMs with static shapes: no host sync, CUDA-graph safe
+            out = fused_experts(x, experts, weights, self.experts_gate_up, self.experts_down)
+        else:
+            out = self._experts_loop(x, experts, weights)
+        # Sum the k expert outputs of each token: deterministic and independent of which other
+        # tokens share the batch.
+        return out.view(num_tokens, k, -1).sum(dim=1).reshape(shape)
+
+    def _experts_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (and the reference): assignments grouped by expert with one host sync
+        for the group sizes, one pair of linears per expert; outputs in assignment order."""
+        k = experts.shape[1]
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
@@ -111,7 +124,6 @@ class Qwen3MoeSparseBlock(nn.Module):
         xs = x[token_of]
         ws = weights.reshape(-1)[order]
         ys = torch.empty_like(xs)
-        # A grouped GEMM (one kernel over all expert segments, no host sync) replaces this loop on GPU.
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -120,16 +132,12 @@ class Qwen3MoeSparseBlock(nn.Module):
             h = silu_and_mul(F.linear(xs[seg], self.experts_gate_up[e]))
             ys[seg] = F.linear(h, self.experts_down[e]) * ws[seg, None]
             start += n
-        # Back to (token, slot) order and sum the k expert outputs of each token: deterministic and
-        # independent of which other tokens share the batch.
         out = torch.empty_like(ys)
         out[order] = ys
-        return out.view(num_tokens, k, -1).sum(dim=1).reshape(shape)
+        return out
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False  # expert dispatch reads group sizes on the host
-
     def make_layer(self, cfg: MoeConfig, layer: int, hooks: HookPoints, backend: ModuleType,
                    rotary: RotaryEmbedding) -> nn.Module:
         if cfg.is_sparse_layer(layer):

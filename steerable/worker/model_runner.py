@@ -17,7 +17,7 @@ from steerable.config import EngineConfig, ModelConfig
 from steerable.hook_points import HookPoints
 from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
-from steerable.models.loader import ModelSource, iter_weights
+from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
 from steerable.step import PLACEHOLDER, StepInput, StepOutput
 from steerable.steering.tables import SteeringTables
@@ -70,7 +70,10 @@ class ModelRunner:
                 self.model = cls(model_config, HookPoints(), self.backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iter_weights(source, model_config.hf_config, dtype))
+        if config.load_format == "dummy":
+            dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(iter_weights(source, model_config.hf_config, dtype))
         self.model.eval().requires_grad_(False)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
