@@ -60,6 +60,8 @@ class LLMEngine:
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
         self.worker = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
+        if self.device.type == "cuda" and not config.enforce_eager:  # compile and capture now, not in the first steps
+            self.worker.warmup()
         kv_capacity = self.worker.num_blocks * config.block_size
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)

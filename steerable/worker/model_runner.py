@@ -25,6 +25,7 @@ from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers
 from steerable.worker.sampler import SampleHandle, Sampler
+from steerable.worker.warmup import warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
         self.backend = select_backend(config.attention_backend, device)
         cls = model_class(model_config.architecture)
         default_dtype = torch.get_default_dtype()
@@ -219,6 +221,17 @@ class ModelRunner:
         return ctx, key
 
     # ------------------------------------------------------------ lifecycle
+
+    def warmup(self) -> None:
+        """Run the start-up steps of ``worker.warmup``: every kernel variant compiled and every decode
+        CUDA graph captured now, not in the first requests. Leaves nothing a request can see (K/V
+        only in free blocks); the replay counter restarts at zero."""
+        sizes = self.graphs.sizes if self.graphs is not None else []
+        for step in warmup_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
+                                 self.block_size, sizes):
+            self.finish(self.launch(step))
+        if self.graphs is not None:
+            self.graphs.num_replays = 0
 
     def stats(self) -> dict[str, int]:
         graphs = self.graphs
