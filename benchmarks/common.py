@@ -130,9 +130,10 @@ def make_llm(args: argparse.Namespace, path: str, enforce_eager: bool | None = N
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      kv_cache_tokens=args.kv_cache_tokens, enforce_eager=eager,
-                                     seed=args.seed, load_format=args.load_format))
+                                     seed=args.seed, load_format=args.load_format,
+                                     kv_cache_dtype=args.kv_cache_dtype))
     emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-          "device": str(llm.engine.device), "enforce_eager": eager})
+          "device": str(llm.engine.device), "enforce_eager": eager, "kv_cache_dtype": args.kv_cache_dtype})
     return llm
 
 
@@ -278,6 +279,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--warmup-requests", type=int, default=None, help="default: min(num requests, max_num_seqs)")
     return p
 

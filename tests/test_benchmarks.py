@@ -116,3 +116,12 @@ def test_cold_start(cache_dir):
     positive(summary, "llm_init_s", "first_s", "second_s")
     assert summary["repeats"] == 2 and summary["requests"] == 4
     assert summary["graph_captures_in_first"] == 0  # CPU: no graphs; on a GPU, all captured in LLM(...)
+
+
+def test_kv_fidelity(cache_dir):
+    r = run("kv_fidelity", cache_dir)
+    summary = r["kv_fidelity"][0]
+    assert summary["prompts"] == 2 and summary["positions"] == 2 * 24 and len(r["prompt"]) == 2
+    assert 0.0 <= summary["top1_agreement"] <= 1.0
+    bytes_ = summary["kv_cache_bytes"]
+    assert bytes_["fp8"] * 4 == bytes_["auto"]  # float32 on the CPU

@@ -50,15 +50,24 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _steer_site(x, row, index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
-                    offs, mask, dtype: tl.constexpr, ADD: tl.constexpr, CLAMPS: tl.constexpr):
+    def _add_row(row, index_ptr, add_ptr, stride_add, offs, mask, ADD: tl.constexpr):
+        """The row's additive steering vector (float32), or 0. Kernels load it before their own
+        inputs: at batch 1 they are latency-bound, and this load waits on the index load first."""
+        add = 0.0
+        if ADD:
+            r = tl.load(index_ptr + row)
+            add = tl.load(add_ptr + r * stride_add + offs, mask=mask, other=0.0).to(tl.float32)
+        return add
+
+    @triton.jit
+    def _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot, offs, mask,
+                    dtype: tl.constexpr, ADD: tl.constexpr, CLAMPS: tl.constexpr):
         """The steering writes of one hook point on one row of float32 ``x`` (holding values of the
-        activation dtype): add the row's table vector, then each projection clamp slot
+        activation dtype): add the row's table vector ``add``, then each projection clamp slot
         ``x += strength * (clip(x.d, lo, hi) - x.d) * d`` in float32, rounding where the separate
         ops round. Standalone and fused kernels share it, so they agree bit for bit."""
         if ADD:
-            r = tl.load(index_ptr + row)
-            x = (x + tl.load(add_ptr + r * stride_add + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            x = (x + add).to(dtype).to(tl.float32)
         if CLAMPS > 0:
             r = tl.load(index_ptr + row)
             for k in tl.static_range(CLAMPS):
@@ -80,9 +89,10 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         dtype = out_ptr.dtype.element_ty
+        add = _add_row(row, index_ptr, add_ptr, stride_add, offs, mask, ADD)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _steer_site(x, row, index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
-                        offs, mask, dtype, ADD, CLAMPS)
+        x = _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot, offs, mask,
+                        dtype, ADD, CLAMPS)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
 
     @triton.jit
@@ -96,14 +106,14 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         dtype = out_ptr.dtype.element_ty
+        add1 = _add_row(row, i1_ptr, a1_ptr, stride_a1, offs, mask, ADD1)
+        add2 = _add_row(row, i2_ptr, a2_ptr, stride_a2, offs, mask, ADD2)
         x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
             d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
             x = (x + d).to(dtype).to(tl.float32)
-        x = _steer_site(x, row, i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k, offs, mask, dtype,
-                        ADD1, CLAMPS1)
-        x = _steer_site(x, row, i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k, offs, mask, dtype,
-                        ADD2, CLAMPS2)
+        x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, stride_d1r, stride_d1k, offs, mask, dtype, ADD1, CLAMPS1)
+        x = _steer_site(x, add2, row, i2_ptr, d2_ptr, b2_ptr, stride_d2r, stride_d2k, offs, mask, dtype, ADD2, CLAMPS2)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -123,11 +133,11 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                              kc_ptr, vc_ptr, slot_ptr, stride_qkv, stride_q, stride_k, stride_cos, eps,
-                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, k_scale, v_scale,
                              NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
                              HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                              STORE_KV: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
         # One program per token: every q and k head of it as a [heads, head_dim / 2] pair of tiles.
         token = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS_PAD)[:, None]
@@ -161,12 +171,18 @@ if triton is not None:
                 block = slot // BLOCK_SIZE
                 offset = slot % BLOCK_SIZE
                 k_dst = kc_ptr + block * stride_kcb + offset * stride_kco + (head - NUM_Q) * stride_kch
-                tl.store(k_dst + offs, out1, mask=mask & ~is_q)
-                tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
+                k1, k2 = out1, out2
+                if KV_FP8:  # a float8 cache holds value / scale, saturated at 448
+                    k1 = tl.clamp(out1.to(tl.float32) / k_scale, -448.0, 448.0).to(kc_ptr.dtype.element_ty)
+                    k2 = tl.clamp(out2.to(tl.float32) / k_scale, -448.0, 448.0).to(kc_ptr.dtype.element_ty)
+                tl.store(k_dst + offs, k1, mask=mask & ~is_q)
+                tl.store(k_dst + HEAD_D // 2 + offs, k2, mask=mask & ~is_q)
                 kv_head = tl.arange(0, KV_PAD)[:, None]
                 dim = tl.arange(0, D_PAD)[None, :]
                 v_mask = (kv_head < NUM_QK - NUM_Q) & (dim < HEAD_D)
                 v = tl.load(qkv_ptr + token * stride_qkv + (NUM_QK + kv_head) * HEAD_D + dim, mask=v_mask)
+                if KV_FP8:
+                    v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0).to(vc_ptr.dtype.element_ty)
                 tl.store(vc_ptr + block * stride_vcb + offset * stride_vco + kv_head * stride_vch + dim, v,
                          mask=v_mask)
         else:
@@ -259,33 +275,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float,
-                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split a fused qkv projection [T, (Hq + 2 Hkv) D] into q, k (optionally RMS-normed per head,
     then rotated) and a view of v, in one kernel for q and k. Given ``kv_cache = (k_cache,
-    v_cache, slot_mapping)`` (caches [blocks, block_size, Hkv, D]) the same kernel writes k and v
-    into their cache slots instead and returns ``(q, None, None)``: no separate KV-store pass."""
+    v_cache, slot_mapping, k_scale, v_scale)`` (caches [blocks, block_size, Hkv, D]; a float8
+    cache stores value / scale) the same kernel writes k and v into their cache slots instead and
+    returns ``(q, None, None)``: no separate KV-store pass."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     store = kv_cache is not None
     if store:
         k = v = None
-        k_cache, v_cache, slots = kv_cache
+        k_cache, v_cache, slots, k_scale, v_scale = kv_cache
         cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     else:
         k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
         k_cache, v_cache, slots, cache_strides = q, q, positions, (0,) * 6  # unread without the store
+        k_scale = v_scale = 1.0
     if tokens:
         norm = q_weight is not None
         _qk_norm_rope_kernel[(tokens,)](
             qkv, q, q if store else k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
             k_cache, v_cache, slots, qkv.stride(0), q.stride(0), 0 if store else k.stride(0), cos.stride(0), eps,
-            *cache_strides,
+            *cache_strides, float(k_scale), float(v_scale),
             NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=_pow2(num_heads + num_kv_heads),
             HEAD_D=head_dim, HALF=_pow2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
             KV_PAD=_pow2(num_kv_heads), D_PAD=_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            num_warps=4)
+            KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, num_warps=4)
     return q, k, v
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import numpy as np
@@ -15,15 +16,16 @@ import torch
 from steerable.capture.gather import CaptureBuffers
 from steerable.config import EngineConfig, ModelConfig
 from steerable.hook_points import HookPoints
+from steerable.layers import fused
 from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
-from steerable.step import PLACEHOLDER, StepInput, StepOutput
+from steerable.step import StepInput, StepOutput
 from steerable.steering.tables import SteeringTables
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
-from steerable.worker.input_buffers import InputBuffers
+from steerable.worker.input_buffers import InputBuffers, StepViews
 from steerable.worker.sampler import SampleHandle, Sampler
 from steerable.worker.warmup import warmup_steps
 
@@ -92,14 +94,15 @@ class ModelRunner:
         self.graphs = None
         if (device.type == "cuda" and not config.enforce_eager and self.backend is not torch_ref
                 and getattr(self.model, "supports_cuda_graphs", True)):
-            self.graphs = CudaGraphRunner(self.model, config.max_num_seqs)
+            self.graphs = CudaGraphRunner(config.max_num_seqs)
 
     # ------------------------------------------------------------ memory
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
         layers = len(self.attention_layers)
-        bytes_per_block = 2 * layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        kv_dtype = self.config.resolve_kv_dtype(self.dtype)
+        bytes_per_block = 2 * layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         if self.config.kv_cache_tokens is not None:
             num_blocks = self.config.kv_cache_tokens // self.block_size
         elif self.device.type == "cuda":
@@ -112,7 +115,7 @@ class ModelRunner:
         shape = (2, layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Unwritten slots are never read (attention masks by seq_lens), so GPU memory need not be cleared.
         make = torch.empty if self.device.type == "cuda" else torch.zeros
-        self.kv_cache = make(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = make(shape, dtype=kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", num_blocks, self.block_size,
@@ -125,8 +128,8 @@ class ModelRunner:
         on the most rows, then give the KV cache what ``gpu_memory_utilization`` leaves."""
         cfg = self.model_config
         tokens = max(self.config.max_num_batched_tokens, self.max_num_seqs)
-        scratch = torch.zeros(1, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
-                              device=self.device)
+        scratch = torch.zeros(1, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype=self.config.resolve_kv_dtype(self.dtype), device=self.device)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = scratch
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -164,15 +167,18 @@ class ModelRunner:
         Sampled tokens stay on the device, kept per request slot for the next step's inputs."""
         if step.steering_update is not None:
             self.steering.apply(step.steering_update)
-        ctx, key = self._prepare(step)
+        ctx, views, key, sample_inside = self._prepare(step)
+        program = partial(self._program, ctx, views, sample_inside)
         if key is not None:
-            hidden, staged = self.graphs.run(ctx, key)
+            hidden, tokens, staged = self.graphs.run(ctx, key, program)
         else:
-            hidden = self.model(ctx.input_ids, ctx.positions, ctx)
+            hidden, tokens = program()
             staged = ctx.capture.staged() if ctx.capture is not None else []
         samples = None
         sampling = step.sampling
-        if sampling is not None:
+        if tokens is not None:
+            samples = self.sampler.fetch(tokens[:step.num_tokens], sampling.logprobs)
+        elif sampling is not None:
             rows = torch.from_numpy(sampling.rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows])
             samples = self.sampler.sample(logits, sampling)
@@ -181,6 +187,18 @@ class ModelRunner:
         captured, copied = self.capture.copy_to_host(staged, step.capture) if staged else ([], None)
         return Launched(step.step_id, samples, captured, copied, key is not None)
 
+    def _program(self, ctx: ForwardContext, views: StepViews, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a decode CUDA graph holds: the inputs that depend on the device gathered, the
+        forward, and, for a step that samples every row with the fused sampler, the logits, the
+        samples and each slot's last token. (hidden states, samples or None)."""
+        self.buffers.gather(views)
+        hidden = self.model(ctx.input_ids, ctx.positions, ctx)
+        if not sample:
+            return hidden, None
+        tokens = fused.gumbel_argmax(self.model.compute_logits(hidden), views.temperature, views.seeds)
+        self.buffers.last_sampled.index_copy_(0, views.request_slots, tokens)
+        return hidden, tokens
+
     def finish(self, launched: Launched) -> StepOutput:
         """Wait for a launched step and bring its samples and captured rows to the host."""
         tokens, logprobs = self.sampler.finalize(launched.samples) if launched.samples is not None else ([], [])
@@ -188,8 +206,17 @@ class ModelRunner:
             launched.copied.synchronize()
         return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed)
 
-    def _prepare(self, step: StepInput) -> tuple[ForwardContext, tuple | None]:
-        """Copy the step's columns into the persistent buffers (padded to a graph size for a decode
+    def _samples_inside(self, step: StepInput) -> bool:
+        """Whether the step's sampling runs inside its forward program: a decode step that samples
+        every row, with the fused sampler (no top-k/top-p/min-p, penalties, held-back tokens or
+        logprobs, which take the sampler's other paths)."""
+        sampling = step.sampling
+        return (sampling is not None and step.max_query_len == 1 and len(sampling.rows) == step.num_tokens
+                and fused.enabled(self.buffers.tokens) and not sampling.filtered and not sampling.penalties
+                and not sampling.suppress and all(n is None for n in sampling.logprobs))
+
+    def _prepare(self, step: StepInput) -> tuple[ForwardContext, StepViews, tuple | None, bool]:
+        """Stage the step's columns in the persistent buffers (padded to a graph size for a decode
         step that can replay one) and build the forward context; the key is None for an eager step."""
         buf = self.buffers
         if step.block_update is not None:
@@ -200,25 +227,21 @@ class ModelRunner:
             size = self.graphs.padded_size(step.num_requests)
             if size is not None:
                 padded, graphed = size, True
-        buf.begin_step()
-        pending = np.flatnonzero(step.token_ids == PLACEHOLDER)
-        owners = step.request_slots[step.token_request[pending]] if len(pending) else pending
-        input_ids, positions, slot_mapping = buf.write_tokens(step.token_ids, step.positions, step.slot_mapping,
-                                                              padded, pending, owners)
-        query_start, seq_lens, block_table = buf.write_sequences(step.query_start, step.seq_lens,
-                                                                 step.request_slots, padded)
-        attn = AttentionMetadata(slot_mapping, query_start, seq_lens, block_table, step.max_query_len,
-                                 self.workspace)
-        ctx = ForwardContext(input_ids, positions, attn, num_tokens)
+        inside = self._samples_inside(step)
+        sampling = step.sampling
+        views = buf.stage(step, padded, sampling.seeds if inside else None, sampling.temperature if inside else None)
+        attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
+                                 step.max_query_len, self.workspace)
+        ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens)
         if step.steering is not None:
-            ctx.steering = self.steering.step_view(step.steering, buf.write_steering(step.steering.index, padded))
+            ctx.steering = self.steering.step_view(step.steering, views.steer_index)
         if step.capture is not None:
             ctx.capture = self.capture.step_view(step.capture, padded, graphed)
         key = None
         if graphed:
             key = (padded, step.steering.signature if step.steering is not None else None,
-                   step.capture.signature if step.capture is not None else None)
-        return ctx, key
+                   step.capture.signature if step.capture is not None else None, inside)
+        return ctx, views, key, inside
 
     # ------------------------------------------------------------ lifecycle
 
