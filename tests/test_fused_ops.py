@@ -161,7 +161,7 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
     slots = torch.randperm(6 * block_size, generator=g)[:tokens].to(DEVICE)
     slots[3] = -1
     q2, k2, v2 = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw,
-                                    1e-6, kv_cache=(k_cache, v_cache, slots))
+                                    1e-6, kv_cache=(k_cache, v_cache, slots, 1.0, 1.0))
     assert k2 is None and v2 is None and torch.equal(q2, q)
     written = slots >= 0
     assert torch.equal(k_cache.flatten(0, 1)[slots[written]], k[written])

@@ -137,14 +137,17 @@ def test_qwen3_moe_decodes_from_cuda_graphs(tmp_path):
 
 
 def test_graphs_are_captured_inside_llm_construction(model_dirs):
-    """LLM(...) compiles and captures every decode graph size; the first generate captures nothing."""
+    """LLM(...) compiles and captures every decode graph size (sampling inside the graph, and
+    outside it for top-p); the first generate captures nothing."""
     llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, max_num_seqs=40)
     stats = llm.llm_engine.stats()
     sizes = llm.llm_engine.worker.graphs.sizes
-    assert stats["graph_captures"] == len(sizes) and stats["graph_replays"] == 0
+    assert stats["graph_captures"] == 2 * len(sizes) and stats["graph_replays"] == 0
     prompts = [[7 + i] * (5 + 3 * i) for i in range(33)]
-    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True), use_tqdm=False)
+    for top_p in (1.0, 0.8):
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, top_p=top_p, ignore_eos=True),
+                     use_tqdm=False)
     after = llm.llm_engine.stats()
-    assert after["graph_captures"] == len(sizes) and after["graph_replays"] > 0
+    assert after["graph_captures"] == 2 * len(sizes) and after["graph_replays"] > 0
     eager = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=True)
     assert eager.llm_engine.stats()["graph_captures"] == 0

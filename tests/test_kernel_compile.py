@@ -86,6 +86,10 @@ def test_kv_cache_kernels(kv):
                  stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16,
                  TILE_N=64, NUM_SEGMENTS=16)
     compile_for_hopper(triton_paged._split_kv_decode_kernel, **split)
+    reduce = dict(out_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, qsl_ptr=I32, v_scale=1.0,
+                  stride_ot=1, stride_oh=1, stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1,
+                  HEAD_D=128, D_PAD=128, NUM_SEGMENTS=16, SEG_PAD=16)
+    compile_for_hopper(triton_paged._split_kv_reduce_kernel, **reduce)
 
 
 @pytest.mark.parametrize("mul_weight", [False, True])

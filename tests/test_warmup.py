@@ -13,7 +13,8 @@ def test_steps_respect_limits_and_cover_decode_sizes():
     prefill = [s for s in steps if s.max_query_len > 1]
     assert prefill and all(s.num_tokens <= 64 and s.num_requests <= 8 and s.max_query_len <= 48 for s in prefill)
     assert {s.max_query_len for s in prefill} == {q for q in PREFILL_QUERY_LENS if q <= 48}
-    assert [s.num_requests for s in steps if s.max_query_len == 1] == [8, 2, 1]
+    assert [s.num_requests for s in steps if s.max_query_len == 1] == [8, 8, 2, 2, 1, 1]
+    assert [bool(s.sampling.filtered) for s in steps if s.max_query_len == 1] == [False, True] * 3
     for s in steps:  # every sequence stays in block 0, and samples its last token
         assert (s.slot_mapping < 16).all() and (s.slot_mapping == s.positions % 16).all()
         assert s.sampling.rows.tolist() == (s.query_start[1:] - 1).tolist()
