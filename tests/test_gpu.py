@@ -151,3 +151,27 @@ def test_graphs_are_captured_inside_llm_construction(model_dirs):
     assert after["graph_captures"] == 2 * len(sizes) and after["graph_replays"] > 0
     eager = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=True)
     assert eager.llm_engine.stats()["graph_captures"] == 0
+
+
+def test_fp8_kv_cache_on_gpu(capture_dirs):
+    """fp8 KV through the Triton kernels: graph replay equals eager with steering and capture inside,
+    and the next token agrees with a bf16 cache (teacher-forced, tiny random model)."""
+    from test_fp8_kv import teacher_forced_agreement
+
+    path = capture_dirs["qwen3"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                            steering_vectors=SteeringSpec(vectors={"post_mlp": {0: _vec(1, 0.5)}},
+                                                          clamps=[Clamp(1, _vec(2), min=-0.5, max=0.5)]),
+                            capture=CaptureSpec(layers=[1], select="all_generated"))
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192, kv_cache_dtype="fp8",
+                  enforce_eager=eager)
+        assert llm.llm_engine.worker.kv_cache.dtype == torch.float8_e4m3fn
+        runs[eager] = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert torch.equal(a.captures["hidden_states"][1], b.captures["hidden_states"][1])
+    bf16 = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192)
+    prompt = bf16.get_tokenizer()(PROMPTS[3]).input_ids
+    assert teacher_forced_agreement(bf16, llm, prompt, 64) >= 0.9

@@ -80,9 +80,12 @@ class InputBuffers:
         host[POSITIONS, :n] = step.positions
         host[SLOTS, :n] = step.slot_mapping
         host[STEER, :n] = step.steering.index if step.steering is not None else 0
-        host[OWNER, :n] = self.not_pending
-        if pending.any():
-            host[OWNER, :n][pending] = step.request_slots[step.token_request[pending]]
+        if n == num_seqs:  # one token per sequence (decode): token i belongs to sequence i
+            host[OWNER, :n] = np.where(pending, step.request_slots, self.not_pending)
+        else:
+            host[OWNER, :n] = self.not_pending
+            if pending.any():
+                host[OWNER, :n][pending] = step.request_slots[step.token_request[pending]]
         host[:, n:padded] = 0
         host[SLOTS, n:padded] = -1
         host[OWNER, n:padded] = self.not_pending
