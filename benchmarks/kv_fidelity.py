@@ -18,7 +18,7 @@ PROMPTS = ["The history of the printing press begins", "def fibonacci(n):", "Pho
 
 
 def main() -> None:
-    from steerable import LLM, SamplingParams
+    from steerable import SamplingParams
 
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=None, help="tokens generated per prompt")
