@@ -1,6 +1,8 @@
 """Shared pieces of the benchmarks: a random-weight checkpoint of a known shape (Qwen3-0.6B by
 default; ``--shape qwen3-8b`` for the tensor/pipeline-parallel targets; ``gemma3-270m`` or
-``gemma3-4b`` for Gemma 3's text models; built once, cached), a seeded workload of token-id
+``gemma3-4b`` for Gemma 3's text models; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
+Qwen3-30B-A3B-shaped MoE whose 61 GB of random bf16 weights are drawn on the device
+(``load_format="dummy"``: the checkpoint would not fit the disk), a seeded workload of token-id
 prompts, CUDA-synchronised timing and JSON-line output.
 
 Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
@@ -37,6 +39,14 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
 QWEN3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    bos_token_id=1, eos_token_id=2)
+# Qwen3-30B-A3B's shape (every layer sparse: 128 experts, 8 per token) and a tiny one for --smoke.
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                     tie_word_embeddings=False)
+QWEN3_MOE_SMOKE = dict(QWEN3_SMOKE, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
 # Qwen3-8B's shape (the tensor/pipeline-parallel targets, DESIGN.md §6): untied head, 36 layers.
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -56,7 +66,8 @@ GEMMA3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_h
 SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_06B, QWEN3_SMOKE),
           "qwen3-8b": ("Qwen3Config", QWEN3_8B, QWEN3_SMOKE),
           "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M, GEMMA3_SMOKE),
-          "gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B, GEMMA3_SMOKE)}
+          "gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B, GEMMA3_SMOKE),
+          "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B, QWEN3_MOE_SMOKE)}
 
 
 # ---------------------------------------------------------------- model
@@ -116,26 +127,51 @@ def build_random_model(path: str, config_name: str, shape: dict, seed: int = 0) 
     return path
 
 
+def build_config_only(path: str, shape: dict) -> str:
+    """A Qwen3-MoE directory holding only ``config.json`` (weights come from ``load_format="dummy"``)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**shape, rms_norm_eps=1e-6, initializer_range=0.02, architectures=["Qwen3MoeForCausalLM"])
+    if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    else:
+        config.rope_theta = 1e6
+    config.dtype = torch.bfloat16
+    config.save_pretrained(path)
+    return path
+
+
 def model_path(args: argparse.Namespace) -> str:
+    """The checkpoint to load; sets ``args.load_format`` ("dummy" for a config-only shape)."""
+    args.load_format = "auto"
     if args.model:
         return args.model
     config_name, full, smoke = SHAPES[args.shape]
+    shape = smoke if args.smoke else full
     name = f"{args.shape}-smoke-random" if args.smoke else f"{args.shape}-random"
-    return build_random_model(os.path.join(args.cache_dir, name), config_name, smoke if args.smoke else full)
+    if config_name == "Qwen3MoeConfig":  # config only: the weights are drawn on the device
+        args.load_format = "dummy"
+        return build_config_only(os.path.join(args.cache_dir, f"{name}-config"), shape)
+    return build_random_model(os.path.join(args.cache_dir, name), config_name, shape)
 
 
 def make_llm(args: argparse.Namespace, path: str, **overrides: Any):
     """The engine under test, configured from the common flags (``overrides`` on top, e.g. the
-    parallel sizes); its load time is a record."""
+    parallel sizes or ``enforce_eager``); its load time is a record."""
     from steerable import LLM
 
     kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
-                  enforce_eager=args.enforce_eager, seed=args.seed, **overrides)
+                  enforce_eager=args.enforce_eager, seed=args.seed, load_format=args.load_format,
+                  kv_cache_dtype=args.kv_cache_dtype)
+    kwargs.update(overrides)
     llm, seconds = timed(lambda: LLM(path, **kwargs))
     emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-          "device": str(llm.engine.device), **overrides})
+          "device": str(llm.engine.device), "enforce_eager": kwargs["enforce_eager"],
+          "kv_cache_dtype": args.kv_cache_dtype, **{k: v for k, v in overrides.items() if k != "enforce_eager"}})
     return llm
 
 
@@ -281,6 +317,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--warmup-requests", type=int, default=None, help="default: min(num requests, max_num_seqs)")
     return p
 

@@ -29,6 +29,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     attention_backend: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks of shapes, as vLLM)
+    kv_cache_dtype: str = "auto"  # "fp8" (= "fp8_e4m3"): half the KV bytes, per-tensor scales (docs/benchmarks.md)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", *FLOAT_DTYPES):
@@ -41,6 +43,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -56,6 +62,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the model's, or float8 e4m3 (values / scale, saturated at ±448)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolve_dtype(self, hf_config: Any, device: torch.device) -> torch.dtype:
         """``auto`` is float32 on CPU (exactness, speed of CPU kernels) and the checkpoint dtype on GPU."""

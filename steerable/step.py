@@ -156,7 +156,7 @@ class StepOutput:
     step_id: int
     sampled: list[int]
     logprobs: list[dict[int, tuple[float, int]] | None]
-    captured: dict[tuple[int, int], torch.Tensor]  # (capture group, layer) -> rows on the host
+    captured: list[torch.Tensor]  # per capture group: its rows on the host, [layers, rows, width]
     graphed: bool
 
 

@@ -14,8 +14,10 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("no CUDA GPU: run `TRITON_INTERPRET=1 python -m pytest tests/test_fused_ops.py`",
                 allow_module_level=True)
 
+from steerable.hook_points import SiteWrite  # noqa: E402
 from steerable.layers import fused  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
+from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -53,6 +55,38 @@ def test_rms_norm(dtype, rows, width):
     assert _close(fused.rms_norm(strided, w, 1e-6), _ref_rms(strided.float(), w.float(), 1e-6), dtype)
 
 
+def _site_write(g, rows, width, dtype, add, clamps):
+    """Random steering writes at one site: an additive table and/or ``clamps`` clamp slots (row 0 of
+    every table is 'no steering'), indexed by a padded row index."""
+    index = torch.randint(0, 4, (rows + 3,), generator=g).to(DEVICE)
+    table = directions = bounds = None
+    if add:
+        table = torch.randn(4, width, generator=g).to(DEVICE, dtype)
+        table[0] = 0
+    if clamps:
+        directions = torch.nn.functional.normalize(torch.randn(4, clamps, width, generator=g), dim=-1).to(DEVICE, dtype)
+        directions[0] = 0
+        lo = torch.randn(4, clamps, generator=g)
+        bounds = torch.stack([lo, lo + torch.rand(4, clamps, generator=g), torch.rand(4, clamps, generator=g) + 0.5], -1)
+        bounds[0] = torch.tensor([-float("inf"), float("inf"), 0.0])
+        bounds[1, 0, :2] = 0.0  # an ablation: min = max = 0
+        bounds = bounds.to(DEVICE)
+    return SiteWrite(index, table, directions, bounds)
+
+
+def _torch_steer(h, write):
+    """The PyTorch ops of the unfused CPU path."""
+    if write.add is not None:
+        h = add_rows(h, write.add, write.index[:len(h)])
+    if write.clamp_dir is not None:
+        b = write.clamp_bounds
+        h = clamp_rows(h, write.clamp_dir, b[..., 0], b[..., 1], b[..., 2], write.index[:len(h)])
+    return h
+
+
+SITES = [[], [(True, 0)], [(False, 1)], [(True, 2)], [(True, 0), (False, 2)], [(False, 1), (True, 1)]]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemma_rms_norm(dtype):
     g = torch.Generator().manual_seed(5)
@@ -64,32 +98,51 @@ def test_gemma_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tables", [0, 1, 2])
+@pytest.mark.parametrize("sites", SITES, ids=lambda s: "-".join(f"{'a' if a else ''}c{c}" for a, c in s) or "none")
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm(dtype, num_tables, with_delta):
-    """The residual equals the separate adds bit for bit (same rounding points); the norm equals
-    RMSNorm of it. Row 0 of a steering table is zeros: those rows are left exactly unchanged."""
-    g = torch.Generator().manual_seed(num_tables * 2 + with_delta)
+def test_add_rms_norm(dtype, sites, with_delta):
+    """The residual equals the standalone per-site steering kernel bit for bit (the unfused GPU
+    path), which equals the PyTorch ops (adds exactly; clamps to float32 rounding, since their dot
+    products sum in another order); the norm equals RMSNorm of it. Rows indexing row 0 of every
+    table are left exactly unchanged."""
+    g = torch.Generator().manual_seed(len(sites) * 2 + with_delta)
     rows, width = 9, 576
     residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
     delta = torch.randn(rows, width, generator=g).to(DEVICE, dtype) if with_delta else None
     w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
-    adds = []
-    for _ in range(num_tables):
-        table = torch.randn(4, width, generator=g).to(DEVICE, dtype)
-        table[0] = 0
-        adds.append((table, torch.randint(0, 4, (rows + 3,), generator=g).to(DEVICE)))  # padded index
-    ref = residual if delta is None else residual + delta
-    for table, index in adds:
-        ref = ref + table.index_select(0, index[:rows])
-    out, normed = fused.add_rms_norm(residual, delta, adds, w, 1e-6)
-    assert torch.equal(out, ref)
-    assert _close(normed, _ref_rms(ref.float(), w.float(), 1e-6), dtype)
-    if num_tables:
-        assert not torch.equal(out, residual if delta is None else residual + delta)  # the tables did act
-    gemma_out, gemma_normed = fused.add_rms_norm(residual, delta, adds, w, 1e-6, unit_offset=True)
-    assert torch.equal(gemma_out, ref)
-    assert _close(gemma_normed, _ref_gemma_rms(ref.float(), w.float(), 1e-6), dtype)
+    writes = [_site_write(g, rows, width, dtype, add, clamps) for add, clamps in sites]
+    start = residual if delta is None else residual + delta
+    unfused, ref = start, start
+    for write in writes:
+        unfused, ref = fused.steer(unfused, write), _torch_steer(ref, write)
+    out, normed = fused.add_rms_norm(residual, delta, writes, w, 1e-6)
+    assert torch.equal(out, unfused)
+    if not any(c for _, c in sites):
+        assert torch.equal(out, ref)
+    assert _close(out, ref, dtype)
+    assert _close(normed, _ref_rms(out.float(), w.float(), 1e-6), dtype)
+    gemma_out, gemma_normed = fused.add_rms_norm(residual, delta, writes, w, 1e-6, unit_offset=True)
+    assert torch.equal(gemma_out, out)  # the offset changes the norm only
+    assert _close(gemma_normed, _ref_gemma_rms(out.float(), w.float(), 1e-6), dtype)
+    if writes:
+        untouched = (torch.stack([wr.index[:rows] for wr in writes]) == 0).all(0)
+        assert torch.equal(out[untouched], start[untouched])
+        assert not torch.equal(out, start)  # the writes did act
+
+
+def test_clamp_kernel_clips_the_projection():
+    """After a clamp slot with strength 1 the projection on its direction lies within [lo, hi]."""
+    g = torch.Generator().manual_seed(5)
+    width = 64
+    h = (torch.randn(6, width, generator=g) * 4).to(DEVICE)
+    d = torch.nn.functional.normalize(torch.randn(width, generator=g), dim=0)
+    directions = torch.stack([torch.zeros(1, width), d[None]]).to(DEVICE)
+    bounds = torch.tensor([[[-float("inf"), float("inf"), 0.0]], [[-0.5, 0.25, 1.0]]]).to(DEVICE)
+    out = fused.steer(h, SiteWrite(torch.ones(6, dtype=torch.int64, device=DEVICE), None, directions, bounds))
+    p = out.cpu() @ d
+    assert ((p >= -0.5 - 1e-5) & (p <= 0.25 + 1e-5)).all()
+    orth = out.cpu() - p[:, None] * d
+    assert torch.allclose(orth, h.cpu() - (h.cpu() @ d)[:, None] * d, atol=1e-5)  # nothing else moved
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -140,7 +193,7 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
     slots = torch.randperm(6 * block_size, generator=g)[:tokens].to(DEVICE)
     slots[3] = -1
     q2, k2, v2 = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw,
-                                    1e-6, kv_cache=(k_cache, v_cache, slots), unit_offset=gemma)
+                                    1e-6, kv_cache=(k_cache, v_cache, slots, 1.0, 1.0), unit_offset=gemma)
     assert k2 is None and v2 is None and torch.equal(q2, q)
     written = slots >= 0
     assert torch.equal(k_cache.flatten(0, 1)[slots[written]], k[written])

@@ -31,7 +31,7 @@ from steerable.distributed.placement import Placement, layer_partition
 from steerable.distributed.worker import WorkerArgs, rank_device, serve
 from steerable.errors import EngineDeadError
 from steerable.models.loader import ModelSource
-from steerable.step import StepInput, StepOutput, Worker
+from steerable.step import CapturePlan, StepInput, StepOutput, Worker
 from steerable.worker.model_runner import Launched, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,24 @@ def create_worker(config: EngineConfig, model_config: ModelConfig, source: Model
 class ParallelLaunched:
     local: Launched
     reporters: list[int]  # ranks whose report of this step the driver receives
+    plan: CapturePlan | None  # the step's capture plan: which stage filled which layer of a block
+
+
+@torch.inference_mode()
+def _merge_stage_rows(captured: list, reported: list, plan: CapturePlan | None, stage: Placement) -> None:
+    """Fill each group's block with the layers ``stage`` ran: a stage records only its own layers
+    of a block (the rest of its block is unset), so every layer comes from the stage that owns it."""
+    if plan is None:
+        return
+    for g, (group, block) in enumerate(zip(plan.groups, reported)):
+        if block is None:
+            continue
+        if captured[g] is None:
+            captured[g] = block
+            continue
+        for i, layer in enumerate(group.layers):
+            if stage.owns((group.hook, layer)):
+                captured[g][i].copy_(block[i])
 
 
 class ParallelExecutor:
@@ -111,17 +129,19 @@ class ParallelExecutor:
             local = self.runner.launch(step)
         except Exception as err:
             raise self._fail(err) from err
-        return ParallelLaunched(local, [p.rank for p in self.stages if p.reports(step)])
+        return ParallelLaunched(local, [p.rank for p in self.stages if p.reports(step)], step.capture)
 
     def finish(self, launched: ParallelLaunched) -> StepOutput:
         try:
             self._await_device(launched.local)
             output = self.runner.finish(launched.local)
+            captured = list(output.captured)
             for rank in launched.reporters:
                 report: StepOutput = decode(self.reports.receive(rank))
-                captured = {**output.captured, **report.captured}
-                output = dataclasses.replace(output, captured=captured) if not report.sampled else \
-                    dataclasses.replace(output, sampled=report.sampled, logprobs=report.logprobs, captured=captured)
+                _merge_stage_rows(captured, report.captured, launched.plan, self.stages[rank // self.placement.tp_size])
+                if report.sampled:
+                    output = dataclasses.replace(output, sampled=report.sampled, logprobs=report.logprobs)
+            output = dataclasses.replace(output, captured=captured)
         except Exception as err:
             raise self._fail(err) from err
         return output

@@ -65,6 +65,8 @@ class LLMEngine(ResumableRequests):
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
         self.worker = create_worker(config, self.model_config, self.source, self.device, self.dtype, max_len)
+        if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+            self.worker.warmup()  # compile and capture now, not in the first steps
         kv_groups = KVGroups.for_model(self.model_config)
         kv_capacity = kv_groups.max_tokens(self.worker.num_blocks, config.block_size, config.max_num_batched_tokens,
                                            max_len)
@@ -76,7 +78,7 @@ class LLMEngine(ResumableRequests):
                                  kv_groups.windows)
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
-        self.capture = CaptureSession(self.layout, self.dtype)
+        self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda")
         stages = config.pipeline_parallel_size
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit, pipeline_stages=stages)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from steerable.hook_points import SiteWrite
 from steerable.layers import fused
 
 
@@ -26,14 +27,14 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None,
-                       table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(residual + delta + each table[index], its norm)`` in one kernel where this norm has
-        one for this device, with the rounding of the separate ops; None otherwise."""
+        """``(residual + delta with each site's steering writes applied, its norm)`` in one kernel
+        where this norm has one for this device, with the rounding of the separate ops; None
+        otherwise."""
         if not fused.enabled(residual):
             return None
-        return fused.add_rms_norm(residual, delta, table_adds, self.weight, self.eps, unit_offset=self.unit_offset)
+        return fused.add_rms_norm(residual, delta, writes, self.weight, self.eps, unit_offset=self.unit_offset)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -24,8 +24,10 @@ from torch import nn
 from steerable.config import ModelConfig
 from steerable.distributed.groups import current_placement
 from steerable.hook_points import ATTENTION_HEADS, POST_MLP, HookLayout, HookPoints
+from steerable.layers.attention import Attention
 from steerable.layers.linear import Weight, default_weight_loader
 from steerable.layers.vocab import LMHead, VocabEmbedding
+from steerable.models.checkpoint import materialize
 
 
 class OtherStage(nn.Module):
@@ -134,6 +136,19 @@ class CausalLM(nn.Module):
                 return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
         return name, None
 
+    def _set_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        """A float8 checkpoint's per-tensor KV scale (``layers.N.self_attn.k_scale``): used by that
+        layer's attention when the KV cache is float8, ignored otherwise."""
+        owner, kind = name.rsplit(".", 1)
+        try:
+            module = self.get_submodule(owner)
+        except AttributeError:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching attention layer") from None
+        attention = next((m for m in module.modules() if isinstance(m, Attention)), None)
+        if attention is None or tensor.numel() != 1:
+            raise ValueError(f"checkpoint tensor {name!r}: expected one scale of an attention layer")
+        setattr(attention, kind, float(tensor.float()))
+
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Load HF-named tensors through each parameter's loader; every parameter, and every shard
         of a stacked one, must be filled from the checkpoint."""
@@ -145,6 +160,9 @@ class CausalLM(nn.Module):
             if name is not None:
                 name = self.on_stage(name)
             if name is None:
+                continue
+            if name.endswith((".k_scale", ".v_scale")):
+                self._set_kv_scale(name, materialize(tensor))
                 continue
             target, shard = self.locate(name)
             param = params.get(target)

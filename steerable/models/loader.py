@@ -127,6 +127,18 @@ def _safetensors_tensor(handle: Any, dtype: torch.dtype) -> CheckpointTensor:
     return CheckpointTensor(tuple(handle.get_shape()), read)
 
 
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights in place, where they live (on the device): N(0, 0.02) matrices and unit norms,
+    so activations keep a realistic scale; for timing shapes whose checkpoint is not at hand."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+
+
 def load_tokenizer(source: ModelSource) -> Any | None:
     """The HF tokenizer (from tokenizer files or GGUF metadata); None when the checkpoint has none,
     in which case prompts must be token ids."""

@@ -23,7 +23,9 @@ from torch import nn
 from steerable.config import ModelConfig
 from steerable.distributed.groups import current_tp
 from steerable.hook_points import ROUTER_LOGITS, HookLayout, HookPoints
+from steerable.layers import fused
 from steerable.layers.activation import silu_and_mul
+from steerable.layers.fused_moe import fused_experts
 from steerable.layers.linear import Weight, check_shape, default_weight_loader, even_shard
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qwen3_config
@@ -130,7 +132,29 @@ class Qwen3MoeSparseBlock(nn.Module):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, ctx)
         num_tokens, k = experts.shape
-        # Group the T*k (token, expert) assignments by expert: one host sync for the group sizes.
+        if fused.enabled(x):  # grouped GEMMs with static shapes: no host sync, CUDA-graph safe
+            out = fused_experts(x, *self._local_assignments(experts, weights), self.experts_gate_up,
+                                self.experts_down)
+        else:
+            out = self._experts_loop(x, experts, weights)
+        # Sum the k expert outputs of each token: deterministic and independent of which other
+        # tokens share the batch; under tensor parallelism each rank holds its experts' share.
+        return self.tp.all_reduce(out.view(num_tokens, k, -1).sum(dim=1)).reshape(shape)
+
+    def _local_assignments(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids in this rank's numbering; another rank's assignments go to expert 0 with
+        weight 0, so they add exact zeros here (static shapes: no host sync to drop them)."""
+        local = self.experts_down.shape[0]
+        if local == self.num_experts:
+            return experts, weights
+        ids = experts - self.first_expert
+        mine = (ids >= 0) & (ids < local)
+        return torch.where(mine, ids, 0), torch.where(mine, weights, torch.zeros_like(weights))
+
+    def _experts_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (and the reference): assignments grouped by expert with one host sync
+        for the group sizes, one pair of linears per expert; outputs in assignment order."""
+        k = experts.shape[1]
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
@@ -140,7 +164,6 @@ class Qwen3MoeSparseBlock(nn.Module):
         local = self.experts_down.shape[0]
         # Assignments to another rank's experts contribute zeros here (that rank adds them).
         ys = torch.empty_like(xs) if local == self.num_experts else torch.zeros_like(xs)
-        # A grouped GEMM (one kernel over all expert segments, no host sync) replaces this loop on GPU.
         start = sum(counts[:self.first_expert])
         for e in range(local):
             n = counts[self.first_expert + e]
@@ -150,16 +173,12 @@ class Qwen3MoeSparseBlock(nn.Module):
             h = silu_and_mul(F.linear(xs[seg], self.experts_gate_up[e]))
             ys[seg] = F.linear(h, self.experts_down[e]) * ws[seg, None]
             start += n
-        # Back to (token, slot) order and sum the k expert outputs of each token: deterministic and
-        # independent of which other tokens share the batch.
         out = torch.empty_like(ys)
         out[order] = ys
-        return self.tp.all_reduce(out.view(num_tokens, k, -1).sum(dim=1)).reshape(shape)
+        return out
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False  # expert dispatch reads group sizes on the host
-
     def make_layer(self, cfg: MoeConfig, layer: int, hooks: HookPoints, backend: ModuleType,
                    rotary: RotaryEmbedding) -> nn.Module:
         if cfg.is_sparse_layer(layer):

@@ -13,26 +13,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import numpy as np
 import torch
 
-from steerable.capture.gather import CaptureBuffers, copy_to_host
+from steerable.capture.gather import CaptureBuffers
 from steerable.config import EngineConfig, ModelConfig
 from steerable.distributed.groups import ParallelContext, building
 from steerable.hook_points import HookPoints
 from steerable.kv_groups import KVGroups
+from steerable.layers import fused
 from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
-from steerable.models.loader import ModelSource, iter_weights
+from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
 from steerable.steering.tables import SteeringTables
-from steerable.step import PLACEHOLDER, SamplingInput, StepInput, StepOutput
+from steerable.step import SamplingInput, StepInput, StepOutput
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
-from steerable.worker.input_buffers import InputBuffers
+from steerable.worker.input_buffers import InputBuffers, StepViews
 from steerable.worker.sampler import SampleHandle, Sampler
+from steerable.worker.warmup import warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class Launched:
 
     step_id: int
     samples: SampleHandle | None
-    captured: dict[tuple[int, int], torch.Tensor]
+    captured: list[torch.Tensor]
     copied: torch.cuda.Event | None
     graphed: bool
 
@@ -73,6 +76,7 @@ class ModelRunner:
         placement = self.parallel.placement
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
         self.backend = select_backend(config.attention_backend, device)
         cls = model_class(model_config.architecture)
         default_dtype = torch.get_default_dtype()
@@ -82,7 +86,10 @@ class ModelRunner:
                 self.model = cls(model_config, HookPoints(), self.backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iter_weights(source, model_config.num_heads, model_config.num_kv_heads, dtype))
+        if config.load_format == "dummy":
+            dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(iter_weights(source, model_config.num_heads, model_config.num_kv_heads, dtype))
         self.model.eval().requires_grad_(False)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_groups = KVGroups.for_model(model_config)
@@ -96,6 +103,8 @@ class ModelRunner:
             2 * max_tokens, model_config.hidden_size, dtype=dtype, device=device)
         # Under tensor parallelism the sampled tokens, which feed the next step, go to every rank.
         self.share_samples = self.parallel.tp.size > 1 and placement.pp_size == 1
+        self.single_rank = self.parallel.tp.size == 1 and placement.pp_size == 1
+        self.kv_dtype = config.resolve_kv_dtype(dtype)
         self.workspace = None
         if self.backend is not torch_ref:
             self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, self.attention_layers[0].num_heads,
@@ -109,7 +118,7 @@ class ModelRunner:
         self.graphs = None
         if (device.type == "cuda" and not config.enforce_eager and self.backend is not torch_ref
                 and getattr(self.model, "supports_cuda_graphs", True)):
-            self.graphs = CudaGraphRunner(self.model, config.max_num_seqs)
+            self.graphs = CudaGraphRunner(config.max_num_seqs)
 
     # ------------------------------------------------------------ memory
 
@@ -125,10 +134,11 @@ class ModelRunner:
     @property
     def _bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
-        return 2 * self.kv_slots * self.block_size * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return 2 * self.kv_slots * self.block_size * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         """One pool of blocks; every layer reads the blocks of its KV group at its slot."""
+        kv_dtype = self.kv_dtype
         if num_blocks < 1:
             raise ValueError("not enough memory for a single KV block; lower the model size or raise "
                              "gpu_memory_utilization / kv_cache_tokens")
@@ -136,7 +146,7 @@ class ModelRunner:
         shape = (2, self.kv_slots, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         # Unwritten slots are never read (attention masks by seq_lens), so GPU memory need not be cleared.
         make = torch.empty if self.device.type == "cuda" else torch.zeros
-        self.kv_cache = make(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = make(shape, dtype=kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.kv_group, slot = self.kv_placement[i]
             layer.k_cache, layer.v_cache = self.kv_cache[0, slot], self.kv_cache[1, slot]
@@ -151,7 +161,7 @@ class ModelRunner:
         cfg = self.model_config
         tokens = max(self.config.max_num_batched_tokens, self.max_num_seqs)
         layer = self.attention_layers[0]
-        scratch = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype,
+        scratch = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.kv_dtype,
                               device=self.device)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = scratch
@@ -197,21 +207,36 @@ class ModelRunner:
         Sampled tokens stay on the device, kept per request slot for the next step's inputs."""
         if step.steering_update is not None:
             self.steering.apply(step.steering_update)
-        ctx, key = self._prepare(step)
-        if ctx.pipeline_in is not None:
+        ctx, views, key, inside = self._prepare(step)
+        if ctx.pipeline_in is not None:  # the previous stage's residual stream, into the buffer the forward reads
             self.parallel.pipe.receive(ctx.pipeline_in)
+        program = partial(self._program, ctx, views, inside)
         if key is not None:
-            out, staged = self.graphs.run(ctx, key)
+            hidden, tokens, staged = self.graphs.run(ctx, key, program)
         else:
-            out = self.model(ctx.input_ids, ctx.positions, ctx)
-            staged = ctx.capture.staged if ctx.capture is not None else {}
+            hidden, tokens = program()
+            staged = ctx.capture.staged() if ctx.capture is not None else []
         samples = None
         if not self.parallel.placement.is_last_stage:
-            self.parallel.pipe.send(out)
+            self.parallel.pipe.send(hidden)
+        elif tokens is not None:
+            samples = self.sampler.fetch(tokens[:step.num_tokens], step.sampling.logprobs)
         elif step.sampling is not None:
-            samples = self._sample(out, step.sampling)
-        captured, copied = copy_to_host(staged, step.capture) if staged else ({}, None)
+            samples = self._sample(hidden, step.sampling)
+        captured, copied = self.capture.copy_to_host(staged, step.capture) if staged else ([], None)
         return Launched(step.step_id, samples, captured, copied, key is not None)
+
+    def _program(self, ctx: ForwardContext, views: StepViews, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a decode CUDA graph holds: the inputs that depend on the device gathered, the
+        forward, and, for a step that samples every row with the fused sampler, the logits, the
+        samples and each slot's last token. (hidden states, samples or None)."""
+        self.buffers.gather(views)
+        hidden = self.model(ctx.input_ids, ctx.positions, ctx)
+        if not sample:
+            return hidden, None
+        tokens = fused.gumbel_argmax(self.model.compute_logits(hidden), views.temperature, views.seeds)
+        self.buffers.last_sampled.index_copy_(0, views.request_slots, tokens)
+        return hidden, tokens
 
     def _sample(self, hidden: torch.Tensor, sampling: SamplingInput) -> SampleHandle | None:
         """Sample on the rank that has the logits; keep the tokens per request slot for the next
@@ -236,8 +261,19 @@ class ModelRunner:
             launched.copied.synchronize()
         return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed)
 
-    def _prepare(self, step: StepInput) -> tuple[ForwardContext, tuple | None]:
-        """Copy the step's columns into the persistent buffers (padded to a graph size for a decode
+    def _samples_inside(self, step: StepInput) -> bool:
+        """Whether the step's sampling runs inside its forward program: a decode step that samples
+        every row, with the fused sampler (no top-k/top-p/min-p, penalties, held-back tokens or
+        logprobs, which take the sampler's other paths), on an engine of one rank (tensor-parallel
+        ranks gather their logits and share the samples; only a pipeline's last stage samples)."""
+        sampling = step.sampling
+        return (sampling is not None and self.single_rank and step.max_query_len == 1
+                and len(sampling.rows) == step.num_tokens and fused.enabled(self.buffers.tokens)
+                and not sampling.filtered and not sampling.penalties and not sampling.suppress
+                and all(n is None for n in sampling.logprobs))
+
+    def _prepare(self, step: StepInput) -> tuple[ForwardContext, StepViews, tuple | None, bool]:
+        """Stage the step's columns in the persistent buffers (padded to a graph size for a decode
         step that can replay one) and build the forward context; the key is None for an eager step."""
         buf = self.buffers
         if step.block_update is not None:
@@ -248,29 +284,36 @@ class ModelRunner:
             size = self.graphs.padded_size(step.num_requests)
             if size is not None:
                 padded, graphed = size, True
-        buf.begin_step()
-        pending = np.flatnonzero(step.token_ids == PLACEHOLDER)
-        owners = step.request_slots[step.token_request[pending]] if len(pending) else pending
-        input_ids, positions, slot_mapping = buf.write_tokens(step.token_ids, step.positions, step.slot_mapping,
-                                                              padded, pending, owners)
-        query_start, seq_lens, block_table = buf.write_sequences(step.query_start, step.seq_lens,
-                                                                 step.request_slots, padded)
-        attn = AttentionMetadata(slot_mapping, query_start, seq_lens, block_table, step.max_query_len,
-                                 self.workspace)
-        ctx = ForwardContext(input_ids, positions, attn, num_tokens)
+        inside = self._samples_inside(step)
+        sampling = step.sampling
+        views = buf.stage(step, padded, sampling.seeds if inside else None, sampling.temperature if inside else None)
+        attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
+                                 step.max_query_len, self.workspace)
+        ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens)
         if self.pipeline_in is not None:
             ctx.pipeline_in = self.pipeline_in[:2 * padded].view(2, padded, self.model_config.hidden_size)
         if step.steering is not None:
-            ctx.steering = self.steering.step_view(step.steering, buf.write_steering(step.steering.index, padded))
+            ctx.steering = self.steering.step_view(step.steering, views.steer_index)
         if step.capture is not None:
             ctx.capture = self.capture.step_view(step.capture, padded, graphed)
         key = None
         if graphed:
             key = (padded, step.steering.signature if step.steering is not None else None,
-                   step.capture.signature if step.capture is not None else None)
-        return ctx, key
+                   step.capture.signature if step.capture is not None else None, inside)
+        return ctx, views, key, inside
 
     # ------------------------------------------------------------ lifecycle
+
+    def warmup(self) -> None:
+        """Run the start-up steps of ``worker.warmup``: every kernel variant compiled and every decode
+        CUDA graph captured now, not in the first requests. Leaves nothing a request can see (K/V
+        only in free blocks); the replay counter restarts at zero."""
+        sizes = self.graphs.sizes if self.graphs is not None else []
+        for step in warmup_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
+                                 self.block_size, sizes):
+            self.finish(self.launch(step))
+        if self.graphs is not None:
+            self.graphs.num_replays = 0
 
     def stats(self) -> dict[str, int]:
         graphs = self.graphs
