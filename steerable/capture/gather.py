@@ -137,24 +137,23 @@ class StepCapture:
         if not sharded and self.tp.rank != 0:
             return
         for g, i in self.sites.get(site, ()):
-            index = self.index[g]
+            index, rows = self.index[g], value
             if sharded:  # every rank's slice of the rows, side by side on rank 0 (None elsewhere)
-                value = self.tp.gather(value.index_select(0, index), dim=-1)
-                if value is None:
+                rows = self.tp.gather(value.index_select(0, index), dim=-1)
+                if rows is None:
                     continue
                 index = None
             block = self.blocks[g]
             if block is None:
-                dtype = self.dtypes[g] or value.dtype
-                rows = len(self.index[g])
-                block = self.blocks[g] = torch.empty(len(self.plan.groups[g].layers), rows, value.shape[-1],
-                                                     dtype=dtype, device=value.device)
+                block = self.blocks[g] = torch.empty(len(self.plan.groups[g].layers), len(self.index[g]),
+                                                     rows.shape[-1], dtype=self.dtypes[g] or rows.dtype,
+                                                     device=rows.device)
             if index is None:
-                block[i].copy_(value)
-            elif block.dtype == value.dtype:
-                torch.index_select(value, 0, index, out=block[i])
+                block[i].copy_(rows)
+            elif block.dtype == rows.dtype:
+                torch.index_select(rows, 0, index, out=block[i])
             else:
-                block[i].copy_(value.index_select(0, index))
+                block[i].copy_(rows.index_select(0, index))
 
     def staged(self) -> list[torch.Tensor | None]:
         """The step's blocks, one per group; None for a group this rank records nothing of (another

@@ -51,34 +51,37 @@ class CudaGraphRunner:
         return None
 
     def run(self, ctx: ForwardContext, key: tuple, program: Program
-            ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """Replay (capturing ``program`` first if the key is new) the graph for ``key``: (hidden
-        states, samples or None, capture gathers)."""
+            ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+        """Replay the graph for ``key``, or, if the key is new, run the step eagerly and capture
+        ``program`` for the next ones: (hidden states, samples or None, capture gathers)."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(ctx, key, program)
+            return self._capture(ctx, key, program)
         entry.graph.replay()
         self.num_replays += 1
         return entry.output, entry.tokens, entry.staged
 
-    def _capture(self, ctx: ForwardContext, key: tuple, program: Program) -> _Graph:
+    def _capture(self, ctx: ForwardContext, key: tuple, program: Program
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+        """Run this step eagerly (which also compiles every kernel for the shape), then capture the
+        graph without replaying it: the step has side effects a second run would see (the sampled
+        tokens it stores per request slot are the next step's inputs, which the graph gathers)."""
         steering = key[1]
         if steering is not None:  # graphs baked against older steering tables are dead
             for stale in [k for k in self.graphs if k[1] is not None and k[1][-1] != steering[-1]]:
                 del self.graphs[stale]
-        # One eager run compiles every kernel for this shape outside the capture (its K/V writes
-        # and samples are the same values the replay writes again).
-        program()
+        output, tokens = program()
+        staged = ctx.capture.staged() if ctx.capture is not None else []
         if ctx.capture is not None:
             ctx.capture.reset()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output, tokens = program()
+            graph_output, graph_tokens = program()
         if self.pool is None:
             self.pool = graph.pool()
-        entry = _Graph(graph, output, tokens, ctx.capture.staged() if ctx.capture is not None else [])
-        self.graphs[key] = entry
+        self.graphs[key] = _Graph(graph, graph_output, graph_tokens,
+                                  ctx.capture.staged() if ctx.capture is not None else [])
         self.num_captures += 1
         logger.debug("captured CUDA graph %s (%d total)", key[0], len(self.graphs))
-        return entry
+        return output, tokens, staged
