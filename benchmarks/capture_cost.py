@@ -1,8 +1,10 @@
-"""Cost of capture (DESIGN.md §6) on one engine and one workload: (a) no capture, (b) a stream
-recording the last prompt token's hidden state at every layer for every request, (c) the same
-through a per-request ``CaptureSpec``. Row counts are checked; a wrong count exits non-zero.
+"""Cost of capture on one engine: (a) no capture, (b) a stream recording the last prompt token's
+hidden state at every layer for every request, (c) the same through a per-request ``CaptureSpec``;
+and bulk capture on the first ``--bulk-requests`` requests: (d) no capture, (e) a stream recording
+every generated token at every layer in the model dtype, then ``fetch_captured`` timed (GB/s).
+Costs are against (a), or (d) for (e). Row counts are checked; a wrong count exits non-zero.
 
-    PYTHONPATH=. python benchmarks/capture_cost.py [--num-requests 256] [--repeats R]
+    PYTHONPATH=. python benchmarks/capture_cost.py [--num-requests 256] [--bulk-requests 64] [--repeats R]
 """
 
 from __future__ import annotations
@@ -10,53 +12,68 @@ from __future__ import annotations
 import common
 from common import emit, timed
 
-MODES = ("none", "stream_last_prompt", "per_request_last_prompt")
+MODES = ("none", "stream_last_prompt", "per_request_last_prompt", "none_bulk", "stream_all_generated")
+BASELINE = {"none": "none", "stream_last_prompt": "none", "per_request_last_prompt": "none",
+            "none_bulk": "none_bulk", "stream_all_generated": "none_bulk"}
 STREAM = "hidden_states"
+COUNTERS = ("graph_replays", "eager_capture_forwards")
 
 
 def main() -> None:
     from steerable import CaptureSpec
 
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=1, help="alternate a/b/c this many times; report medians")
+    p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
+    p.add_argument("--bulk-requests", type=int, default=None, help="requests of the bulk modes (d, e)")
     args = p.parse_args()
-    path = common.setup("capture_cost", args)
+    path = common.setup("capture_cost", args, {"bulk_requests": (64, 4)})
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
+    bulk = w.head(args.bulk_requests)
     layers = llm.list_steerable_layers()["post_mlp"]
-    extras = {"none": None, "stream_last_prompt": None,
-              "per_request_last_prompt": [{"capture": CaptureSpec(layers=None, select="last_prompt")}] * len(w)}
-    counters = ("graph_replays", "eager_capture_forwards")
+    workloads = {m: bulk if BASELINE[m] == "none_bulk" else w for m in MODES}
+    streams = {"stream_last_prompt": "last_prompt", "stream_all_generated": "all_generated"}
+    extras = {"per_request_last_prompt": [{"capture": CaptureSpec(layers=None, select="last_prompt")}] * len(w)}
 
     def counts() -> dict:
         status = llm.capture_status(STREAM)
-        return {k: status[k] for k in counters if k in status}
+        return {k: status[k] for k in COUNTERS if k in status}
+
+    def check(mode: str, outs, tensors: dict) -> bool:
+        """Rows per layer: one per request (last prompt), or every generated token but the last."""
+        if mode == "per_request_last_prompt":
+            caps = [o.captures.get(STREAM, {}) for o in outs]
+            return {int(c[layer].shape[0]) if layer in c else 0 for c in caps for layer in layers} == {1}
+        expected = len(outs) if mode == "stream_last_prompt" else sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        return {int(tensors[layer].shape[0]) if layer in tensors else 0 for layer in layers} == {expected}
 
     def run(mode: str, salt: str, warm: bool = False) -> dict:
-        """One generate in ``mode``, with the stream on only around it; returns the run's numbers
-        and its checks (rows per layer, counter deltas)."""
+        """One generate in ``mode``, with the stream on only around it, then its fetch; returns the
+        run's numbers and checks (rows per layer, counter deltas)."""
+        work = workloads[mode]
         before = counts()
-        if mode == "stream_last_prompt":
-            llm.start_capture(STREAM, layers=None, select="last_prompt")
+        if mode in streams:
+            llm.start_capture(STREAM, layers=None, select=streams[mode])
         try:
             if warm:
-                common.warm_up(llm, w, args, salt, extras[mode])
+                common.warm_up(llm, work, args, salt, extras.get(mode))
                 return {}
-            params = common.sampling_params(w, salt, extras[mode])
-            outs, seconds = timed(lambda: llm.generate(w.prompts, params, use_tqdm=False))
+            params = common.sampling_params(work, salt, extras.get(mode))
+            outs, seconds = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
         finally:
-            if mode == "stream_last_prompt":
+            if mode in streams:
                 llm.stop_capture(STREAM)
-        result = {"seconds": seconds, "output_tokens": common.generated_tokens(outs)}
-        if mode == "stream_last_prompt":
-            status = llm.capture_status(STREAM)
+        result = {"seconds": seconds, "output_tokens": common.generated_tokens(outs),
+                  "input_tokens": sum(work.input_lens)}
+        tensors = {}
+        if mode in streams:
+            result["tokens_dropped"] = llm.capture_status(STREAM).get("tokens_dropped")
             (tensors, _), result["fetch_s"] = timed(lambda: llm.fetch_captured(STREAM))
-            rows = {layer: int(tensors[layer].shape[0]) if layer in tensors else 0 for layer in layers}
-            result.update(tokens_dropped=status.get("tokens_dropped"), rows_ok=set(rows.values()) == {len(w)})
-        elif mode == "per_request_last_prompt":
-            caps = [o.captures.get(STREAM, {}) for o in outs]
-            rows = [int(c[layer].shape[0]) if layer in c else 0 for c in caps for layer in layers]
-            result["rows_ok"] = set(rows) == {1}
+            result["fetch_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+            result["fetch_gb_s"] = result["fetch_bytes"] / result["fetch_s"] / 1e9
+            result["rows_per_layer"] = int(next(iter(tensors.values())).shape[0]) if tensors else 0
+        if mode != "none" and mode != "none_bulk":
+            result["rows_ok"] = check(mode, outs, tensors)
         after = counts()
         result.update({k: after[k] - before[k] for k in after})
         return result
@@ -68,25 +85,30 @@ def main() -> None:
         for mode in MODES:
             results[mode].append(run(mode, f"{mode}-{r}"))
 
-    base = common.median([x["seconds"] for x in results["none"]])
     ok = True
     for mode in MODES:
         runs = results[mode]
         t = common.median([x["seconds"] for x in runs])
-        record = {"record": "run", "mode": mode, "requests": len(w), "layers": len(layers), "repeats": args.repeats,
-                  "seconds_all": [x["seconds"] for x in runs],
-                  **common.throughput(t, sum(w.input_lens), runs[-1]["output_tokens"]),
+        base = common.median([x["seconds"] for x in results[BASELINE[mode]]])
+        record = {"record": "run", "mode": mode, "baseline": BASELINE[mode], "requests": len(workloads[mode]),
+                  "layers": len(layers), "repeats": args.repeats, "seconds_all": [x["seconds"] for x in runs],
+                  **common.throughput(t, runs[-1]["input_tokens"], runs[-1]["output_tokens"]),
                   "cost_pct": (t / base - 1) * 100, "throughput_drop_pct": (1 - base / t) * 100}
-        for key in ("fetch_s", "tokens_dropped", *counters):
+        if "fetch_s" in runs[-1]:
+            record.update(fetch_s=common.median([x["fetch_s"] for x in runs]),
+                          fetch_gb_s=common.median([x["fetch_gb_s"] for x in runs]),
+                          fetch_s_all=[x["fetch_s"] for x in runs], fetch_bytes=runs[-1]["fetch_bytes"],
+                          rows_per_layer=runs[-1]["rows_per_layer"])
+        for key in ("tokens_dropped", *COUNTERS):
             if key in runs[-1]:
                 record[key] = runs[-1][key]
-        if mode != "none":
+        if "rows_ok" in runs[-1]:
             record["rows_ok"] = all(x["rows_ok"] for x in runs)
             ok &= record["rows_ok"]
         emit(record)
     emit({"record": "capture_status", **{k: v for k, v in llm.capture_status(STREAM).items() if k != "layouts"}})
     if not ok:
-        raise SystemExit("captured row counts differ from one last-prompt row per request and layer")
+        raise SystemExit("captured row counts differ from the expected rows per request and layer")
 
 
 if __name__ == "__main__":

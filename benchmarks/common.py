@@ -1,10 +1,14 @@
-"""Shared pieces of the benchmarks: a Qwen3-0.6B-shaped checkpoint with random weights (built once,
-cached), a seeded workload of token-id prompts, CUDA-synchronised timing and JSON-line output.
+"""Shared pieces of the benchmarks: a random-weight checkpoint of a known shape (Qwen3-0.6B by
+default; ``--shape qwen3-8b`` for the tensor/pipeline-parallel targets; ``gemma3-270m`` or
+``gemma3-4b`` for Gemma 3's text models; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
+Qwen3-30B-A3B-shaped MoE whose 61 GB of random bf16 weights are drawn on the device
+(``load_format="dummy"``: the checkpoint would not fit the disk), a seeded workload of token-id
+prompts, CUDA-synchronised timing and JSON-line output.
 
 Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
 and runs the baseline it is compared with in the same process, so ratios survive shared machines.
-``--smoke`` swaps in a tiny random Qwen3 and a handful of short requests so everything runs on a
-CPU in seconds (the tests use it)."""
+``--smoke`` swaps in a tiny random model of the same family and a handful of short requests so
+everything runs on a CPU in seconds (the tests use it)."""
 
 from __future__ import annotations
 
@@ -28,41 +32,83 @@ DEFAULT_CACHE = "/tmp/steerable-bench"
 _OUT: str | None = None
 _BENCH = "bench"
 
-# Qwen3-0.6B's shape (DESIGN.md §6) and the tiny one --smoke uses.
+# Qwen3-0.6B's shape (DESIGN.md §6), Gemma 3 270M's and 4B's text models, and the tiny ones --smoke uses.
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                  bos_token_id=151643, eos_token_id=151645)
 QWEN3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    bos_token_id=1, eos_token_id=2)
+# Qwen3-30B-A3B's shape (every layer sparse: 128 experts, 8 per token) and a tiny one for --smoke.
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                     tie_word_embeddings=False)
+QWEN3_MOE_SMOKE = dict(QWEN3_SMOKE, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+# Qwen3-8B's shape (the tensor/pipeline-parallel targets, DESIGN.md §6): untied head, 36 layers.
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False)
+# Gemma 3: every sixth layer global (pattern default), local RoPE base 10k, global 1M (linear x8 from 4B up).
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                   sliding_window=512, query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=1)
+GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                 sliding_window=1024, query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=1,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0})
+GEMMA3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                    sliding_window=8, query_pre_attn_scalar=32, bos_token_id=2, eos_token_id=1)
+# --shape -> (transformers config class, full shape, --smoke shape)
+SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_06B, QWEN3_SMOKE),
+          "qwen3-8b": ("Qwen3Config", QWEN3_8B, QWEN3_SMOKE),
+          "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M, GEMMA3_SMOKE),
+          "gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B, GEMMA3_SMOKE),
+          "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B, QWEN3_MOE_SMOKE)}
 
 
 # ---------------------------------------------------------------- model
 
-def build_random_qwen3(path: str, shape: dict, seed: int = 0) -> str:
-    """Save a random-weight Qwen3 (bf16 safetensors, no tokenizer) at ``path`` unless one is there.
-    Weights are initialised on the GPU when there is one: 0.6B parameters on a CPU take a while."""
-    if os.path.exists(os.path.join(path, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(path)):
-        return path
+def _config(config_name: str, shape: dict):
+    """The HF config of a shape: Qwen3 with RoPE base 1M, or Gemma 3 (its RoPE keys in ``shape``)."""
     import transformers
-    from transformers import Qwen3Config
 
-    config = Qwen3Config(**shape, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
-                         architectures=["Qwen3ForCausalLM"])
+    cls = getattr(transformers, config_name)
+    if config_name == "Gemma3TextConfig":  # takes the flat RoPE keys and builds its per-layer-type table
+        return cls(**shape, rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   architectures=["Gemma3ForCausalLM"])
+    config = cls(**{"tie_word_embeddings": True, **shape}, rms_norm_eps=1e-6, initializer_range=0.02,
+                 architectures=["Qwen3ForCausalLM"])
     if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
         config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
     else:
         config.rope_theta = 1e6
+    return config
+
+
+def build_random_model(path: str, config_name: str, shape: dict, seed: int = 0) -> str:
+    """Save a random-weight model (bf16 safetensors, no tokenizer) at ``path`` unless one is there.
+    Weights are initialised on the GPU when there is one: 0.6B parameters on a CPU take a while."""
+    if os.path.exists(os.path.join(path, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return path
+    import transformers
+
+    config = _config(config_name, shape)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
+    # Unit norms: weight 1, or 0 where the norm scales by (1 + weight) (Gemma).
+    unit = 0.0 if config_name == "Gemma3TextConfig" else 1.0
     try:
         with torch.device(device), torch.no_grad():
-            model = transformers.Qwen3ForCausalLM(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
             for name, p in model.named_parameters():  # explicit: N(0, 0.02) matrices, unit norms
                 if "norm" in name:
-                    p.fill_(1.0)
+                    p.fill_(unit)
                 else:
                     p.normal_(0.0, 0.02)
     finally:
@@ -81,25 +127,51 @@ def build_random_qwen3(path: str, shape: dict, seed: int = 0) -> str:
     return path
 
 
+def build_config_only(path: str, shape: dict) -> str:
+    """A Qwen3-MoE directory holding only ``config.json`` (weights come from ``load_format="dummy"``)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**shape, rms_norm_eps=1e-6, initializer_range=0.02, architectures=["Qwen3MoeForCausalLM"])
+    if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    else:
+        config.rope_theta = 1e6
+    config.dtype = torch.bfloat16
+    config.save_pretrained(path)
+    return path
+
+
 def model_path(args: argparse.Namespace) -> str:
+    """The checkpoint to load; sets ``args.load_format`` ("dummy" for a config-only shape)."""
+    args.load_format = "auto"
     if args.model:
         return args.model
-    if args.smoke:
-        return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-smoke-random"), QWEN3_SMOKE)
-    return build_random_qwen3(os.path.join(args.cache_dir, "qwen3-0.6b-random"), QWEN3_06B)
+    config_name, full, smoke = SHAPES[args.shape]
+    shape = smoke if args.smoke else full
+    name = f"{args.shape}-smoke-random" if args.smoke else f"{args.shape}-random"
+    if config_name == "Qwen3MoeConfig":  # config only: the weights are drawn on the device
+        args.load_format = "dummy"
+        return build_config_only(os.path.join(args.cache_dir, f"{name}-config"), shape)
+    return build_random_model(os.path.join(args.cache_dir, name), config_name, shape)
 
 
-def make_llm(args: argparse.Namespace, path: str):
-    """The engine under test, configured from the common flags; its load time is a record."""
+def make_llm(args: argparse.Namespace, path: str, **overrides: Any):
+    """The engine under test, configured from the common flags (``overrides`` on top, e.g. the
+    parallel sizes or ``enforce_eager``); its load time is a record."""
     from steerable import LLM
 
-    llm, seconds = timed(lambda: LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                     kv_cache_tokens=args.kv_cache_tokens, enforce_eager=args.enforce_eager,
-                                     seed=args.seed))
+    kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
+                  enforce_eager=args.enforce_eager, seed=args.seed, load_format=args.load_format,
+                  kv_cache_dtype=args.kv_cache_dtype)
+    kwargs.update(overrides)
+    llm, seconds = timed(lambda: LLM(path, **kwargs))
     emit({"record": "llm_init", "seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-          "device": str(llm.engine.device)})
+          "device": str(llm.engine.device), "enforce_eager": kwargs["enforce_eager"],
+          "kv_cache_dtype": args.kv_cache_dtype, **{k: v for k, v in overrides.items() if k != "enforce_eager"}})
     return llm
 
 
@@ -214,7 +286,7 @@ def _commit() -> str | None:
         return None
 
 
-def header(args: argparse.Namespace, path: str) -> None:
+def header(args: argparse.Namespace, path: str | None) -> None:
     import transformers
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     emit({"record": "header", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -228,7 +300,9 @@ def header(args: argparse.Namespace, path: str) -> None:
 def parser(description: str) -> argparse.ArgumentParser:
     """Flags every script shares. Defaults left as None are filled by ``setup`` (full or --smoke)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: random Qwen3-0.6B shape)")
+    p.add_argument("--model", default=None, help="an HF checkpoint dir (default: a random model of --shape)")
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES),
+                   help="the random model's shape when no --model is given (default: qwen3-0.6b)")
     p.add_argument("--smoke", action="store_true", help="tiny random model, few short requests (CPU, seconds)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints are kept")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -243,6 +317,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--warmup-requests", type=int, default=None, help="default: min(num requests, max_num_seqs)")
     return p
 
@@ -252,8 +327,9 @@ COMMON_DEFAULTS = {"num_requests": (256, 6), "min_len": (100, 4), "max_len": (10
                    "kv_cache_tokens": (None, 4096)}
 
 
-def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) -> str:
-    """Fill defaults (full, smoke), open --out, build or find the model, print the header; returns the model path."""
+def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None, model: bool = True) -> str | None:
+    """Fill defaults (full, smoke), open --out, build or find the model (unless ``model`` is
+    False), print the header; returns the model path."""
     global _BENCH, _OUT
     _BENCH, _OUT = bench, args.out
     for key, (full, smoke) in {**COMMON_DEFAULTS, **(defaults or {})}.items():
@@ -264,6 +340,6 @@ def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None) ->
     transformers.utils.logging.disable_progress_bar()
     if args.smoke:  # tiny matrices: one thread is as fast and immune to oversubscription
         torch.set_num_threads(1)
-    path = model_path(args)
+    path = model_path(args) if model else None
     header(args, path)
     return path

@@ -1,6 +1,8 @@
-"""Cost of steering (DESIGN.md §6) on one engine and one workload: (a) no steering, (b) one global
-additive vector at every layer for every request, (c) a distinct per-request vector at every layer
-for every request (N configs in one batch). Cost = (t_x / t_a - 1) * 100, from median times.
+"""Cost of steering on one engine and one workload: (a) no steering, (b) one global additive vector
+at every layer for every request, (c) a distinct per-request vector at every layer for every
+request (N configs in one batch), (d) a global projection clamp at every layer, (e) N distinct
+per-request configs mixing adds, clamps, ablations and selections (prompt-only, decode-only,
+generation windows) at all three hook points. Cost = (t_x / t_a - 1) * 100, from median times.
 
     PYTHONPATH=. python benchmarks/steering_cost.py [--num-requests 256] [--repeats R]
 """
@@ -14,12 +16,34 @@ import numpy as np
 import torch
 from common import emit, timed
 
-MODES = ("none", "global_all_layers", "per_request_distinct")
+MODES = ("none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers", "mixed_distinct")
+
+
+def mixed_config(i: int, layers: list[int], vector: torch.Tensor, direction: torch.Tensor) -> object:
+    """Request i's own config: one of four shapes, each at every layer, all vectors distinct."""
+    from steerable import Add, Clamp, SelectSpec, SteeringSpec
+
+    kind = i % 4
+    if kind == 0:  # an add at every layer, and a clamp on the layer outputs
+        items = [Add(layer, vector) for layer in layers] + [Clamp(layer, direction, min=-1.0, max=1.0)
+                                                            for layer in layers]
+    elif kind == 1:  # prompt-only adds before attention, decode-only clamps after it
+        items = [Add(layer, vector, hook="pre_attn", select=SelectSpec(prompt="all")) for layer in layers] + \
+                [Clamp(layer, direction, hook="post_attn", min=-0.5, max=0.5, select=SelectSpec(generation="all"))
+                 for layer in layers]
+    elif kind == 2:  # ablate a direction everywhere
+        items = [Clamp(layer, direction, min=0.0, max=0.0) for layer in layers]
+    else:  # an add for the first 64 generated tokens only
+        items = [Add(layer, vector, hook="post_attn", select=SelectSpec(generation_window=(0, 64)))
+                 for layer in layers]
+    return SteeringSpec(interventions=items)
 
 
 def main() -> None:
+    from steerable import Clamp, SteeringSpec
+
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=1, help="alternate a/b/c this many times; report medians")
+    p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
     p.add_argument("--vector-scale", type=float, default=0.05, help="std of the random vectors' entries")
     args = p.parse_args()
     path = common.setup("steering_cost", args)
@@ -30,28 +54,34 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + 1)
     shared = torch.from_numpy(rng.standard_normal(cfg.hidden_size, dtype=np.float32) * args.vector_scale)
     own = torch.from_numpy(rng.standard_normal((len(w), cfg.hidden_size), dtype=np.float32) * args.vector_scale)
+    directions = torch.nn.functional.normalize(torch.from_numpy(
+        rng.standard_normal((len(w) + 1, cfg.hidden_size), dtype=np.float32)), dim=-1)
+    global_specs = {"global_all_layers": {"post_mlp": {layer: shared for layer in layers}},
+                    "global_clamp_all_layers": SteeringSpec(clamps=[Clamp(layer, directions[-1], min=-1.0, max=1.0)
+                                                                    for layer in layers])}
 
-    extras = {"none": None, "global_all_layers": None,
-              "per_request_distinct": [{"steering_vectors": {"post_mlp": {layer: own[i] for layer in layers}}}
-                                       for i in range(len(w))]}
+    extras = {"per_request_distinct": [{"steering_vectors": {"post_mlp": {layer: own[i] for layer in layers}}}
+                                       for i in range(len(w))],
+              "mixed_distinct": [{"steering_vectors": mixed_config(i, layers, own[i], directions[i])}
+                                 for i in range(len(w))]}
 
     def in_mode(mode: str, fn):
-        """Run ``fn`` with the global spec set for mode (b) only, cleared afterwards whatever happens."""
-        if mode == "global_all_layers":
-            llm.set_steering_vectors({"post_mlp": {layer: shared for layer in layers}})
+        """Run ``fn`` with the global spec of ``mode`` set (if any), cleared afterwards whatever happens."""
+        if mode in global_specs:
+            llm.set_steering_vectors(global_specs[mode])
         try:
             return fn()
         finally:
             llm.clear_steering_vectors()
 
     for mode in MODES:  # steered paths (tables, kernels, graphs) get warmed too
-        in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}", extras[mode]))
+        in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}", extras.get(mode)))
 
     times: dict[str, list[float]] = {m: [] for m in MODES}
     tokens: dict[str, int] = {}
     for r in range(args.repeats):
         for mode in MODES:
-            params = common.sampling_params(w, f"{mode}-{r}", extras[mode])
+            params = common.sampling_params(w, f"{mode}-{r}", extras.get(mode))
             outs, seconds = in_mode(mode, partial(timed, partial(llm.generate, w.prompts, params, use_tqdm=False)))
             times[mode].append(seconds)
             tokens[mode] = common.generated_tokens(outs)

@@ -1,7 +1,10 @@
-"""Offline throughput (DESIGN.md §6): N random requests through steerable, then the same requests
-through HF transformers ``generate`` in the same process, and the ratio.
+"""Offline throughput (DESIGN.md §6): N random requests through steerable (with CUDA graphs, and with
+``--compare-eager`` again with ``enforce_eager=True``), then the same requests through HF
+transformers ``generate`` in the same process, and the ratios. Where CUDA graphs are on, a run whose
+engine replayed none exits non-zero (and an eager run that replayed some).
 
-    PYTHONPATH=. python benchmarks/throughput.py [--num-requests 256] [--repeats R] [--hf-requests K] [--skip-hf]
+    PYTHONPATH=. python benchmarks/throughput.py [--shape qwen3-30b-a3b] [--num-requests 256] [--repeats R]
+        [--compare-eager] [--hf-requests K] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -13,37 +16,48 @@ import torch
 from common import emit, timed
 
 
-def run_steerable(args, path: str) -> tuple[dict, torch.dtype, common.Workload]:
-    llm = common.make_llm(args, path)
+def run_steerable(args, path: str, eager: bool) -> tuple[dict, torch.dtype, common.Workload]:
+    llm = common.make_llm(args, path, enforce_eager=eager)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
     common.warm_up(llm, w, args)
+    replays = llm.llm_engine.stats()["graph_replays"]
     times = []
     for r in range(args.repeats):
         outs, seconds = timed(partial(llm.generate, w.prompts, common.sampling_params(w, f"timed-{r}"),
                                       use_tqdm=False))
         times.append(seconds)
-    result = {"record": "steerable", "requests": len(w), "repeats": args.repeats, "seconds_all": times,
+    stats = llm.llm_engine.stats()
+    result = {"record": "steerable", "enforce_eager": eager, "requests": len(w), "repeats": args.repeats,
+              "seconds_all": times, "graph_replays_timed": stats["graph_replays"] - replays,
               **common.throughput(common.median(times), sum(w.input_lens), common.generated_tokens(outs))}
     emit(result)
-    stats = getattr(llm.engine, "stats", None)
-    if stats is not None:
-        emit({"record": "engine_stats", **stats()})
+    emit({"record": "engine_stats", "enforce_eager": eager, **stats})
     dtype = llm.engine.dtype
-    del llm, outs  # the HF baseline needs the GPU memory the KV cache held
+    graphs_expected = llm.engine.device.type == "cuda" and not eager
+    llm.shutdown()
+    del llm, outs  # the next engine and the HF baseline need the GPU memory the KV cache held
     common.free_cuda()
+    if graphs_expected != (result["graph_replays_timed"] > 0):
+        raise SystemExit(f"enforce_eager={eager}: {result['graph_replays_timed']} CUDA-graph replays in the timed runs")
     return result, dtype, w
 
 
 def run_hf(args, path: str, dtype: torch.dtype, w: common.Workload) -> dict:
     """HF ``generate``: sdpa, left padding, batches of requests sorted by output length, each batch
-    run to its longest output; only each request's own output length counts as useful tokens."""
+    run to its longest output; only each request's own output length counts as useful tokens. A
+    config-only shape gets HF's own random initialisation, on the device."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     held = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else 0.0  # what steerable failed to free
-    model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: dtype}, attn_implementation="sdpa")
+    if args.load_format == "dummy":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **{dtype_kw: dtype},
+                                                     attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: dtype}, attn_implementation="sdpa")
     model = model.to(device).eval()
     w = w.head(args.hf_requests or len(w))
     order = sorted(range(len(w)), key=lambda i: w.output_lens[i])
@@ -74,10 +88,14 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=None)
     p.add_argument("--hf-requests", type=int, default=None, help="run HF on the first K requests only")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--compare-eager", action="store_true", help="also time steerable with enforce_eager=True")
     p.add_argument("--repeats", type=int, default=1, help="timed steerable runs; the median is reported")
     args = p.parse_args()
     path = common.setup("throughput", args, {"hf_batch_size": (64, 4)})
-    ours, dtype, w = run_steerable(args, path)
+    ours, dtype, w = run_steerable(args, path, args.enforce_eager)
+    if args.compare_eager and not args.enforce_eager:
+        eager, _, _ = run_steerable(args, path, True)
+        emit({"record": "graphs_vs_eager", "speedup": eager["seconds"] / ours["seconds"]})
     if args.skip_hf:
         return
     hf = run_hf(args, path, dtype, w)

@@ -29,6 +29,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     attention_backend: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks of shapes, as vLLM)
+    kv_cache_dtype: str = "auto"  # "fp8" (= "fp8_e4m3"): half the KV bytes, per-tensor scales (docs/benchmarks.md)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", *FLOAT_DTYPES):
@@ -41,19 +43,29 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size} tokens)")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:  # issue 11
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the model's, or float8 e4m3 (values / scale, saturated at ±448)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolve_dtype(self, hf_config: Any, device: torch.device) -> torch.dtype:
         """``auto`` is float32 on CPU (exactness, speed of CPU kernels) and the checkpoint dtype on GPU."""
@@ -91,6 +103,15 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention (None: full); families mixing both override it."""
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of attention scores."""
+        return self.head_dim ** -0.5
 
     @staticmethod
     def architecture_of(hf_config: Any) -> str:
@@ -143,7 +164,7 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type not in ("llama3", "linear"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
     scaling["rope_type"] = rope_type
     return theta, scaling

@@ -73,11 +73,24 @@ class HookLayout:
         return cls(num_layers, hidden_size, components)
 
 
+@dataclass(frozen=True)
+class SiteWrite:
+    """Every steering write at one site in a step, as table lookups by each token's row ``index``:
+    ``h += add[index]``, then for each clamp slot k (float32 math)
+    ``p = h·d; h += strength * (clip(p, lo, hi) - p) * d`` with ``d = clamp_dir[index, k]`` and
+    ``(lo, hi, strength) = clamp_bounds[index, k]``. Row 0 of every table changes nothing."""
+
+    index: torch.Tensor  # int64 [>= T]
+    add: torch.Tensor | None = None  # [rows, H]
+    clamp_dir: torch.Tensor | None = None  # [rows, slots, H] unit directions
+    clamp_bounds: torch.Tensor | None = None  # float32 [rows, slots, 3]
+
+
 class SteeringView(Protocol):
     def acts_at(self, site: Site) -> bool: ...
 
-    def table_add(self, site: Site) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(table, index)`` when the effect at ``site`` is exactly ``h + table[index]``."""
+    def site_write(self, site: Site) -> SiteWrite:
+        """The writes at a site where ``acts_at`` holds (what a fused kernel applies)."""
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -105,12 +118,12 @@ class HookPoints:
         """The residual stream ``residual + delta`` passes the hook points ``sites`` in order and is
         then normalised by ``norm``: returns (the residual, its norm).
 
-        When every write at the sites is a table lookup to add and no read needs a value that a
-        later write changes, the norm may do all of it in one kernel (``norm.fused_add_norm``);
+        When no read needs a value that a later write changes, the norm may do all of it, the
+        steering writes (adds and clamps) included, in one kernel (``norm.fused_add_norm``);
         otherwise each point is applied in turn. Both give the same values."""
-        adds = self._table_adds(sites, ctx)
-        if adds is not None:
-            fused = norm.fused_add_norm(residual, delta, adds)
+        writes = self._fusable_writes(sites, ctx)
+        if writes is not None:
+            fused = norm.fused_add_norm(residual, delta, writes)
             if fused is not None:
                 hidden, normed = fused
                 if ctx.capture is not None:
@@ -127,17 +140,16 @@ class HookPoints:
             ctx.capture.record((component, layer), value)
 
     @staticmethod
-    def _table_adds(sites: Sequence[Site], ctx: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The writes at ``sites`` as at most two table lookups, or None when they are not
-        expressible so (a non-additive write, a read between two writes, more than two tables)."""
+    def _fusable_writes(sites: Sequence[Site], ctx: Any) -> list[SiteWrite] | None:
+        """The writes at ``sites`` in order, or None when they cannot run inside the norm (a read
+        between two writes, or more than two sites that write)."""
         steering, capture = ctx.steering, ctx.capture
-        adds = []
+        writes = []
         read = False
         for site in sites:
             if steering is not None and steering.acts_at(site):
-                add = steering.table_add(site)
-                if add is None or read:
+                if read:
                     return None
-                adds.append(add)
+                writes.append(steering.site_write(site))
             read = read or (capture is not None and capture.wants(site))
-        return adds if len(adds) <= 2 else None
+        return writes if len(writes) <= 2 else None

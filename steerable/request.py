@@ -45,7 +45,7 @@ class Request:
         self.num_pending = 0  # trailing PLACEHOLDER tokens in all_token_ids
         # Highest num_computed_tokens ever reached: rows below it were already delivered to capture.
         self.max_computed_tokens = 0
-        self.block_ids: list[int] = []
+        self.block_ids: list[list[int]] = []  # one list per KV group (steerable.kv_groups); [] holds none
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -599,6 +599,26 @@ class SelectSpec:
             best = min(best, max(at_least, prompt_len))
         return best
 
+    def selects_all_from(self, prompt_len: int) -> float:
+        """The lowest position from which every row is selected whatever its token (inf when no
+        such position exists): per-step planning takes the rows from there on without a mask."""
+        r = self._resolve(prompt_len)
+        start: float = 0
+        if r.has_include:
+            open_ended = [a for a, b in r.inc.intervals if b == _INF]
+            start = min(open_ended) if open_ended else float("inf")
+        exc = r.exc
+        if exc.gen_tokens:
+            return float("inf")
+        if exc.prompt_tokens:
+            start = max(start, prompt_len)
+        reaching = [b for a, b in exc.intervals if b > start]
+        if reaching:
+            start = float("inf") if max(reaching) == _INF else max(reaching)
+        if exc.points and exc.points[-1] >= start:
+            start = exc.points[-1] + 1
+        return start
+
     @property
     def reads_generated_tokens(self) -> bool:
         """Whether selecting a generated row needs that row's token id (not only its position)."""

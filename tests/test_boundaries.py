@@ -1,5 +1,5 @@
-"""The worker boundary (issue 9 §2): the worker and the planes never import the engine, and the
-runner and sampler take plain step inputs, not engine objects."""
+"""The worker boundary (issue 9 §2): the worker, the planes and the ranks of a parallel engine never
+import the engine, and the runner and sampler take plain step inputs, not engine objects."""
 
 import ast
 import inspect
@@ -27,7 +27,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def test_worker_and_planes_do_not_import_the_engine():
     offenders = {}
-    for package in ("worker", "steering", "capture"):
+    for package in ("worker", "steering", "capture", "distributed"):
         for path in (PACKAGE / package).rglob("*.py"):
             bad = {name for name in _imports(path) if name == "steerable.engine" or name.startswith("steerable.engine.")}
             if bad:

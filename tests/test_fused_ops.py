@@ -14,8 +14,10 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("no CUDA GPU: run `TRITON_INTERPRET=1 python -m pytest tests/test_fused_ops.py`",
                 allow_module_level=True)
 
+from steerable.hook_points import SiteWrite  # noqa: E402
 from steerable.layers import fused  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
+from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -26,6 +28,13 @@ def _ref_rms(x, w, eps):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
+
+
+def _ref_gemma_rms(x, w, eps):
+    """Gemma's norm: (1 + w) applied in float32 before the downcast."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).to(x.dtype)
 
 
 def _close(out, ref, dtype):
@@ -46,30 +55,94 @@ def test_rms_norm(dtype, rows, width):
     assert _close(fused.rms_norm(strided, w, 1e-6), _ref_rms(strided.float(), w.float(), 1e-6), dtype)
 
 
+def _site_write(g, rows, width, dtype, add, clamps):
+    """Random steering writes at one site: an additive table and/or ``clamps`` clamp slots (row 0 of
+    every table is 'no steering'), indexed by a padded row index."""
+    index = torch.randint(0, 4, (rows + 3,), generator=g).to(DEVICE)
+    table = directions = bounds = None
+    if add:
+        table = torch.randn(4, width, generator=g).to(DEVICE, dtype)
+        table[0] = 0
+    if clamps:
+        directions = torch.nn.functional.normalize(torch.randn(4, clamps, width, generator=g), dim=-1).to(DEVICE, dtype)
+        directions[0] = 0
+        lo = torch.randn(4, clamps, generator=g)
+        bounds = torch.stack([lo, lo + torch.rand(4, clamps, generator=g), torch.rand(4, clamps, generator=g) + 0.5], -1)
+        bounds[0] = torch.tensor([-float("inf"), float("inf"), 0.0])
+        bounds[1, 0, :2] = 0.0  # an ablation: min = max = 0
+        bounds = bounds.to(DEVICE)
+    return SiteWrite(index, table, directions, bounds)
+
+
+def _torch_steer(h, write):
+    """The PyTorch ops of the unfused CPU path."""
+    if write.add is not None:
+        h = add_rows(h, write.add, write.index[:len(h)])
+    if write.clamp_dir is not None:
+        b = write.clamp_bounds
+        h = clamp_rows(h, write.clamp_dir, b[..., 0], b[..., 1], b[..., 2], write.index[:len(h)])
+    return h
+
+
+SITES = [[], [(True, 0)], [(False, 1)], [(True, 2)], [(True, 0), (False, 2)], [(False, 1), (True, 1)]]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tables", [0, 1, 2])
+def test_gemma_rms_norm(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 640, generator=g) * 3).to(DEVICE, dtype)
+    w = torch.randn(640, generator=g).to(DEVICE, dtype)  # zero-centred, as Gemma stores it
+    out = fused.rms_norm(x, w, 1e-6, unit_offset=True)
+    assert _close(out, _ref_gemma_rms(x.float(), w.float(), 1e-6), dtype)
+    assert not _close(out, _ref_rms(x.float(), w.float(), 1e-6), dtype)  # the offset did act
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sites", SITES, ids=lambda s: "-".join(f"{'a' if a else ''}c{c}" for a, c in s) or "none")
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm(dtype, num_tables, with_delta):
-    """The residual equals the separate adds bit for bit (same rounding points); the norm equals
-    RMSNorm of it. Row 0 of a steering table is zeros: those rows are left exactly unchanged."""
-    g = torch.Generator().manual_seed(num_tables * 2 + with_delta)
+def test_add_rms_norm(dtype, sites, with_delta):
+    """The residual equals the standalone per-site steering kernel bit for bit (the unfused GPU
+    path), which equals the PyTorch ops (adds exactly; clamps to float32 rounding, since their dot
+    products sum in another order); the norm equals RMSNorm of it. Rows indexing row 0 of every
+    table are left exactly unchanged."""
+    g = torch.Generator().manual_seed(len(sites) * 2 + with_delta)
     rows, width = 9, 576
     residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
     delta = torch.randn(rows, width, generator=g).to(DEVICE, dtype) if with_delta else None
     w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
-    adds = []
-    for _ in range(num_tables):
-        table = torch.randn(4, width, generator=g).to(DEVICE, dtype)
-        table[0] = 0
-        adds.append((table, torch.randint(0, 4, (rows + 3,), generator=g).to(DEVICE)))  # padded index
-    ref = residual if delta is None else residual + delta
-    for table, index in adds:
-        ref = ref + table.index_select(0, index[:rows])
-    out, normed = fused.add_rms_norm(residual, delta, adds, w, 1e-6)
-    assert torch.equal(out, ref)
-    assert _close(normed, _ref_rms(ref.float(), w.float(), 1e-6), dtype)
-    if num_tables:
-        assert not torch.equal(out, residual if delta is None else residual + delta)  # the tables did act
+    writes = [_site_write(g, rows, width, dtype, add, clamps) for add, clamps in sites]
+    start = residual if delta is None else residual + delta
+    unfused, ref = start, start
+    for write in writes:
+        unfused, ref = fused.steer(unfused, write), _torch_steer(ref, write)
+    out, normed = fused.add_rms_norm(residual, delta, writes, w, 1e-6)
+    assert torch.equal(out, unfused)
+    if not any(c for _, c in sites):
+        assert torch.equal(out, ref)
+    assert _close(out, ref, dtype)
+    assert _close(normed, _ref_rms(out.float(), w.float(), 1e-6), dtype)
+    gemma_out, gemma_normed = fused.add_rms_norm(residual, delta, writes, w, 1e-6, unit_offset=True)
+    assert torch.equal(gemma_out, out)  # the offset changes the norm only
+    assert _close(gemma_normed, _ref_gemma_rms(out.float(), w.float(), 1e-6), dtype)
+    if writes:
+        untouched = (torch.stack([wr.index[:rows] for wr in writes]) == 0).all(0)
+        assert torch.equal(out[untouched], start[untouched])
+        assert not torch.equal(out, start)  # the writes did act
+
+
+def test_clamp_kernel_clips_the_projection():
+    """After a clamp slot with strength 1 the projection on its direction lies within [lo, hi]."""
+    g = torch.Generator().manual_seed(5)
+    width = 64
+    h = (torch.randn(6, width, generator=g) * 4).to(DEVICE)
+    d = torch.nn.functional.normalize(torch.randn(width, generator=g), dim=0)
+    directions = torch.stack([torch.zeros(1, width), d[None]]).to(DEVICE)
+    bounds = torch.tensor([[[-float("inf"), float("inf"), 0.0]], [[-0.5, 0.25, 1.0]]]).to(DEVICE)
+    out = fused.steer(h, SiteWrite(torch.ones(6, dtype=torch.int64, device=DEVICE), None, directions, bounds))
+    p = out.cpu() @ d
+    assert ((p >= -0.5 - 1e-5) & (p <= 0.25 + 1e-5)).all()
+    orth = out.cpu() - p[:, None] * d
+    assert torch.allclose(orth, h.cpu() - (h.cpu() @ d)[:, None] * d, atol=1e-5)  # nothing else moved
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,22 +153,34 @@ def test_silu_and_mul(dtype, rows, inter):
     assert _close(fused.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid(-large) = 1 / (1 + inf) = 0, as meant
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (16, 8, 128)])
+@pytest.mark.parametrize("rows, inter", [(1, 128), (5, 2048)])
+def test_gelu_tanh_and_mul(dtype, rows, inter):
+    x = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 3).to(DEVICE, dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert _close(fused.gelu_tanh_and_mul(x), torch.nn.functional.gelu(gate, approximate="tanh") * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True, "gemma"])  # none, Llama-style, Gemma (1 + w)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (16, 8, 128), (4, 1, 256)])
 def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
-    g = torch.Generator().manual_seed(heads * head_dim + qk_norm)
+    g = torch.Generator().manual_seed(heads * head_dim + bool(qk_norm))
     tokens = 11
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
     positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
     rotary = RotaryEmbedding(head_dim, 512, 10000.0).to(DEVICE)
     qw = (torch.randn(head_dim, generator=g) + 1).to(DEVICE, dtype) if qk_norm else None
     kw = (torch.randn(head_dim, generator=g) + 1).to(DEVICE, dtype) if qk_norm else None
-    q, k, v = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw, 1e-6)
+    gemma = qk_norm == "gemma"
+    q, k, v = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw, 1e-6,
+                                 unit_offset=gemma)
     rq, rk, rv = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     rq, rk = rq.reshape(tokens, heads, head_dim), rk.reshape(tokens, kv_heads, head_dim)
     if qk_norm:
-        rq, rk = _ref_rms(rq, qw.float(), 1e-6), _ref_rms(rk, kw.float(), 1e-6)
+        norm = _ref_gemma_rms if gemma else _ref_rms
+        rq, rk = norm(rq, qw.float(), 1e-6), norm(rk, kw.float(), 1e-6)
     rq, rk = rotary(positions, rq, rk)
     assert _close(q, rq, dtype) and _close(k, rk, dtype)
     assert torch.equal(v.float(), rv.reshape(tokens, kv_heads, head_dim))
@@ -108,7 +193,7 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
     slots = torch.randperm(6 * block_size, generator=g)[:tokens].to(DEVICE)
     slots[3] = -1
     q2, k2, v2 = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, head_dim, qw, kw,
-                                    1e-6, kv_cache=(k_cache, v_cache, slots))
+                                    1e-6, kv_cache=(k_cache, v_cache, slots, 1.0, 1.0), unit_offset=gemma)
     assert k2 is None and v2 is None and torch.equal(q2, q)
     written = slots >= 0
     assert torch.equal(k_cache.flatten(0, 1)[slots[written]], k[written])

@@ -26,23 +26,26 @@ def _vec(seed, scale=1.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
 def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family):
     assert fused.enabled(torch.zeros(1))  # the switch is on: CPU tensors take the fused kernels
     path = capture_dirs[family]
     llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=8)
     hf = hf_model(path)
     prompt = llm.get_tokenizer()("Steering vectors shift the residual stream").input_ids
-    add, clamp_dir, decode = _vec(1, 2.0), _vec(2), _vec(3, 2.0)
-    # An add at post_mlp 0 fuses into layer 1's input norm; the clamp at post_attn 1 takes the
-    # unfused path; a decode-only add at pre_attn 2 fuses with its own selection.
-    spec = SteeringSpec(vectors={"post_mlp": {0: add}}, clamps=[Clamp(1, clamp_dir, hook="post_attn", min=-0.2,
-                                                                      max=0.2)],
+    add, clamp_dir, decode, ablate = _vec(1, 2.0), _vec(2), _vec(3, 2.0), _vec(4)
+    # An add at post_mlp 0 and the clamp at post_attn 1 fuse into the next norm; the ablation at
+    # pre_attn 1 comes after the capture reads post_mlp 0, so layer 1's entry runs each site on its
+    # own (the standalone steering kernel); a decode-only add at pre_attn 2 fuses with its selection.
+    spec = SteeringSpec(vectors={"post_mlp": {0: add}},
+                        clamps=[Clamp(1, clamp_dir, hook="post_attn", min=-0.2, max=0.2),
+                                Clamp(1, ablate, hook="pre_attn", min=0.0, max=0.0)],
                         decode_vectors={"pre_attn": {2: decode}})
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, steering_vectors=spec,
                             capture=CaptureSpec(layers=[0, 2], select="all"))
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     edits = [("post_mlp", 0, add_edit(add), None), ("post_attn", 1, clamp_edit(clamp_dir, -0.2, 0.2), None),
+             ("pre_attn", 1, clamp_edit(ablate, 0.0, 0.0), None),
              ("pre_attn", 2, add_edit(decode), SelectSpec(generation="all"))]
     tokens, logprobs = HFSteered(hf, edits).greedy(prompt, 5)
     assert out.outputs[0].token_ids == tokens
@@ -66,3 +69,31 @@ def test_fused_sampler_is_seeded_and_batch_independent(capture_dirs):
     batch = llm.generate(["Paged attention", "Hello world"], [SamplingParams(max_tokens=4, temperature=0.7), seeded],
                          use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
+
+
+def test_qwen3_moe_fused_experts_equal_hf(tmp_path):
+    """The static-shape expert dispatch (what CUDA graphs replay) in a model: greedy tokens, logprobs
+    and router logits equal HF, with a clamp fused into a norm."""
+    from test_qwen3_moe import build_qwen3_moe
+
+    path = str(tmp_path / "moe")
+    build_qwen3_moe(path, seed=7, num_hidden_layers=2, mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=4)
+    hf = hf_model(path)
+    prompt = llm.get_tokenizer()("Paged attention stores keys").input_ids
+    direction = _vec(5)
+    spec = SteeringSpec(clamps=[Clamp(0, direction, hook="post_attn", min=-0.1, max=0.1)])
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2,
+                                                steering_vectors=spec, capture=CaptureSpec("router_logits")),
+                       use_tqdm=False)[0]
+    edits = [("post_attn", 0, clamp_edit(direction, -0.1, 0.1), None)]
+    tokens, logprobs = HFSteered(hf, edits).greedy(prompt, 4)
+    assert out.outputs[0].token_ids == tokens
+    assert max_logprob_gap(out, logprobs) <= 1e-4
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, capture=CaptureSpec("router_logits")),
+                         use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = [r for r in hf(torch.tensor([prompt]), output_router_logits=True).router_logits if r is not None]
+    for layer, expected in enumerate(ref):
+        got = plain.captures["router_logits"][layer]
+        assert (got - expected.reshape(len(prompt), -1)).abs().max().item() <= 1e-5

@@ -131,8 +131,10 @@ def _store(writer, name: str, w: np.ndarray, qtype: T) -> None:
         writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
 
 
-def _write_tiny(path: Path, arch: str, *, tied: bool = False, head_dim: int = HEAD_DIM) -> dict[str, np.ndarray]:
-    """A 2-layer model mixing F32/F16/BF16/Q8_0; returns the expected HF-named, unpermuted float32 tensors."""
+def _write_tiny(path: Path, arch: str, *, tied: bool = False, head_dim: int = HEAD_DIM,
+                window: int | None = None) -> dict[str, np.ndarray]:
+    """A 2-layer model mixing F32/F16/BF16/Q8_0 (and Q5_0 for gemma3, whose norms are stored plus one);
+    returns the expected HF-named, unpermuted float32 tensors."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -148,12 +150,19 @@ def _write_tiny(path: Path, arch: str, *, tied: bool = False, head_dim: int = HE
     writer.add_vocab_size(VOCAB)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if window is not None:
+        writer.add_sliding_window(window)
 
     permuted = arch == "llama"
+    gemma = arch == "gemma3"
     expected: dict[str, np.ndarray] = {}
 
     def put(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: T, n_head: int = 0) -> None:
         w = rng.standard_normal(shape).astype(np.float32)
+        if gemma and gguf_name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma norms as 1 + w
+            _store(writer, gguf_name, w + 1, qtype)
+            expected[hf_name] = _roundtrip(w + 1, qtype) - 1
+            return
         _store(writer, gguf_name, _permute(w, n_head) if permuted and n_head else w, qtype)
         # Permutation moves whole rows and quantization blocks never span rows, so reading back and
         # un-permuting must give the original through the same rounding, whatever the type.
@@ -166,20 +175,25 @@ def _write_tiny(path: Path, arch: str, *, tied: bool = False, head_dim: int = HE
     for i in range(LAYERS):
         b, h = f"blk.{i}", f"model.layers.{i}"
         put(f"{b}.attn_norm.weight", f"{h}.input_layernorm.weight", (HIDDEN,), T.F32)
-        put(f"{b}.ffn_norm.weight", f"{h}.post_attention_layernorm.weight", (HIDDEN,), T.F32)
+        if gemma:  # sandwich norms: ffn_norm is the pre-feedforward norm
+            put(f"{b}.post_attention_norm.weight", f"{h}.post_attention_layernorm.weight", (HIDDEN,), T.F32)
+            put(f"{b}.ffn_norm.weight", f"{h}.pre_feedforward_layernorm.weight", (HIDDEN,), T.F32)
+            put(f"{b}.post_ffw_norm.weight", f"{h}.post_feedforward_layernorm.weight", (HIDDEN,), T.F32)
+        else:
+            put(f"{b}.ffn_norm.weight", f"{h}.post_attention_layernorm.weight", (HIDDEN,), T.F32)
         qk_type = T.F32 if i == 0 else T.Q8_0  # layer 0: exact un-permute check; layer 1: through Q8_0
         put(f"{b}.attn_q.weight", f"{h}.self_attn.q_proj.weight", (HEADS * head_dim, HIDDEN), qk_type, HEADS)
         put(f"{b}.attn_k.weight", f"{h}.self_attn.k_proj.weight", (KV_HEADS * head_dim, HIDDEN), qk_type, KV_HEADS)
         put(f"{b}.attn_v.weight", f"{h}.self_attn.v_proj.weight", (KV_HEADS * head_dim, HIDDEN), T.Q8_0)
         put(f"{b}.attn_output.weight", f"{h}.self_attn.o_proj.weight", (HIDDEN, HEADS * head_dim), T.F16)
         put(f"{b}.ffn_gate.weight", f"{h}.mlp.gate_proj.weight", (FFN, HIDDEN), T.BF16)
-        put(f"{b}.ffn_up.weight", f"{h}.mlp.up_proj.weight", (FFN, HIDDEN), T.Q8_0)
+        put(f"{b}.ffn_up.weight", f"{h}.mlp.up_proj.weight", (FFN, HIDDEN), T.Q5_0 if gemma else T.Q8_0)
         put(f"{b}.ffn_down.weight", f"{h}.mlp.down_proj.weight", (HIDDEN, FFN), T.F32 if i else T.F16)
         if arch == "qwen2":
             put(f"{b}.attn_q.bias", f"{h}.self_attn.q_proj.bias", (HEADS * head_dim,), T.F32)
             put(f"{b}.attn_k.bias", f"{h}.self_attn.k_proj.bias", (KV_HEADS * head_dim,), T.F32)
             put(f"{b}.attn_v.bias", f"{h}.self_attn.v_proj.bias", (KV_HEADS * head_dim,), T.F32)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             put(f"{b}.attn_q_norm.weight", f"{h}.self_attn.q_norm.weight", (head_dim,), T.F32)
             put(f"{b}.attn_k_norm.weight", f"{h}.self_attn.k_norm.weight", (head_dim,), T.F32)
     _close(writer)
@@ -229,6 +243,49 @@ def test_synthetic_matches_transformers(tmp_path: Path, arch: str) -> None:
     _check_config(load_gguf_config(str(path)), model.config)
 
 
+def test_synthetic_gemma3_norms_q5_0_and_config(tmp_path: Path) -> None:
+    """Norms come back without the converter's +1 (as transformers loads them), Q5_0 dequantizes,
+    and transformers' own loader agrees tensor for tensor."""
+    path = tmp_path / "tiny-gemma3.gguf"
+    expected = _write_tiny(path, "gemma3", tied=True, window=24)
+    config = load_gguf_config(str(path))
+    ours = dict(iter_gguf_tensors(str(path), config, torch.float32))
+    assert set(ours) == set(expected)
+    for name, want in expected.items():
+        assert torch.equal(ours[name], torch.from_numpy(want)), name
+    norm = ours["model.layers.0.pre_feedforward_layernorm.weight"]
+    assert abs(norm.mean().item()) < 0.5  # zero-centred as HF stores it, not around 1
+    assert config.architectures == ["Gemma3ForCausalLM"] and config.model_type == "gemma3_text"
+    assert config.sliding_window == 24 and config.layer_types == ["sliding_attention"] * 2
+    assert config.query_pre_attn_scalar == HEAD_DIM and config.tie_word_embeddings
+    model = _hf_model(str(path))
+    _check_against_hf(str(path), model)
+    assert model.config.sliding_window == 24 and model.config.layer_types == config.layer_types
+
+
+@pytest.mark.parametrize("layers, window, scalar", [(18, 512, 2 * HEAD_DIM), (34, 1024, 2 * HEAD_DIM),
+                                                    (62, 1024, HIDDEN // HEADS)])
+def test_gemma3_family_values_when_the_file_lacks_them(tmp_path: Path, layers, window, scalar) -> None:
+    """270M/1B windows are 512, larger ones 1024; 27B (62 blocks) scales queries by hidden / heads;
+    every sixth layer is global with the local RoPE base at 10k (llama.cpp's values). head_dim is
+    2 * HEAD_DIM here so it differs from hidden / heads."""
+    path = tmp_path / "gemma3.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    for add, value in [(writer.add_block_count, layers), (writer.add_embedding_length, HIDDEN),
+                       (writer.add_feed_forward_length, FFN), (writer.add_head_count, HEADS),
+                       (writer.add_head_count_kv, KV_HEADS), (writer.add_key_length, 2 * HEAD_DIM),
+                       (writer.add_rope_freq_base, 1e6), (writer.add_vocab_size, VOCAB)]:
+        add(value)
+    _close(writer)
+    config = load_gguf_config(str(path))
+    assert config.sliding_window == window and config.query_pre_attn_scalar == scalar
+    assert config.layer_types[5] == config.layer_types[11] == "full_attention"
+    assert config.layer_types.count("full_attention") == layers // 6
+    from steerable.models.gemma3 import gemma3_config
+    cfg = gemma3_config(config)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1e6, 1e4, None)
+
+
 def test_synthetic_tied_and_bf16(tmp_path: Path) -> None:
     path = tmp_path / "tied.gguf"
     expected = _write_tiny(path, "llama", tied=True)
@@ -242,7 +299,7 @@ def test_synthetic_tied_and_bf16(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN scales from random bytes
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_K, T.Q4_K, T.Q6_K, T.Q8_0, T.BF16])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_K, T.Q4_K, T.Q6_K, T.Q8_0, T.BF16])
 def test_quant_types_dequantize_in_hf_layout(tmp_path: Path, qtype: T) -> None:
     """gguf-py owns the block maths (and cannot quantize K-quants), so feed raw random blocks and check the plumbing:
     byte rows -> [out, in] float rows, the same values gguf.quants.dequantize gives (random fp16 scales may be NaN)."""

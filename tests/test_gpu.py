@@ -1,7 +1,10 @@
 """GPU: the CPU fidelity cases on CUDA in float32 (Triton attention, CUDA graphs on), and graph
-replay == eager in bfloat16 with steering and capture inside the graph."""
+replay == eager in bfloat16 with steering and capture inside the graph (Qwen3, and Gemma 3 270M-
+and 4B-shaped random models, whose sliding windows the prompts outgrow)."""
 
+import pathlib
 import random
+import sys
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ def _vec(seed, scale=3.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_greedy_matches_hf_on_gpu(model_dirs, family):
     llm = LLM(model_dirs[family], dtype="float32", device="cuda", kv_cache_tokens=8192)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -64,7 +67,8 @@ def test_capture_matches_hf_on_gpu(capture_dirs):
 
 
 def test_graph_replay_is_bit_identical_to_eager(model_dirs):
-    """bf16, mixed batch with per-request steering and capture: graphs change nothing."""
+    """bf16, mixed batch with per-request adds, clamps and ablations, global steering and capture:
+    graphs change nothing."""
     path = model_dirs["qwen3"]
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 300) for _ in range(rng.randrange(5, 60))] for _ in range(24)]
@@ -73,13 +77,17 @@ def test_graph_replay_is_bit_identical_to_eager(model_dirs):
         kw = dict(max_tokens=20, temperature=0, ignore_eos=True)
         if i % 3 == 0:
             kw["steering_vectors"] = {"post_attn": {1: _vec(10 + i, 1.0)}}
+        elif i % 3 == 1:
+            kw["steering_vectors"] = SteeringSpec(clamps=[Clamp(1, _vec(40 + i), min=-0.5, max=0.5),
+                                                          Clamp(2, _vec(70 + i), hook="pre_attn", min=0.0, max=0.0)])
         if i % 4 == 0:
             kw["capture"] = CaptureSpec(layers=[0, 2], select="all_generated")
         params.append(SamplingParams(**kw))
     results = {}
     for eager in (True, False):
         llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=eager)
-        llm.set_steering_vectors({"pre_attn": {2: _vec(99, 0.5)}})
+        llm.set_steering_vectors(SteeringSpec(vectors={"pre_attn": {2: _vec(99, 0.5)}},
+                                              clamps=[Clamp(0, _vec(98), hook="post_attn", min=-1.0, max=1.0)]))
         llm.start_capture(layers=[1], select="all_generated")
         outs = llm.generate(prompts, params, use_tqdm=False)
         stream = llm.fetch_captured()
@@ -94,6 +102,48 @@ def test_graph_replay_is_bit_identical_to_eager(model_dirs):
     assert eager_stream[1][1] == graph_stream[1][1]
 
 
+@pytest.fixture(scope="module")
+def gemma_shapes(tmp_path_factory):
+    """Random bf16 Gemma 3 checkpoints of the 270M and 4B text models' shapes (benchmarks/common.py)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import common
+
+    root = tmp_path_factory.mktemp("gemma_shapes")
+    return {shape: common.build_random_model(str(root / shape), *common.SHAPES[shape][:2])
+            for shape in ("gemma3-270m", "gemma3-4b")}
+
+
+@pytest.mark.parametrize("shape", ["gemma3-270m", "gemma3-4b"])
+def test_gemma_graph_replay_equals_eager(gemma_shapes, shape):
+    """bf16, 24 requests whose contexts outgrow the window (512 / 1024), per-request steering on a
+    local and a global layer, captures: decode steps replayed from graphs give eager's tokens and
+    rows bit for bit."""
+    path = gemma_shapes[shape]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 200000) for _ in range(rng.randrange(300, 1400))] for _ in range(24)]
+    hidden = 640 if shape == "gemma3-270m" else 2560
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=65536, enforce_eager=eager)
+        params = []
+        for i in range(24):
+            kw = dict(max_tokens=40, temperature=0, ignore_eos=True)
+            if i % 3 == 0:
+                vec = (torch.randn(hidden, generator=torch.Generator().manual_seed(i)) * 2).tolist()
+                kw["steering_vectors"] = {"post_attn": {4: vec}, "post_mlp": {5: vec}}
+            if i % 4 == 0:
+                kw["capture"] = CaptureSpec(layers=[0, 5], select="all_generated")
+            params.append(SamplingParams(**kw))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[eager] = (outs, llm.llm_engine.stats())
+    (eager_outs, _), (graph_outs, stats) = results[True], results[False]
+    assert stats["graph_replays"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    for a, b in zip(eager_outs, graph_outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for layer, t in a.captures.get("hidden_states", {}).items():
+            assert torch.equal(t, b.captures["hidden_states"][layer])
+
+
 def test_gpu_kv_cache_sized_from_free_memory(model_dirs):
     llm = LLM(model_dirs["llama"], dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()
@@ -101,3 +151,72 @@ def test_gpu_kv_cache_sized_from_free_memory(model_dirs):
     assert 0.1 * total < kv_bytes < 0.3 * total
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
+def test_qwen3_moe_decodes_from_cuda_graphs(tmp_path):
+    """Expert dispatch has static shapes: decode replays CUDA graphs (router-logit capture and
+    steering inside), fp32 greedy equals HF, and bf16 replay equals eager bit for bit."""
+    from test_qwen3_moe import build_qwen3_moe
+
+    path = str(tmp_path / "moe")
+    build_qwen3_moe(path, seed=3, num_hidden_layers=3, mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)
+    llm = LLM(path, dtype="float32", device="cuda", kv_cache_tokens=8192)
+    hf = hf_model(path)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 12)
+    assert llm.llm_engine.stats()["graph_replays"] > 0
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                            steering_vectors=SteeringSpec(vectors={"post_attn": {0: _vec(5, 1.0)}},
+                                                          clamps=[Clamp(2, _vec(6), min=-0.5, max=0.5)]),
+                            capture=CaptureSpec("router_logits", select="all_generated"))
+    results = {}
+    for eager in (True, False):
+        engine = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192, enforce_eager=eager)
+        results[eager] = engine.generate(PROMPTS, params, use_tqdm=False)
+        assert (engine.llm_engine.stats()["graph_replays"] > 0) == (not eager)
+    for a, b in zip(results[True], results[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for layer, rows in a.captures["router_logits"].items():
+            assert torch.equal(rows, b.captures["router_logits"][layer])
+
+
+def test_graphs_are_captured_inside_llm_construction(model_dirs):
+    """LLM(...) compiles and captures every decode graph size (sampling inside the graph, and
+    outside it for top-p); the first generate captures nothing."""
+    llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, max_num_seqs=40)
+    stats = llm.llm_engine.stats()
+    sizes = llm.llm_engine.worker.graphs.sizes
+    assert stats["graph_captures"] == 2 * len(sizes) and stats["graph_replays"] == 0
+    prompts = [[7 + i] * (5 + 3 * i) for i in range(33)]
+    for top_p in (1.0, 0.8):
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, top_p=top_p, ignore_eos=True),
+                     use_tqdm=False)
+    after = llm.llm_engine.stats()
+    assert after["graph_captures"] == 2 * len(sizes) and after["graph_replays"] > 0
+    eager = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=True)
+    assert eager.llm_engine.stats()["graph_captures"] == 0
+
+
+def test_fp8_kv_cache_on_gpu(capture_dirs):
+    """fp8 KV through the Triton kernels: graph replay equals eager with steering and capture inside,
+    and the next token agrees with a bf16 cache (teacher-forced, tiny random model)."""
+    from test_fp8_kv import teacher_forced_agreement
+
+    path = capture_dirs["qwen3"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                            steering_vectors=SteeringSpec(vectors={"post_mlp": {0: _vec(1, 0.5)}},
+                                                          clamps=[Clamp(1, _vec(2), min=-0.5, max=0.5)]),
+                            capture=CaptureSpec(layers=[1], select="all_generated"))
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192, kv_cache_dtype="fp8",
+                  enforce_eager=eager)
+        assert llm.llm_engine.worker.kv_cache.dtype == torch.float8_e4m3fn
+        runs[eager] = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert torch.equal(a.captures["hidden_states"][1], b.captures["hidden_states"][1])
+    bf16 = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192)
+    prompt = bf16.get_tokenizer()(PROMPTS[3]).input_ids
+    assert teacher_forced_agreement(bf16, llm, prompt, 64) >= 0.9

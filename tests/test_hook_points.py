@@ -1,11 +1,11 @@
-"""When the residual add, steering and norm may run as one kernel: only when every write at the
-sites is a table lookup to add and no read needs a value that a later write changes."""
+"""When the residual add, steering and norm may run as one kernel: whenever no read needs a value
+that a later write changes (additive rows and projection clamps alike)."""
 
 from types import SimpleNamespace
 
 import torch
 
-from steerable.hook_points import POST_ATTN, POST_MLP, PRE_ATTN, HookPoints
+from steerable.hook_points import POST_ATTN, POST_MLP, PRE_ATTN, HookPoints, SiteWrite
 
 TABLE = torch.zeros(2, 4)
 INDEX = torch.zeros(3, dtype=torch.int64)
@@ -18,8 +18,10 @@ class FakeSteering:
     def acts_at(self, site):
         return site in self.adds | self.clamps
 
-    def table_add(self, site):
-        return (TABLE, INDEX) if site in self.adds and site not in self.clamps else None
+    def site_write(self, site):
+        clamped = site in self.clamps
+        return SiteWrite(INDEX, TABLE if site in self.adds else None, TABLE[:, None] if clamped else None,
+                         TABLE[:, None, :3] if clamped else None)
 
 
 class FakeCapture:
@@ -31,7 +33,7 @@ class FakeCapture:
 
 
 def plan(steering, capture, sites=((POST_MLP, 0), (PRE_ATTN, 1))):
-    return HookPoints._table_adds(list(sites), SimpleNamespace(steering=steering, capture=capture))
+    return HookPoints._fusable_writes(list(sites), SimpleNamespace(steering=steering, capture=capture))
 
 
 def test_adds_at_both_sites_fuse_into_two_lookups():
@@ -54,5 +56,9 @@ def test_read_between_writes_does_not_fuse():
     assert plan(FakeSteering(adds=[(PRE_ATTN, 1)]), FakeCapture([(POST_MLP, 0)])) is None
 
 
-def test_clamp_does_not_fuse():
-    assert plan(FakeSteering(adds=[(POST_ATTN, 0)], clamps=[(POST_ATTN, 0)]), FakeCapture(), [(POST_ATTN, 0)]) is None
+def test_clamps_fuse_like_adds():
+    writes = plan(FakeSteering(adds=[(POST_ATTN, 0)], clamps=[(POST_ATTN, 0)]), FakeCapture(), [(POST_ATTN, 0)])
+    assert len(writes) == 1 and writes[0].add is not None and writes[0].clamp_dir is not None
+    both = plan(FakeSteering(clamps=[(POST_MLP, 0), (PRE_ATTN, 1)]), FakeCapture([(PRE_ATTN, 1)]))
+    assert [w.add is None and w.clamp_dir is not None for w in both] == [True, True]
+    assert plan(FakeSteering(clamps=[(PRE_ATTN, 1)]), FakeCapture([(POST_MLP, 0)])) is None

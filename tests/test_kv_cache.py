@@ -25,8 +25,9 @@ def test_shared_prefix_hits_and_never_covers_last_token():
     assert _run_prefill(kv, a) == 0
     b = _req("b", list(range(1, 13)))  # identical prompt: the last block must be recomputed
     assert _run_prefill(kv, b) == 8
-    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
-    assert kv.ref_counts[a.block_ids[0]] == 2
+    (a_blocks,), (b_blocks,) = a.block_ids, b.block_ids  # one KV group
+    assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] != a_blocks[2]
+    assert kv.ref_counts[a_blocks[0]] == 2
     c = _req("c", list(range(1, 9)) + [99, 98, 97, 96, 95])
     assert _run_prefill(kv, c) == 8
 
@@ -47,14 +48,14 @@ def test_free_lru_order_and_eviction():
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     a = _req("a", [1, 2, 3, 4, 5])
     _run_prefill(kv, a)
-    a_blocks = list(a.block_ids)
+    a_blocks = list(a.block_ids[0])
     kv.free(a)
     assert kv.num_free_blocks == 4 and a.block_ids == []
     # Freed in reverse: after the never-used block, a's tail is reused first; its prefix survives.
     b = _req("b", [9, 9, 9])
     _run_prefill(kv, b)
     unused = ({0, 1, 2, 3} - set(a_blocks)).pop()
-    assert b.block_ids == [unused, a_blocks[2]]
+    assert b.block_ids == [[unused, a_blocks[2]]]
     kv.free(b)
     c = _req("c", [1, 2, 3, 4, 7])
     assert _run_prefill(kv, c) == 4  # a's first two blocks are still cached
@@ -66,7 +67,7 @@ def test_allocate_is_all_or_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     a = _req("a", list(range(10)))
     assert not kv.allocate(a, 13)
-    assert a.block_ids == [] and kv.num_free_blocks == 3
+    assert a.block_ids == [[]] and kv.num_free_blocks == 3
     assert kv.allocate(a, 10) and kv.num_free_blocks == 0
 
 

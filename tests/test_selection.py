@@ -244,6 +244,9 @@ def test_random_specs_match_oracle(seed):
             # Conservative: must never say False when a generation row is selected.
             if any(p >= P for p in want):
                 assert spec.may_select_generation(), kw
+            # Sound: every row from selects_all_from on is selected.
+            start = spec.selects_all_from(P)
+            assert all(p in want for p in range(P + G) if p >= start), (kw, P, start)
     # The generator is not degenerate.
     assert n_gen_rows_selected > 0 and n_prompt_rows_selected > 0
 
@@ -700,3 +703,14 @@ def test_next_candidate_is_a_lower_bound_on_selected_rows():
                 assert not later or bound <= later[0]
     assert SelectSpec(positions=[3, 40]).next_candidate(4, 10) == 40
     assert SelectSpec.parse("last_prompt").next_candidate(10, 10) == float("inf")
+
+
+def test_selects_all_from_exact_for_common_specs():
+    P = 10
+    cases = [("all", 0), ("all_generated", P), ("last_prompt", float("inf")), ("all_prompt", float("inf")),
+             (SelectSpec(generation_window=(2, None)), P + 2), (SelectSpec(), 0),
+             (SelectSpec(generation="all", exclude_generation_positions=[0, 3]), P + 4),
+             (SelectSpec(generation="all", exclude_generation_tokens=[5]), float("inf")),
+             (SelectSpec(exclude_prompt_tokens=[5]), P), (SelectSpec(generation_window=(1, 4)), float("inf"))]
+    for spec, start in cases:
+        assert SelectSpec.parse(spec).selects_all_from(P) == start, spec

@@ -61,3 +61,21 @@ def test_cli_prints_readable_text():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tok/s" in proc.stderr
+
+
+def test_cached_gguf_tokenizer_equals_the_rebuilt_one(tmp_path, monkeypatch):
+    """The tokenizer rebuilt from the GGUF is saved once; a later load reads the saved copy, which must
+    tokenize, decode and apply the chat template exactly as the rebuilt one."""
+    from steerable.models.gguf import load_gguf_tokenizer
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rebuilt = load_gguf_tokenizer(smollm2_gguf())
+    assert len(list((tmp_path / "steerable" / "gguf-tokenizers").iterdir())) == 1
+    cached = load_gguf_tokenizer(smollm2_gguf())
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    for text in [*PROMPTS, "Ünïcödé — and emoji 🙂", "  leading spaces\\n\\ttabs"]:
+        assert cached(text).input_ids == rebuilt(text).input_ids
+        assert cached.decode(rebuilt(text).input_ids) == rebuilt.decode(rebuilt(text).input_ids)
+    assert cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == \
+        rebuilt.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert (cached.eos_token_id, cached.bos_token_id, cached.all_special_ids) == \
+        (rebuilt.eos_token_id, rebuilt.bos_token_id, rebuilt.all_special_ids)

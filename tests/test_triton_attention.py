@@ -324,7 +324,7 @@ def test_gqa_ratios(num_q_heads, num_kv_heads):
     run_and_check(dec, workspace=DecodeWorkspace(3, num_q_heads, 64, DEVICE, num_segments=4))
 
 
-@pytest.mark.parametrize("head_d", [64, 128, 80])
+@pytest.mark.parametrize("head_d", [64, 128, 80, 256])  # 256: Gemma 3
 def test_head_sizes(head_d):
     case = make_case(MIXED, 8, 2, head_d, 16, seed=51)
     run_and_check(case, sliding_window=20)

@@ -1,9 +1,23 @@
-"""The capture data plane on the worker: gather the planned rows at the hook points into staging
-tensors, then bring them to the host in one pinned copy per dtype.
+"""The capture data plane on the worker: gather the planned rows at the hook points into one
+staging block per group, then bring the blocks to the host.
 
-Row indices live in persistent device buffers, so a CUDA graph replays the gathers of a step with
-the same plan shape (hook, layers, dtype per group) but other rows; a graph gathers a fixed number
-of rows (the padded step size) and the padding rows are dropped when copying out.
+A group's block is ``[layers, rows, width]``: every layer's rows of one step side by side, so the
+driver hands a whole step to a stream with one copy per layer and a request's rows of every layer
+with one ``index_select``. Row indices live in persistent device buffers, so a CUDA graph replays
+the gathers of a step with the same plan shape (hook, layers, dtype per group) but other rows; a
+graph gathers a fixed number of rows (the padded step size) and the padding rows are dropped on the
+host.
+
+Under tensor parallelism every rank holds the same plan. Replicated activations (the residual
+stream, router logits) are recorded by tensor-parallel rank 0 alone; a component split over the
+ranks (per-head attention outputs) is gathered from all of them into rank 0's block, in the layout
+one rank would have. Under pipeline parallelism a stage fills only its own layers of a block (a
+group with none there has no block); the driver merges the stages' blocks.
+
+On CUDA the copy to the host must neither stall the next step nor race it: the blocks are copied
+(device to device, a few microseconds) into an outbox, and a side stream moves the outbox to pinned
+host memory while the compute stream runs on. Outboxes and host buffers come in two sets used by
+alternate copying steps: the driver finishes step N before it launches step N + 2.
 """
 
 from __future__ import annotations
@@ -11,16 +25,25 @@ from __future__ import annotations
 import torch
 
 from steerable.checks import FLOAT_DTYPES
+from steerable.distributed.groups import TPGroup
 from steerable.step import CapturePlan, Site
 
 
 class CaptureBuffers:
-    """Persistent row-index buffers, one per group of a step, each ``max_tokens`` long."""
+    """Persistent row-index buffers, one per group of a step, each ``max_tokens`` long, and the
+    double-buffered outbox of the copies to the host. ``sharded``: components whose value on a
+    rank is its slice of the row (gathered over ``tp``)."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, device: torch.device, tp: TPGroup | None = None,
+                 sharded: frozenset[str] = frozenset()):
         self.max_tokens = max_tokens
         self.device = device
+        self.tp = tp if tp is not None else TPGroup()
+        self.sharded = sharded if self.tp.size > 1 else frozenset()
         self.index: list[torch.Tensor] = []
+        self._outboxes = [_Outbox(device), _Outbox(device)] if device.type == "cuda" else []
+        self._turn = 0
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def step_view(self, plan: CapturePlan, padded_tokens: int, graphed: bool) -> "StepCapture":
         while len(self.index) < len(plan.groups):
@@ -32,54 +55,110 @@ class CaptureBuffers:
             if graphed:  # the graph gathers padded_tokens rows; the extra ones read row 0 and are dropped
                 buffer[n:padded_tokens].zero_()
             views.append(buffer[:padded_tokens] if graphed else buffer[:n])
-        return StepCapture(plan, views)
+        return StepCapture(plan, views, self.tp, self.sharded)
+
+    def copy_to_host(self, blocks: list[torch.Tensor | None], plan: CapturePlan
+                     ) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
+        """Enqueue the copies of a step's gathered blocks to the host. Returns per group the host
+        rows ``[layers, rows, width]`` (padding dropped; None where this rank recorded nothing)
+        and the event to wait on before reading them; the host rows stay valid until the second
+        copying step after this one."""
+        counts = [len(group.rows) for group in plan.groups]
+        if self._copy_stream is None:
+            return [None if block is None else block[:, :n] for block, n in zip(blocks, counts)], None
+        present = [(g, block) for g, block in enumerate(blocks) if block is not None]
+        host: list[torch.Tensor | None] = [None] * len(blocks)
+        if not present:
+            return host, None
+        outbox = self._outboxes[self._turn]
+        self._turn ^= 1
+        copied = outbox.copy([block for _, block in present], [counts[g] for g, _ in present], self._copy_stream)
+        for (g, _), rows in zip(present, copied):
+            host[g] = rows
+        return host, outbox.done
+
+
+class _Outbox:
+    """One set of device and pinned host buffers per dtype (grown on demand) for a step's copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.staging: dict[torch.dtype, torch.Tensor] = {}
+        self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.done = torch.cuda.Event()
+
+    def copy(self, blocks: list[torch.Tensor], counts: list[int], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(self.done)  # the previous copy out of these buffers has finished
+        offsets, totals = [], {}
+        for block in blocks:
+            offsets.append(totals.get(block.dtype, 0))
+            totals[block.dtype] = offsets[-1] + block.numel()
+        for dtype, total in totals.items():
+            if dtype not in self.staging or self.staging[dtype].numel() < total:
+                size = max(total, 2 * self.staging[dtype].numel() if dtype in self.staging else 0)
+                self.staging[dtype] = torch.empty(size, dtype=dtype, device=self.device)
+                self.host[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
+        for block, offset in zip(blocks, offsets):
+            self.staging[block.dtype][offset:offset + block.numel()].view(block.shape).copy_(block)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for dtype, total in totals.items():
+                self.host[dtype][:total].copy_(self.staging[dtype][:total], non_blocking=True)
+            self.done.record(stream)
+        return [self.host[block.dtype][offset:offset + block.numel()].view(block.shape)[:, :n]
+                for block, offset, n in zip(blocks, offsets, counts)]
 
 
 class StepCapture:
     """What the hook points ask of capture in one step: is a site read, and record it."""
 
-    def __init__(self, plan: CapturePlan, index: list[torch.Tensor]):
+    def __init__(self, plan: CapturePlan, index: list[torch.Tensor], tp: TPGroup, sharded: frozenset[str]):
         self.plan = plan
         self.index = index
+        self.tp = tp
+        self.sharded = sharded
         self.dtypes = [FLOAT_DTYPES[g.dtype] if g.dtype is not None else None for g in plan.groups]
-        self.sites: dict[Site, list[int]] = {}
+        self.sites: dict[Site, list[tuple[int, int]]] = {}  # site -> (group, position among its layers)
         for g, group in enumerate(plan.groups):
-            for layer in group.layers:
-                self.sites.setdefault((group.hook, layer), []).append(g)
-        self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (group, layer) -> gathered rows
+            for i, layer in enumerate(group.layers):
+                self.sites.setdefault((group.hook, layer), []).append((g, i))
+        self.blocks: list[torch.Tensor | None] = [None] * len(plan.groups)
 
     def wants(self, site: Site) -> bool:
         return site in self.sites
 
     def record(self, site: Site, value: torch.Tensor) -> None:
-        """Gather the planned rows into a fresh tensor (safe to copy out after the next step starts)."""
-        for g in self.sites.get(site, ()):
-            rows = value.index_select(0, self.index[g])
-            dtype = self.dtypes[g]
-            self.staged[(g, site[1])] = rows.to(dtype) if dtype is not None else rows
+        """Gather the planned rows into the group's block (allocated at its first site, inside a
+        CUDA-graph capture from the graph's pool, so the replay writes the same memory)."""
+        sharded = site[0] in self.sharded
+        if not sharded and self.tp.rank != 0:
+            return
+        for g, i in self.sites.get(site, ()):
+            index, rows = self.index[g], value
+            if sharded:  # every rank's slice of the rows, side by side on rank 0 (None elsewhere)
+                rows = self.tp.gather(value.index_select(0, index), dim=-1)
+                if rows is None:
+                    continue
+                index = None
+            block = self.blocks[g]
+            if block is None:
+                block = self.blocks[g] = torch.empty(len(self.plan.groups[g].layers), len(self.index[g]),
+                                                     rows.shape[-1], dtype=self.dtypes[g] or rows.dtype,
+                                                     device=rows.device)
+            if index is None:
+                block[i].copy_(rows)
+            elif block.dtype == rows.dtype:
+                torch.index_select(rows, 0, index, out=block[i])
+            else:
+                block[i].copy_(rows.index_select(0, index))
 
+    def staged(self) -> list[torch.Tensor | None]:
+        """The step's blocks, one per group; None for a group this rank records nothing of (another
+        tensor-parallel rank's, or another pipeline stage's layers)."""
+        return list(self.blocks)
 
-def copy_to_host(staged: dict[tuple[int, int], torch.Tensor],
-                 plan: CapturePlan) -> tuple[dict[tuple[int, int], torch.Tensor], torch.cuda.Event | None]:
-    """Enqueue the device-to-host copies of a step's gathered rows (padding dropped): one pinned
-    buffer per dtype. Returns the host views and the event to wait on before reading them."""
-    keys = list(staged)
-    tensors = [staged[k][:len(plan.groups[k[0]].rows)] for k in keys]
-    if not tensors or tensors[0].device.type == "cpu":
-        return dict(zip(keys, tensors)), None
-    host: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, indices in by_dtype.items():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        pinned = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
-        pinned.copy_(flat, non_blocking=True)
-        offset = 0
-        for i in indices:
-            n = tensors[i].numel()
-            host[i] = pinned[offset:offset + n].view(tensors[i].shape)
-            offset += n
-    done = torch.cuda.Event()
-    done.record()
-    return dict(zip(keys, host)), done
+    def reset(self) -> None:
+        self.blocks = [None] * len(self.plan.groups)

@@ -20,18 +20,20 @@ from steerable.step import CaptureGroup, CapturePlan
 @dataclass
 class RowSelector:
     """A destination's row choice for one request, resolved once at admission (prompt part) so the
-    per-step work is a range lookup; generation rows fall back to ``SelectSpec.mask``."""
+    per-step work is a range lookup; from ``all_from`` on every row is taken (no mask); other
+    generation rows fall back to ``SelectSpec.mask``."""
 
     select: SelectSpec | None
     prompt_positions: np.ndarray | None  # sorted selected prompt positions; None = every row
     generation: bool  # may select generation rows
+    all_from: float  # every row at or after this position is selected
 
     @classmethod
     def build(cls, select: SelectSpec | None, prompt: list[int]) -> "RowSelector":
         if select is None:
-            return cls(None, None, True)
+            return cls(None, None, True, 0)
         return cls(select, np.asarray(select.prompt_positions_selected(prompt), dtype=np.int64),
-                   select.may_select_generation())
+                   select.may_select_generation(), select.selects_all_from(len(prompt)))
 
     def first_prompt_position(self, at_least: int, prompt_len: int) -> int:
         """Lowest selected prompt position >= at_least (prompt_len if none): cache hits stop there."""
@@ -42,7 +44,7 @@ class RowSelector:
 
     def next_position(self, at_least: int, prompt_len: int) -> float:
         """Lowest position >= at_least this selector might pick (inf when none can follow)."""
-        if self.select is None:
+        if self.select is None or at_least >= self.all_from:
             return at_least
         return self.select.next_candidate(at_least, prompt_len)
 
@@ -50,8 +52,8 @@ class RowSelector:
         """Indices into this chunk of the rows to record (positions are consecutive)."""
         start, n = int(positions[0]), len(positions)
         lo = max(start, skip_below)
-        if self.prompt_positions is None:
-            return np.arange(lo - start, n) if lo < start + n else np.empty(0, np.int64)
+        if lo >= self.all_from:
+            return np.arange(lo - start, n) if lo < start + n else _NO_ROWS
         pp = self.prompt_positions
         prompt_rows = pp[(pp >= lo) & (pp < min(start + n, prompt_len))] - start
         if not self.generation or start + n <= prompt_len:
@@ -59,8 +61,13 @@ class RowSelector:
         g0 = max(lo, prompt_len) - start
         if g0 >= n:
             return prompt_rows
+        if g0 + start >= self.all_from:
+            return np.concatenate([prompt_rows, np.arange(g0, n)])
         mask = self.select.mask(torch.from_numpy(positions[g0:]), prompt_len, torch.from_numpy(token_ids[g0:]))
         return np.concatenate([prompt_rows, np.flatnonzero(mask.numpy()) + g0])
+
+
+_NO_ROWS = np.empty(0, np.int64)
 
 
 @dataclass
@@ -76,6 +83,10 @@ class Destination:
     sink: Any  # the StreamStore, or the request's RequestCapture
     reduce: str = "all"  # a request's own reduction (a stream's is in its StreamStore)
     budget_rows: int | None = None
+    group: tuple = field(init=False)  # destinations with equal keys share one gather
+
+    def __post_init__(self) -> None:
+        self.group = (self.hook, tuple(self.layers), self.dtype)
 
 
 @dataclass
@@ -89,7 +100,11 @@ class RequestCapture:
     next_position: float = 0
     plan_version: int = -1
     reads_generated_tokens: bool = False
-    rows: dict[tuple[str, int], list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    # Per component, one part per step: rows of every layer [layers, n, width], positions, token ids.
+    rows: dict[str, list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+
+    def add(self, component: str, rows: torch.Tensor, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        self.rows.setdefault(component, []).append((rows, positions, token_ids))
 
 
 @dataclass
@@ -136,16 +151,28 @@ def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, toke
                 continue
             rows = selector.rows(chunk_positions, token_ids[lo:hi], prompt_len, request.max_computed_tokens)
             if len(rows):
-                key = (destination.hook, tuple(destination.layers), destination.dtype)
-                picks.setdefault(key, []).append((destination, rows + lo, request))
+                picks.setdefault(destination.group, []).append((destination, rows + lo, request))
         request.capture.next_position, request.capture.plan_version = next_position, serial
     if not picks:
         return None
     groups, planned = [], []
     for (hook, layers, dtype), entries in picks.items():
-        rows = np.unique(np.concatenate([e[1] for e in entries]))
-        takers = [(destination, request, np.searchsorted(rows, step_rows)) for destination, step_rows, request in entries]
+        rows, takers = _merge(entries)
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
         groups.append(CaptureGroup(hook, layers, dtype_name, rows))
         planned.append(PlannedGroup(positions[rows].astype(np.int32), token_ids[rows].astype(np.int32), takers))
     return CapturePlan(groups), Delivery(planned)
+
+
+def _merge(entries: list[tuple[Destination, np.ndarray, Request]]
+           ) -> tuple[np.ndarray, list[tuple[Destination, Request, np.ndarray]]]:
+    """A group's gathered rows (sorted, unique) and each taker's indices into them. One destination
+    picks disjoint, ascending rows request after request: its rows are their concatenation."""
+    first = entries[0][0]
+    rows = np.concatenate([e[1] for e in entries]) if len(entries) > 1 else entries[0][1]
+    if all(e[0] is first for e in entries):
+        ends = np.cumsum([len(e[1]) for e in entries]).tolist()
+        starts = [0, *ends[:-1]]
+        return rows, [(d, r, np.arange(a, b)) for (d, _, r), a, b in zip(entries, starts, ends)]
+    rows = np.unique(rows)
+    return rows, [(d, r, np.searchsorted(rows, step_rows)) for d, step_rows, r in entries]

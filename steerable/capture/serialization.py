@@ -100,6 +100,13 @@ class CaptureMeta:
         return CaptureMeta([self.req_ids[i] for i in idx.tolist()], self.positions[idx],
                            self.token_ids[idx])
 
+    def by_request(self) -> torch.Tensor:
+        """A permutation grouping rows by request (requests in the order of their first row, each
+        request's rows kept in order): index the data with it and ``select`` the labels."""
+        first: dict[str, int] = {}
+        keys = np.fromiter((first.setdefault(r, len(first)) for r in self.req_ids), np.int64, len(self.req_ids))
+        return torch.from_numpy(np.argsort(keys, kind="stable"))
+
     @staticmethod
     def concat(metas: Sequence[CaptureMeta]) -> CaptureMeta:
         """Stack labels in order, matching ``torch.cat`` of the corresponding tensors."""

@@ -20,8 +20,15 @@ import numpy as np
 import torch
 
 from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
-from steerable.capture.serialization import CaptureMeta, deserialize_captured
-from steerable.capture.store import StreamConfig, StreamStore, check_reduction, reduce_rows, resolve_storage_dtype
+from steerable.capture.serialization import CaptureMeta
+from steerable.capture.store import (
+    StreamConfig,
+    StreamRows,
+    StreamStore,
+    check_reduction,
+    reduce_rows,
+    resolve_storage_dtype,
+)
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import COMPONENTS, HIDDEN_STATES, POST_MLP, ROUTER_LOGITS, HookLayout, check_residual_point
 from steerable.request import Request, ScheduledRequest
@@ -46,9 +53,11 @@ class CaptureSpec:
 
 
 class CaptureSession:
-    def __init__(self, layout: HookLayout, dtype: torch.dtype):
+    def __init__(self, layout: HookLayout, dtype: torch.dtype, pin_memory: bool = False):
         """``layout``: the components the model offers and where; ``dtype``: the model's, for rows
-        stored without a dtype of their own."""
+        stored without a dtype of their own; ``pin_memory``: streams keep rows in pinned host memory
+        (a CUDA machine: resident pages, no first-touch faults while a step's rows are stored)."""
+        self.pin_memory = pin_memory
         self.available = {name: list(c.layers) for name, c in layout.components.items()}
         self.widths = {name: c.width for name, c in layout.components.items()}
         self.layouts = {name: c.describe() for name, c in layout.components.items()}
@@ -98,7 +107,7 @@ class CaptureSession:
         hook = self._hook(component, hook, "hook")
         layer_list = self._layers(component, layers, "layers")
         config = StreamConfig(layer_list, dtype, reduce, select, budget_rows)  # errors name their field
-        store = StreamStore(config, layer_list, self.layouts.get(component, {}))
+        store = StreamStore(config, layer_list, self.layouts.get(component, {}), self.pin_memory)
         # reduce="last" keeps each request's final input row: the last prompt row or a generated one,
         # neither of which a prefix-cache hit can skip, so it must not disable the cache.
         row_select = SelectSpec(prompt_positions=[-1], generation="all") if reduce == "last" else config.select
@@ -114,7 +123,7 @@ class CaptureSession:
         self._serial += 1
         if destination is not None:
             store = destination.sink
-            for request_id in {rid for rid, _ in store.partial}:
+            for request_id in store.pending_requests():
                 store.finish_request(request_id)
             self.stopped[stream] = store
 
@@ -131,9 +140,8 @@ class CaptureSession:
             return {}, {}
         if isinstance(req_ids, str):
             req_ids = [req_ids]
-        wire = store.serialize(list(layers) if layers is not None else None,
-                               list(req_ids) if req_ids is not None else None, clear_selected=clear)
-        return deserialize_captured(wire)
+        return store.fetch(list(layers) if layers is not None else None,
+                           list(req_ids) if req_ids is not None else None, clear_selected=clear)
 
     def clear(self, stream: str) -> None:
         store = self._store(stream)
@@ -245,33 +253,33 @@ class CaptureSession:
         return self._token_readers > 0 or any(
             d.select is not None and d.select.reads_generated_tokens for d in self.streams.values())
 
-    def deliver(self, delivery: Delivery, captured: dict[tuple[int, int], torch.Tensor], graphed: bool) -> None:
-        """Hand each destination its rows of a finished step, split per request. Requests that finished
-        meanwhile get nothing: their last row fed back the token that stopped them, or they were aborted."""
+    def deliver(self, delivery: Delivery, captured: list[torch.Tensor], graphed: bool) -> None:
+        """Hand each destination its rows of a finished step: a stream takes every request's rows of a
+        group at once, a request's own capture its rows of every layer in one copy. Requests that
+        finished meanwhile get nothing: their last row fed back the token that stopped them, or they
+        were aborted. ``captured[g]`` is group g's ``[layers, rows, width]`` on the host, valid only
+        during this call."""
         if graphed:
             self.graph_replays += 1
         else:
             self.eager_capture_forwards += 1
-        for group in delivery.groups:
+        for group, block in zip(delivery.groups, captured):
             _fill_pending_tokens(group)
-        for (g, layer), tensor in captured.items():
-            group = delivery.groups[g]
+            streams: dict[int, tuple[Destination, list[tuple[Request, np.ndarray]]]] = {}
             for destination, request, where in group.takers:
                 if request.finished or request.paused:
                     continue
-                # A compact copy per request: stored rows never pin the whole step buffer.
-                rows = tensor.index_select(0, torch.from_numpy(where))
-                self._deliver_rows(destination, layer, request.request_id, rows, group.positions[where],
-                                   group.token_ids[where])
-
-    def _deliver_rows(self, destination: Destination, layer: int, request_id: str, tensor: torch.Tensor,
-                      positions: np.ndarray, token_ids: np.ndarray) -> None:
-        self.rows_delivered += len(tensor)
-        sink = destination.sink
-        if isinstance(sink, StreamStore):
-            sink.append(layer, request_id, tensor, positions, token_ids)
-        else:
-            sink.rows.setdefault((destination.component, layer), []).append((tensor, positions, token_ids))
+                self.rows_delivered += len(where) * block.shape[0]  # rows of every layer of the group
+                if isinstance(destination.sink, StreamStore):
+                    streams.setdefault(id(destination), (destination, []))[1].append((request, where))
+                else:
+                    destination.sink.add(destination.component, block.index_select(1, torch.from_numpy(where)),
+                                         group.positions[where], group.token_ids[where])
+            for destination, takers in streams.values():
+                where = np.concatenate([w for _, w in takers]) if len(takers) > 1 else takers[0][1]
+                counts = np.fromiter((len(w) for _, w in takers), np.int64, len(takers))
+                destination.sink.append(StreamRows(block, where, [r.request_id for r, _ in takers], counts,
+                                                   group.positions[where], group.token_ids[where]))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -296,18 +304,19 @@ class CaptureSession:
         for destination in state.destinations:
             component = destination.component
             tensors[component], metas[component] = {}, {}
-            for layer in destination.layers:
-                parts = state.rows.get((component, layer), [])
-                width = self.widths[component]
-                dtype = destination.dtype or self.dtype
-                tensor = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, width, dtype=dtype)
-                positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
-                token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
-                tensor, positions, token_ids = reduce_rows(tensor, positions, token_ids, destination.reduce,
-                                                           destination.budget_rows, destination.dtype)
+            parts = state.rows.get(component, [])
+            positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
+            token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
+            for i, layer in enumerate(destination.layers):
+                if parts:
+                    tensor = torch.cat([p[0][i] for p in parts])
+                else:
+                    tensor = torch.empty(0, self.widths[component], dtype=destination.dtype or self.dtype)
+                tensor, kept_positions, kept_tokens = reduce_rows(tensor, positions, token_ids, destination.reduce,
+                                                                  destination.budget_rows, destination.dtype)
                 tensors[component][layer] = tensor
-                metas[component][layer] = CaptureMeta([request.request_id] * len(positions),
-                                                      torch.from_numpy(positions), torch.from_numpy(token_ids))
+                metas[component][layer] = CaptureMeta([request.request_id] * len(kept_positions),
+                                                      torch.from_numpy(kept_positions), torch.from_numpy(kept_tokens))
         for consumer in self.consumers:
             for component in tensors:
                 consumer.on_capture(request.request_id, component, tensors[component], metas[component])
@@ -317,9 +326,14 @@ class CaptureSession:
 def _fill_pending_tokens(group: Any) -> None:
     """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
     delivery that token is known."""
+    token_ids, positions = group.token_ids, group.positions
     for _, request, where in group.takers:
         if request.finished or request.paused:
             continue
-        missing = where[group.token_ids[where] == PLACEHOLDER]
-        for i in missing:
-            group.token_ids[i] = request.all_token_ids[group.positions[i]]
+        if len(where) == 1:  # a decode row: scalar work
+            i = where[0]
+            if token_ids[i] == PLACEHOLDER:
+                token_ids[i] = request.all_token_ids[positions[i]]
+            continue
+        for i in where[token_ids[where] == PLACEHOLDER].tolist():
+            token_ids[i] = request.all_token_ids[positions[i]]

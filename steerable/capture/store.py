@@ -1,15 +1,20 @@
-"""Where a capture stream's rows accumulate on the host, with their labels, until they are fetched."""
+"""Where a capture stream's rows accumulate on the host, with their labels, until they are fetched.
+
+A step's rows reach a stream as one block per layer (every request's rows at once), so storing is
+a copy per layer into that layer's ``RowLog``, reductions are a table update per layer, and a fetch
+is one gather per layer: no work per request and layer in Python.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from steerable.capture.serialization import match_capture_request_id, serialize_capture_layer
+from steerable.capture.rowlog import RowLog
+from steerable.capture.serialization import CaptureMeta, match_capture_request_id, serialize_capture_layer
 from steerable.checks import float_dtype, is_int
 from steerable.errors import InvalidRequestError
 from steerable.selection import SelectSpec
@@ -72,123 +77,262 @@ class StreamConfig:
                            "budget for long runs")
 
 
+class StreamRows:
+    """One step's rows for a stream: ``block[layer_index][where]``, ``counts[i]`` consecutive rows of
+    ``request_ids[i]`` (in position order), with their labels."""
 
-@dataclass
-class _Rows:
-    tensor: torch.Tensor  # [n, width] on the host
-    positions: np.ndarray  # int32 [n]
-    token_ids: np.ndarray  # int32 [n]
+    __slots__ = ("block", "where", "request_ids", "counts", "positions", "token_ids")
+
+    def __init__(self, block: torch.Tensor, where: np.ndarray, request_ids: list[str], counts: np.ndarray,
+                 positions: np.ndarray, token_ids: np.ndarray):
+        self.block = block  # [layers, step rows, width] on the host
+        self.where = where  # int64 [n]
+        self.request_ids = request_ids
+        self.counts = counts  # int64, one per request
+        self.positions = positions  # int32 [n]
+        self.token_ids = token_ids  # int32 [n]
 
 
 class StreamStore:
-    """Bounded host store for one stream: rows kept per (layer, request) so a client can drain one
-    request at a time; every row carries (request id, absolute position, token id)."""
+    """Bounded host store for one stream: per layer a log of rows labelled (request, absolute
+    position, token id), in the order they were computed (so a request's rows by position)."""
 
-    def __init__(self, config: StreamConfig, layers: list[int], layouts: dict[int, dict[str, int]]):
+    def __init__(self, config: StreamConfig, layers: list[int], layouts: dict[int, dict[str, int]],
+                 pin_memory: bool = False):
         self.config = config
         self.layers = layers
         self.layouts = layouts
-        self.rows: dict[int, dict[str, list[_Rows]]] = {layer: {} for layer in layers}
-        self.request_order: dict[str, int] = {}
-        self.layer_rows = dict.fromkeys(layers, 0)
+        self.logs = {layer: RowLog(pin_memory) for layer in layers}
+        self.owner_of: dict[str, int] = {}  # request id -> its index in the logs' owner column
+        self.ids: dict[int, str] = {}
+        self._next_owner = 0
         self.tokens_dropped = 0
-        # reduce="last"/"mean": per (request, layer) the running last row or (sum, count).
-        self.partial: dict[tuple[str, int], Any] = {}
+        self.reduction = _Reduction(config.reduce, len(layers)) if config.reduce != "all" else None
 
     @property
     def tokens_stored(self) -> int:
-        return sum(self.layer_rows.values())
+        return sum(len(log) for log in self.logs.values())
 
-    def append(self, layer: int, request_id: str, tensor: torch.Tensor, positions: np.ndarray,
-               token_ids: np.ndarray) -> None:
-        """Rows of one request at one layer, already on the host, in position order."""
-        if self.config.reduce == "mean":
-            total, count = self.partial.get((request_id, layer), (0.0, 0))
-            self.partial[(request_id, layer)] = (total + tensor.float().sum(0), count + len(tensor))
+    def append(self, rows: StreamRows) -> None:
+        """A step's rows of every layer, already on the host."""
+        if self.reduction is not None:
+            self.reduction.add(rows)
             return
-        if self.config.reduce == "last":
-            self.partial[(request_id, layer)] = _Rows(tensor[-1:], positions[-1:], token_ids[-1:])
-            return
-        self._store(layer, request_id, _Rows(tensor, positions, token_ids))
-
-    def _store(self, layer: int, request_id: str, rows: _Rows) -> None:
-        n = len(rows.tensor)
-        budget = self.config.budget_rows
-        if budget is not None:
-            keep = max(0, min(n, budget - self.layer_rows[layer]))
-            self.tokens_dropped += n - keep
+        owners = np.repeat(np.fromiter((self._owner(rid) for rid in rows.request_ids), np.int64,
+                                       len(rows.request_ids)), rows.counts)
+        where = rows.where
+        n = len(where)
+        every = n == rows.block.shape[1] and (n == 0 or (where[0] == 0 and where[-1] == n - 1))
+        index = None if every else torch.from_numpy(where)
+        for i, layer in enumerate(self.layers):
+            keep = self._room(layer, n)
+            source = rows.block[i]
             if keep < n:
-                rows = _Rows(rows.tensor[:keep], rows.positions[:keep], rows.token_ids[:keep])
-            if keep == 0:
-                return
-        self.request_order.setdefault(request_id, len(self.request_order))
-        self.rows[layer].setdefault(request_id, []).append(rows)
-        self.layer_rows[layer] += len(rows.tensor)
+                source, index_k = (source[:keep], None) if every else (source, torch.from_numpy(where[:keep]))
+            else:
+                index_k = index
+            self.logs[layer].append(source, index_k, owners[:keep], rows.positions[:keep], rows.token_ids[:keep])
+
+    def _owner(self, request_id: str) -> int:
+        owner = self.owner_of.get(request_id)
+        if owner is None:
+            owner = self.owner_of[request_id] = self._next_owner
+            self.ids[owner] = request_id
+            self._next_owner += 1
+        return owner
+
+    def _room(self, layer: int, n: int) -> int:
+        """How many of ``n`` new rows the budget lets ``layer`` keep (the rest are counted dropped)."""
+        budget = self.config.budget_rows
+        keep = n if budget is None else max(0, min(n, budget - len(self.logs[layer])))
+        self.tokens_dropped += n - keep
+        return keep
 
     def finish_request(self, request_id: str) -> None:
-        """Materialise a reduced row for the request (reduce='last'/'mean')."""
-        for layer in self.layers:
-            partial = self.partial.pop((request_id, layer), None)
-            if partial is None:
-                continue
-            if self.config.reduce == "mean":
-                total, count = partial
-                dtype = self.config.dtype or torch.float32
-                row = (total / count).to(dtype).unsqueeze(0)
-                self._store(layer, request_id, _Rows(row, np.array([-1], np.int32), np.array([-1], np.int32)))
-            else:
-                self._store(layer, request_id, partial)
+        """Materialise the request's reduced row (reduce='last'/'mean')."""
+        if self.reduction is None:
+            return
+        reduced = self.reduction.pop(request_id, self.config.dtype)
+        if reduced is None:
+            return
+        rows, position, token_id = reduced
+        owner = np.array([self._owner(request_id)], np.int64)
+        for i, layer in enumerate(self.layers):
+            if self._room(layer, 1):
+                self.logs[layer].append(rows[i:i + 1], None, owner, np.array([position], np.int32),
+                                        np.array([token_id], np.int32))
 
     def abort_request(self, request_id: str) -> None:
-        for layer in self.layers:
-            self.partial.pop((request_id, layer), None)
+        if self.reduction is not None:
+            self.reduction.pop(request_id, None)
+
+    def pending_requests(self) -> list[str]:
+        """Requests with a reduction not yet materialised."""
+        return self.reduction.requests() if self.reduction is not None else []
+
+    # ------------------------------------------------------------ reading
+
+    def fetch(self, layers: list[int] | None = None, req_ids: list[str] | None = None,
+              clear_selected: bool = False) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta]]:
+        """Per layer the rows of the selected requests (``req_ids``: client-visible ids) in the order
+        they were computed, and their labels: every row is a view of the log (or one concatenation),
+        a subset one gather. Labels equal across layers (the usual case) are built once."""
+        tensors, metas = {}, {}
+        previous: tuple[np.ndarray, list[str]] | None = None
+        for layer in self._wanted(layers):
+            log = self.logs[layer]
+            owner, positions, token_ids = log.labels()
+            index = None if req_ids is None else np.flatnonzero(self._selected(owner, req_ids))
+            if index is not None:
+                owner, positions, token_ids = owner[index], positions[index], token_ids[index]
+            if not len(owner):
+                continue
+            tensors[layer] = log.rows(index)
+            if previous is not None and np.array_equal(previous[0], owner):
+                names = previous[1]
+            else:
+                table, inverse = np.unique(owner, return_inverse=True)
+                names = np.array([self.ids[o] for o in table.tolist()], dtype=object)[inverse].tolist()
+                previous = (owner.copy(), names)
+            metas[layer] = CaptureMeta(names, torch.from_numpy(positions.copy()), torch.from_numpy(token_ids.copy()))
+            if clear_selected:
+                if index is None:
+                    log.clear()
+                else:
+                    log.keep(~self._selected(log.labels()[0], req_ids))
+        if clear_selected:  # drained requests are forgotten, so a long-running stream stays bounded
+            self._forget_drained()
+        return tensors, metas
 
     def serialize(self, layers: list[int] | None = None, req_ids: list[str] | None = None,
                   clear_selected: bool = False) -> dict[int, dict[str, Any]]:
-        """Wire dicts per layer (see ``serialize_capture_layer``); ``req_ids`` are client-visible ids."""
-        unknown = [] if layers is None else [layer for layer in layers if layer not in self.rows]
+        """Wire dicts per layer (see ``serialize_capture_layer``): for sending rows to another
+        process; in-process readers use ``fetch``."""
+        tensors, metas = self.fetch(layers, req_ids, clear_selected)
+        result = {}
+        for layer, tensor in tensors.items():
+            meta = metas[layer]
+            table, req_idx = np.unique(np.array(meta.req_ids, dtype=object), return_inverse=True)
+            labels = torch.stack([torch.from_numpy(req_idx.astype(np.int32)), meta.positions, meta.token_ids], 1)
+            result[layer] = serialize_capture_layer(tensor, labels, table.tolist(), self.layouts.get(layer))
+        return result
+
+    def _wanted(self, layers: list[int] | None) -> list[int]:
+        unknown = [] if layers is None else [layer for layer in layers if layer not in self.logs]
         if unknown:
             raise InvalidRequestError(f"layers: {unknown} are not captured by this stream; captured: {self.layers}")
-        wanted = self.layers if layers is None else list(layers)
-        result = {}
-        for layer in wanted:
-            by_request = self.rows[layer]
-            ids = sorted(by_request, key=self.request_order.__getitem__)
-            if req_ids is not None:
-                ids = [rid for rid in ids if any(match_capture_request_id(rid, c) for c in req_ids)]
-            if not ids:
-                continue
-            chunks = [(i, rows) for i, rid in enumerate(ids) for rows in by_request[rid]]
-            tensor = torch.cat([rows.tensor for _, rows in chunks])
-            labels = np.concatenate([np.stack([np.full(len(rows.positions), i, np.int32), rows.positions,
-                                               rows.token_ids], axis=1) for i, rows in chunks])
-            result[layer] = serialize_capture_layer(tensor, torch.from_numpy(labels), ids, self.layouts.get(layer))
-            if clear_selected:
-                for rid in ids:
-                    self.layer_rows[layer] -= sum(len(r.tensor) for r in by_request.pop(rid))
-        if clear_selected:  # drained requests are forgotten, so a long-running stream stays bounded
-            for rid in [r for r in self.request_order if not any(r in rows for rows in self.rows.values())]:
-                del self.request_order[rid]
-        return result
+        return self.layers if layers is None else list(layers)
+
+    def _selected(self, owner: np.ndarray, req_ids: list[str]) -> np.ndarray:
+        """Which rows belong to the requests asked for."""
+        wanted = [o for rid, o in self.owner_of.items() if any(match_capture_request_id(rid, c) for c in req_ids)]
+        return np.isin(owner, np.asarray(wanted, np.int64))
+
+    def _forget_drained(self) -> None:
+        live = set()
+        for log in self.logs.values():
+            live.update(np.unique(log.labels()[0]).tolist())
+        for owner in [o for o in self.ids if o not in live]:
+            del self.owner_of[self.ids.pop(owner)]
 
     def clear(self) -> None:
         """Drop stored rows and counters; reductions of running requests keep accumulating."""
-        for layer in self.layers:
-            self.rows[layer].clear()
-            self.layer_rows[layer] = 0
-        self.request_order.clear()
+        for log in self.logs.values():
+            log.clear()
+        self.owner_of.clear()
+        self.ids.clear()
         self.tokens_dropped = 0
 
     def status(self) -> dict[str, Any]:
         return {
             "layers": list(self.layers),
-            "rows_stored": dict(self.layer_rows),
+            "rows_stored": {layer: len(log) for layer, log in self.logs.items()},
             "tokens_stored": self.tokens_stored,
             "tokens_dropped": self.tokens_dropped,
             "budget_rows": self.config.budget_rows,
             "reduce": self.config.reduce,
             "select": self.config.select.to_wire() if self.config.select is not None else None,
             "dtype": str(self.config.dtype).removeprefix("torch.") if self.config.dtype else None,
-            "requests": len(self.request_order),
-            "pending_reductions": len(self.partial),
+            "requests": len(self.owner_of),
+            "pending_reductions": len(self.pending_requests()) * len(self.layers),
         }
+
+
+class _Reduction:
+    """Running reductions of live requests, one table row per request for all layers at once:
+    float32 sums and counts (``mean``), or the last row with its labels (``last``)."""
+
+    def __init__(self, kind: str, num_layers: int):
+        self.kind = kind
+        self.num_layers = num_layers
+        self.slot_of: dict[str, int] = {}
+        self.free: list[int] = []
+        self.table: torch.Tensor | None = None  # [layers, slots, width]
+        self.count = np.zeros(0, np.int64)
+        self.position = np.zeros(0, np.int32)
+        self.token_id = np.zeros(0, np.int32)
+
+    def requests(self) -> list[str]:
+        return list(self.slot_of)
+
+    def _slot(self, request_id: str) -> int:
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            slot = self.free.pop() if self.free else len(self.slot_of)
+            self.slot_of[request_id] = slot
+            self.count[slot] = 0
+            self.table[:, slot] = 0  # a reused slot starts a fresh sum
+        return slot
+
+    def _reserve(self, rows: StreamRows) -> None:
+        """Room for one more slot per request in ``rows`` (tables grow by doubling)."""
+        need = len(self.slot_of) + len(rows.request_ids)
+        block = rows.block
+        dtype = torch.float32 if self.kind == "mean" else block.dtype
+        if self.table is None:
+            self.table = torch.zeros(self.num_layers, 0, block.shape[-1], dtype=dtype)
+        if need <= self.table.shape[1]:
+            return
+        size = max(need, 2 * self.table.shape[1], 16)
+        table = torch.zeros(self.num_layers, size, block.shape[-1], dtype=dtype)
+        table[:, :self.table.shape[1]] = self.table
+        self.table = table
+        for name in ("count", "position", "token_id"):
+            old = getattr(self, name)
+            setattr(self, name, np.concatenate([old, np.zeros(size - len(old), old.dtype)]))
+
+    def add(self, rows: StreamRows) -> None:
+        if not len(rows.request_ids):
+            return
+        self._reserve(rows)
+        slots = np.fromiter((self._slot(rid) for rid in rows.request_ids), np.int64, len(rows.request_ids))
+        slots_t = torch.from_numpy(slots)
+        block = rows.block
+        if self.kind == "mean":
+            per_row = torch.from_numpy(np.repeat(slots, rows.counts))
+            where = torch.from_numpy(rows.where)
+            for i in range(self.num_layers):
+                self.table[i].index_add_(0, per_row, block[i].index_select(0, where).float())
+            np.add.at(self.count, slots, rows.counts)
+            return
+        last = np.cumsum(rows.counts) - 1  # each request's rows are in position order
+        where = torch.from_numpy(rows.where[last])
+        for i in range(self.num_layers):
+            self.table[i].index_copy_(0, slots_t, block[i].index_select(0, where))
+        self.count[slots] = 1
+        self.position[slots] = rows.positions[last]
+        self.token_id[slots] = rows.token_ids[last]
+
+    def pop(self, request_id: str, dtype: torch.dtype | None) -> tuple[torch.Tensor, int, int] | None:
+        """The request's reduced rows ``[layers, width]`` and their labels; None when it saw no row."""
+        slot = self.slot_of.pop(request_id, None)
+        if slot is None:
+            return None
+        self.free.append(slot)
+        if dtype is None and self.kind == "mean":
+            dtype = torch.float32
+        if self.kind == "mean":
+            rows = (self.table[:, slot] / int(self.count[slot])).to(dtype)
+            return rows, -1, -1
+        rows = self.table[:, slot].clone()
+        return rows.to(dtype) if dtype is not None else rows, int(self.position[slot]), int(self.token_id[slot])

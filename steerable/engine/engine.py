@@ -1,9 +1,10 @@
 """The engine (the driver): admit requests, schedule, hand the worker one plain step input per
-step, and finish the previous step into outputs while the device runs the next.
+step, and finish earlier steps into outputs while the device runs later ones.
 
 It owns the scheduler, the KV block manager and the control planes of steering and capture; the
-worker owns the model and everything on the device. Public methods are thread-safe: a step holds
-the engine lock, and calls from other threads (a server's handlers) get in between steps.
+worker owns the model and everything on the device (one ``ModelRunner``, or the ranks of a
+tensor/pipeline-parallel executor behind the same interface). Public methods are thread-safe: a
+step holds the engine lock, and calls from other threads (a server's handlers) get in between steps.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
+from steerable.distributed.executor import create_worker
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
@@ -25,6 +28,7 @@ from steerable.engine.scheduler import Scheduler
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
 from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
+from steerable.kv_groups import KVGroups
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
@@ -32,8 +36,7 @@ from steerable.request import Request, SchedulerOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.steering.spec import SteeringSpec
-from steerable.step import PLACEHOLDER
-from steerable.worker.model_runner import Launched, ModelRunner
+from steerable.step import PLACEHOLDER, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _InFlight:
     sched: SchedulerOutput
-    launched: Launched
+    launched: Any  # the worker's handle
     delivery: Delivery | None
 
 
@@ -62,24 +65,34 @@ class LLMEngine(ResumableRequests):
                                  f"max_position_embeddings ({max_len})")
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
-        self.worker = ModelRunner(config, self.model_config, self.source, self.device, self.dtype, max_len)
-        kv_capacity = self.worker.num_blocks * config.block_size
+        self.worker = create_worker(config, self.model_config, self.source, self.device, self.dtype, max_len)
+        if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+            self.worker.warmup()  # compile and capture now, not in the first steps
+        kv_groups = KVGroups.for_model(self.model_config)
+        kv_capacity = kv_groups.max_tokens(self.worker.num_blocks, config.block_size, config.max_num_batched_tokens,
+                                           max_len)
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
             max_len = kv_capacity
         self.max_model_len = max_len
-        self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 kv_groups.windows)
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
-        self.capture = CaptureSession(self.layout, self.dtype)
+        self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda")
+        stages = config.pipeline_parallel_size
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                   cache_limit=self.capture.cache_limit)
-        self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size)
+                                   cache_limit=self.capture.cache_limit, pipeline_stages=stages)
+        self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
+                                   kv_groups.num_groups)
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
         self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
-        self._inflight: _InFlight | None = None  # launched, not finished
+        # Launched, not finished, oldest first: one on a single stage (host work overlaps the
+        # device), one per stage on a pipeline.
+        self._inflight: deque[_InFlight] = deque()
+        self._dead: str | None = None
         self._rng = random.Random(config.seed)
         self.num_steps = 0
         self.lock = EngineLock()
@@ -117,27 +130,36 @@ class LLMEngine(ResumableRequests):
             self._check_open()
             try:
                 return self._step()
+            except EngineDeadError as err:  # a worker rank is gone: nothing can run any more
+                self._fail_all()
+                self._dead = str(err)
+                raise
             except Exception as err:
                 self._fail_all()
                 raise EngineError(f"an engine step failed ({type(err).__name__}: {err}); every request in "
                                   "the engine was finished with finish_reason='error'") from err
 
     def finish_inflight(self) -> list[RequestOutput]:
-        """Complete the step still on the device, if any, so no row of it is left to deliver later."""
+        """Complete the steps still on the device, so no row of them is left to deliver later."""
         with self.lock.hold():
-            if self._inflight is None:
-                return []
-            inflight, self._inflight = self._inflight, None
-            return self._complete(inflight)
+            return self._finish_all()
+
+    def _finish_all(self) -> list[RequestOutput]:
+        outputs = []
+        while self._inflight:
+            outputs += self._emit(*self._collect(self._inflight.popleft()))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         """Work a step can do (a paused streaming-input request waiting for its next chunk is none)."""
-        return (self.scheduler.has_unfinished() or self._inflight is not None
+        return (self.scheduler.has_unfinished() or bool(self._inflight)
                 or any(r.chunks for r in self._paused.values()))
 
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine is shut down; create a new LLM")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
 
     # ---------------------------------------------------------------- control planes
 
@@ -205,7 +227,7 @@ class LLMEngine(ResumableRequests):
             if self._closed:
                 return
             self._closed = True
-            self._inflight = None
+            self._drain()
             for group in list(self.groups.values()):
                 self._finish_group(group, "abort")
             for consumer in self.capture.consumers:
@@ -297,29 +319,48 @@ class LLMEngine(ResumableRequests):
         sampled token has one extra row computed and discarded. Returns finished requests and
         progress of streaming ones.
         """
+        if self.scheduler.pipeline_stages > 1:
+            return self._step_pipelined()
         outputs = []
-        if self._inflight is not None and self._must_sync():
-            inflight, self._inflight = self._inflight, None
-            outputs += self._complete(inflight)
+        if self._inflight and self._must_sync():
+            outputs += self._finish_all()
         if self._paused:
             outputs += self._resume_ready()
-        launched = None
-        sched = self.scheduler.schedule()
-        if not sched.is_empty:
-            step = self.builder.build(self.num_steps, sched)
-            step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
-            step.steering_update = self.steering.take_update()
-            planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
-            delivery = None
-            if planned is not None:
-                step.capture, delivery = planned
-            launched = _InFlight(sched, self.worker.launch(step), delivery)
-            self._advance(sched)
-            self.num_steps += 1
-        if self._inflight is not None:
-            outputs += self._complete(self._inflight)
-        self._inflight = launched
+        launched = self._launch_next()
+        if len(self._inflight) > 1 or (self._inflight and not launched):
+            outputs += self._emit(*self._collect(self._inflight.popleft()))
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """A pipeline of P stages keeps P steps in flight, one batch of requests per stage; only the
+        last stage samples, so a request waits for its token before it runs again. When all P are
+        in flight the oldest's tokens are taken first, so its requests can join the step launched
+        next; the rest of its processing (detokenization, stop checks, outputs) then overlaps the
+        devices. As on one stage, a request that stops has one extra step computed and discarded."""
+        ready = None
+        if len(self._inflight) >= self.scheduler.pipeline_stages:
+            ready = self._collect(self._inflight.popleft())
+        launched = self._launch_next()
+        if ready is None and self._inflight and not launched:
+            ready = self._collect(self._inflight.popleft())
+        return self._emit(*ready) if ready is not None else []
+
+    def _launch_next(self) -> bool:
+        """Schedule and launch a step; False when there was nothing to run."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return False
+        step = self.builder.build(self.num_steps, sched)
+        step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
+        step.steering_update = self.steering.take_update()
+        planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
+        delivery = None
+        if planned is not None:
+            step.capture, delivery = planned
+        self._inflight.append(_InFlight(sched, self.worker.launch(step), delivery))
+        self._advance(sched)
+        self.num_steps += 1
+        return True
 
     def _must_sync(self) -> bool:
         """Selections that read the token id of generated rows, and penalties that count generated
@@ -339,24 +380,34 @@ class LLMEngine(ResumableRequests):
                 request.all_token_ids.append(PLACEHOLDER)
                 request.num_pending += 1
 
-    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
+    def _collect(self, inflight: _InFlight) -> tuple[_InFlight, StepOutput]:
+        """Wait for a step; deliver its captured rows and put its sampled tokens in place."""
         result = self.worker.finish(inflight.launched)
         if inflight.delivery is not None:
             self.capture.deliver(inflight.delivery, result.captured, result.graphed)
+        sampled = iter(result.sampled)
+        for item in inflight.sched.scheduled:
+            request = item.request
+            token = next(sampled) if item.samples else None
+            if request.finished or request.paused:  # stopped (or aborted) while this step was in flight
+                continue
+            if token is not None:
+                request.all_token_ids[item.token_index] = token
+                request.num_pending -= 1
+            self.kv.cache_computed_blocks(request)
+        return inflight, result
+
+    def _emit(self, inflight: _InFlight, result: StepOutput) -> list[RequestOutput]:
+        """Stop checks, text and outputs for a collected step's tokens."""
         outputs = []
         sampled = iter(zip(result.sampled, result.logprobs))
         for item in inflight.sched.scheduled:
-            request = item.request
             if not item.samples:
-                if not (request.finished or request.paused):
-                    self.kv.cache_computed_blocks(request)
                 continue
+            request = item.request
             token, token_logprobs = next(sampled)
             if request.finished or request.paused:  # stopped (or aborted) while this step was in flight
                 continue
-            request.all_token_ids[item.token_index] = token
-            request.num_pending -= 1
-            self.kv.cache_computed_blocks(request)
             self.outputs.accept_token(request, token, token_logprobs)
             group = request.group
             if request.finish_reason is not None and request.more_input:  # a chunk ended: wait for the next
@@ -392,9 +443,18 @@ class LLMEngine(ResumableRequests):
 
     def _fail_all(self) -> None:
         """After a failed step: finish everything with 'error' so nothing stays half-updated."""
-        self._inflight = None
+        self._drain()
         for group in list(self.groups.values()):
             self._finish_group(group, "error")
+
+    def _drain(self) -> None:
+        """Wait for the steps in flight and drop their results (every rank then agrees on what ran)."""
+        while self._inflight:
+            inflight = self._inflight.popleft()
+            try:
+                self.worker.finish(inflight.launched)
+            except Exception:  # the step's own failure was raised already (or the worker is gone)
+                logger.debug("dropping a failed in-flight step", exc_info=True)
 
     # ---------------------------------------------------------------- introspection
 

@@ -52,7 +52,7 @@ class ResumableRequests:
     def _resume_ready(self) -> list[RequestOutput]:
         """Apply the next chunk of each paused request that no step in flight still computes for
         (that step's rows for it are dropped, and must not meet the new chunk's rows)."""
-        busy = {id(item.request) for item in self._inflight.sched.scheduled} if self._inflight else set()
+        busy = {id(item.request) for inflight in self._inflight for item in inflight.sched.scheduled}
         outputs = []
         for request in list(self._paused.values()):
             if not request.chunks or id(request) in busy:

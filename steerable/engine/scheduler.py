@@ -4,6 +4,11 @@ Each step every running request asks for ``num_tokens - num_computed_tokens`` to
 decode, a chunk for a prefill), running requests first, then waiting ones, until the token budget
 or the sequence cap is spent. When blocks run out the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
+
+On a pipeline of P stages P steps are in flight at once, and a request whose sampled token is
+still on its way (from the last stage) cannot run again yet. The running requests are therefore
+split into batches of at most ``ceil(running / P)``: every stage gets a similar share, and a
+batch that happens to hold most requests is split up instead of leaving the other stages idle.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from steerable.request import Request, RequestStatus, ScheduledRequest, Schedule
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 cache_limit: Callable[[Request], int] | None = None):
+                 cache_limit: Callable[[Request], int] | None = None, pipeline_stages: int = 1):
         """``cache_limit(request)`` caps how many leading tokens a prefix-cache hit may cover
         (capture asks to recompute prompt rows it must see)."""
         self.kv = kv
+        self.pipeline_stages = pipeline_stages
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -41,15 +47,18 @@ class Scheduler:
         scheduled_ids: set[str] = set()
 
         block_size = self.kv.block_size
+        pipelined = self.pipeline_stages > 1
+        batch = -(-len(self.running) // self.pipeline_stages)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < batch:
             request = self.running[i]
-            if request.num_pending and self._done_after_pending(request):
-                i += 1  # its last token is in flight: nothing left to compute
+            if request.num_pending and (pipelined or self._done_after_pending(request)):
+                i += 1  # its token is in flight: on a pipeline it waits; else nothing is left to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            # Most decode steps fit in the request's last block: skip the allocator.
-            fits = request.num_computed_tokens + num_new <= len(request.block_ids) * block_size
+            # Most decode steps fit in the request's last block: skip the allocator (sliding-window
+            # groups hand back blocks there, so they do it when the request next takes a block).
+            fits = request.num_computed_tokens + num_new <= len(request.block_ids[0]) * block_size
             while not fits and not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)

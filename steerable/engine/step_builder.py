@@ -12,9 +12,10 @@ from steerable.worker.sampler import noise_seed
 
 
 class StepBuilder:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int):
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, num_kv_groups: int = 1):
         self.block_size = block_size
-        self.block_rows = np.zeros((max_num_seqs + 1, max_blocks_per_seq), dtype=np.int64)  # host mirror
+        # Host mirror of the worker's tables, one per KV group.
+        self.block_rows = np.zeros((num_kv_groups, max_num_seqs + 1, max_blocks_per_seq), dtype=np.int64)
         self.slots: dict[str, int] = {}  # running request id -> its row in the block table
         self.blocks_written: dict[int, int] = {}  # row -> how many of its block ids the worker has
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -50,7 +51,7 @@ class StepBuilder:
                 start = s.request.num_computed_tokens
                 token_ids[query_start[i]:query_start[i + 1]] = s.request.all_token_ids[start:start + s.num_tokens]
         bs = self.block_size
-        slot_mapping = self.block_rows[slots[token_req], positions // bs] * bs + positions % bs
+        slot_mapping = self.block_rows[:, slots[token_req], positions // bs] * bs + positions % bs
         step = StepInput(step_id, token_ids, positions, slot_mapping, query_start, starts + counts, slots,
                          max_query_len, update)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
@@ -61,7 +62,7 @@ class StepBuilder:
 
     def _slot_rows(self, requests: list[Request]) -> tuple[np.ndarray, BlockTableUpdate | None]:
         """Each request's block-table row, and the block ids the worker does not have yet."""
-        rows, cols, values = [], [], []
+        rows, cols, values = [], [], []  # values: per request, [G, its new blocks]
         slots = np.empty(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
             slot = self.slots.get(request.request_id)
@@ -69,19 +70,20 @@ class StepBuilder:
                 slot = self.slots[request.request_id] = self.free_slots.pop()
                 self.blocks_written[slot] = 0
             written = self.blocks_written[slot]
-            blocks = request.block_ids
-            if len(blocks) > written:
-                new = blocks[written:]
-                self.block_rows[slot, written:len(blocks)] = new
-                rows.extend([slot] * len(new))
-                cols.extend(range(written, len(blocks)))
-                values.extend(new)
-                self.blocks_written[slot] = len(blocks)
+            length = len(request.block_ids[0])  # every group's list has the same logical length
+            if length > written:
+                # A block a windowed group does not hold is never read: any id will do there.
+                new = np.maximum(np.array([blocks[written:] for blocks in request.block_ids], dtype=np.int64), 0)
+                self.block_rows[:, slot, written:length] = new
+                rows.extend([slot] * (length - written))
+                cols.extend(range(written, length))
+                values.append(new)
+                self.blocks_written[slot] = length
             slots[i] = slot
         if not rows:
             return slots, None
         return slots, BlockTableUpdate(np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),
-                                       np.array(values, dtype=np.int64))
+                                       np.concatenate(values, axis=1))
 
     @staticmethod
     def _sampling(requests: list[Request], rows: np.ndarray, slots: np.ndarray) -> SamplingInput:

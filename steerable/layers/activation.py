@@ -1,4 +1,4 @@
-"""Gated activations."""
+"""Gated activations on a fused [gate | up] projection."""
 
 import torch
 import torch.nn.functional as F
@@ -7,8 +7,16 @@ from steerable.layers import fused
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused [gate | up] projection."""
+    """SwiGLU (Llama, Qwen)."""
     if fused.enabled(gate_up) and gate_up.dim() == 2:
         return fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``)."""
+    if fused.enabled(gate_up) and gate_up.dim() == 2:
+        return fused.gelu_tanh_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

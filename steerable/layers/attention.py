@@ -10,7 +10,9 @@ from torch import nn
 
 
 class Attention(nn.Module):
-    """Stateless apart from the KV cache views the model runner binds after allocating memory."""
+    """Stateless apart from the KV cache views the model runner binds after allocating memory, and
+    the per-tensor scales of a float8 cache (stored = value / scale; 1.0 unless a checkpoint gives
+    ``k_scale``/``v_scale``)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None, backend: ModuleType):
@@ -23,22 +25,34 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0  # whose block table and slots this layer's cache follows (steerable.kv_groups)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
-    def cache_slots(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache, slot_mapping): where a fused kernel may write this step's K/V itself."""
-        return self.k_cache, self.v_cache, ctx.attn.slot_mapping
+    def kv_scales(self) -> tuple[float, float]:
+        """The scales the cache entries carry: a float8 cache's, else 1 (a plain cache ignores a
+        checkpoint's scales)."""
+        if self.k_cache is not None and self.k_cache.dtype == torch.float8_e4m3fn:
+            return self.k_scale, self.v_scale
+        return 1.0, 1.0
+
+    def cache_slots(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+        """(k_cache, v_cache, slot_mapping, k_scale, v_scale): where and how a fused kernel may
+        write this step's K/V itself."""
+        return self.k_cache, self.v_cache, ctx.attn.slot_mapping[self.kv_group], *self.kv_scales()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx: Any) -> torch.Tensor:
         """q: [T, Hq, D] (or [T, Hq*D]), k/v: [T, Hkv, D] (or flat), or None when they are already
         in the cache (see ``cache_slots``) -> [T, Hq*D]."""
         q = q.reshape(-1, self.num_heads, self.head_dim)
         meta = ctx.attn
+        k_scale, v_scale = self.kv_scales()
         if k is not None:
             k = k.reshape(-1, self.num_kv_heads, self.head_dim)
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping[self.kv_group], k_scale, v_scale)
         out = torch.empty_like(q)
         self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                     meta.block_table, meta.max_query_len, self.scale, self.sliding_window,
-                                     meta.workspace)
+                                     meta.block_table[self.kv_group], meta.max_query_len, self.scale,
+                                     self.sliding_window, meta.workspace, k_scale, v_scale)
         return out.view(-1, self.num_heads * self.head_dim)

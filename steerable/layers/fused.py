@@ -1,7 +1,8 @@
 """Fused Triton kernels for the per-token elementwise work of a decoder layer on CUDA.
 
-Eager PyTorch spends several kernels on each RMSNorm, RoPE and SwiGLU; in a CUDA-graph decode step
-those launches, not the bytes, set the time. Each op here is one kernel that reads its input once.
+Eager PyTorch spends several kernels on each RMSNorm, RoPE and gated activation (SwiGLU, GeGLU); in
+a CUDA-graph decode step those launches, not the bytes, set the time. Each op here is one kernel
+that reads its input once.
 They round to the activation dtype at the same points as the PyTorch code they replace (and as HF),
 so float32 results agree to rounding and bf16 results differ at most in the last bit.
 The PyTorch implementations stay the CPU path and the reference in tests.
@@ -13,6 +14,8 @@ import os
 from collections.abc import Sequence
 
 import torch
+
+from steerable.hook_points import SiteWrite
 
 try:
     import triton
@@ -33,58 +36,121 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr):
+    def _norm_scale(xhat, w, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """Llama/Qwen: ``w * round(xhat)``; Gemma (UNIT_OFFSET): ``(1 + w) * xhat`` in float32."""
+        if UNIT_OFFSET:
+            return xhat * (1.0 + w)
+        return w * xhat.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr,
+                         UNIT_OFFSET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = w * xhat.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = _norm_scale(xhat, w, y_ptr.dtype.element_ty, UNIT_OFFSET)
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(res_ptr, delta_ptr, t1_ptr, i1_ptr, t2_ptr, i2_ptr, w_ptr, out_ptr, y_ptr,
-                             stride_res, stride_delta, stride_t1, stride_t2, stride_out, stride_y, H, eps,
-                             HAS_DELTA: tl.constexpr, NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_row(row, index_ptr, add_ptr, stride_add, offs, mask, ADD: tl.constexpr):
+        """The row's additive steering vector (float32), or 0. Kernels load it before their own
+        inputs: at batch 1 they are latency-bound, and this load waits on the index load first."""
+        add = 0.0
+        if ADD:
+            r = tl.load(index_ptr + row)
+            add = tl.load(add_ptr + r * stride_add + offs, mask=mask, other=0.0).to(tl.float32)
+        return add
+
+    @triton.jit
+    def _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot, offs, mask,
+                    dtype: tl.constexpr, ADD: tl.constexpr, CLAMPS: tl.constexpr):
+        """The steering writes of one hook point on one row of float32 ``x`` (holding values of the
+        activation dtype): add the row's table vector ``add``, then each projection clamp slot
+        ``x += strength * (clip(x.d, lo, hi) - x.d) * d`` in float32, rounding where the separate
+        ops round. Standalone and fused kernels share it, so they agree bit for bit."""
+        if ADD:
+            x = (x + add).to(dtype).to(tl.float32)
+        if CLAMPS > 0:
+            r = tl.load(index_ptr + row)
+            for k in tl.static_range(CLAMPS):
+                d = tl.load(dir_ptr + r * stride_dir_row + k * stride_dir_slot + offs, mask=mask,
+                            other=0.0).to(tl.float32)
+                lo = tl.load(bounds_ptr + (r * CLAMPS + k) * 3)
+                hi = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 1)
+                strength = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 2)
+                p = tl.sum(x * d, axis=0)
+                x = x + (strength * (tl.minimum(tl.maximum(p, lo), hi) - p)) * d
+            x = x.to(dtype).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _steer_kernel(x_ptr, out_ptr, stride_x, stride_out, H,
+                      index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
+                      ADD: tl.constexpr, CLAMPS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         dtype = out_ptr.dtype.element_ty
+        add = _add_row(row, index_ptr, add_ptr, stride_add, offs, mask, ADD)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot, offs, mask,
+                        dtype, ADD, CLAMPS)
+        tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(res_ptr, delta_ptr, w_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
+                             stride_y, H, eps,
+                             i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k,
+                             i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k,
+                             HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
+                             ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr,
+                             UNIT_OFFSET: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        dtype = out_ptr.dtype.element_ty
+        add1 = _add_row(row, i1_ptr, a1_ptr, stride_a1, offs, mask, ADD1)
+        add2 = _add_row(row, i2_ptr, a2_ptr, stride_a2, offs, mask, ADD2)
         x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
             d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
             x = (x + d).to(dtype).to(tl.float32)
-        if NUM_TABLES >= 1:
-            r1 = tl.load(i1_ptr + row)
-            x = (x + tl.load(t1_ptr + r1 * stride_t1 + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        if NUM_TABLES >= 2:
-            r2 = tl.load(i2_ptr + row)
-            x = (x + tl.load(t2_ptr + r2 * stride_t2 + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, stride_d1r, stride_d1k, offs, mask, dtype, ADD1, CLAMPS1)
+        x = _steer_site(x, add2, row, i2_ptr, d2_ptr, b2_ptr, stride_d2r, stride_d2k, offs, mask, dtype, ADD2, CLAMPS2)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = w * xhat.to(dtype).to(tl.float32)
+        y = _norm_scale(xhat, w, dtype, UNIT_OFFSET)
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+        """act(gate) * up with act SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if GELU_TANH:
+            # 0.5 x (1 + tanh(z)) == x * sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3): no tanh needed
+            # (1.5957... = 2 sqrt(2 / pi)).
+            act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+        else:
+            act = gate * tl.sigmoid(gate)
+        act = act.to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                              kc_ptr, vc_ptr, slot_ptr, stride_qkv, stride_q, stride_k, stride_cos, eps,
-                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, k_scale, v_scale,
                              NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
                              HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                              STORE_KV: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, UNIT_OFFSET: tl.constexpr):
         # One program per token: every q and k head of it as a [heads, head_dim / 2] pair of tiles.
         token = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS_PAD)[:, None]
@@ -102,8 +168,8 @@ if triton is not None:
             w2 = tl.where(is_q, tl.load(qw_ptr + HEAD_D // 2 + offs, mask=col_mask, other=0.0),
                           tl.load(kw_ptr + HEAD_D // 2 + offs, mask=col_mask, other=0.0)).to(tl.float32)
             inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_D + eps)[:, None]
-            x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x1 = _norm_scale(x1 * inv, w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+            x2 = _norm_scale(x2 * inv, w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
         pos = tl.load(pos_ptr + token)
         c = tl.load(cos_ptr + pos * stride_cos + offs, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
         s = tl.load(sin_ptr + pos * stride_cos + offs, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
@@ -118,12 +184,18 @@ if triton is not None:
                 block = slot // BLOCK_SIZE
                 offset = slot % BLOCK_SIZE
                 k_dst = kc_ptr + block * stride_kcb + offset * stride_kco + (head - NUM_Q) * stride_kch
-                tl.store(k_dst + offs, out1, mask=mask & ~is_q)
-                tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
+                k1, k2 = out1, out2
+                if KV_FP8:  # a float8 cache holds value / scale, saturated at 448
+                    k1 = tl.clamp(out1.to(tl.float32) / k_scale, -448.0, 448.0).to(kc_ptr.dtype.element_ty)
+                    k2 = tl.clamp(out2.to(tl.float32) / k_scale, -448.0, 448.0).to(kc_ptr.dtype.element_ty)
+                tl.store(k_dst + offs, k1, mask=mask & ~is_q)
+                tl.store(k_dst + HEAD_D // 2 + offs, k2, mask=mask & ~is_q)
                 kv_head = tl.arange(0, KV_PAD)[:, None]
                 dim = tl.arange(0, D_PAD)[None, :]
                 v_mask = (kv_head < NUM_QK - NUM_Q) & (dim < HEAD_D)
                 v = tl.load(qkv_ptr + token * stride_qkv + (NUM_QK + kv_head) * HEAD_D + dim, mask=v_mask)
+                if KV_FP8:
+                    v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0).to(vc_ptr.dtype.element_ty)
                 tl.store(vc_ptr + block * stride_vcb + offset * stride_vco + kv_head * stride_vch + dim, v,
                          mask=v_mask)
         else:
@@ -132,8 +204,8 @@ if triton is not None:
             tl.store(k_dst + HEAD_D // 2 + offs, out2, mask=mask & ~is_q)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of a [N, H] (or [..., H]) tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of a [N, H] (or [..., H]) tensor; ``unit_offset``: Gemma's (1 + w)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -141,19 +213,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                         BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
+                                         BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
+                                         num_warps=_num_warps(shape[-1]))
     return y.view(shape)
 
 
-def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
-                 table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = residual + delta + table_1[index_1] + table_2[index_2]`` (each part optional, rounded
-    to the activation dtype after every add as the separate ops would round) and ``rms_norm(h)``,
-    in one kernel: the residual add and additive steering cost no pass of their own.
-    residual/delta: [N, H]; tables [R, H] with int64 row indices [>= N]; at most two tables."""
-    if len(table_adds) > 2:
-        raise ValueError(f"add_rms_norm takes at most two tables, got {len(table_adds)}")
+def _site_args(write: SiteWrite | None, like: torch.Tensor) -> tuple[list, bool, int]:
+    """Kernel arguments of one site's writes (placeholders where it has none), ADD, CLAMPS."""
+    if write is None:
+        return [like, like, 0, like, like, 0, 0], False, 0
+    add, directions, bounds = write.add, write.clamp_dir, write.clamp_bounds
+    clamps = directions.shape[1] if directions is not None else 0
+    if bounds is not None and not bounds.is_contiguous():
+        raise ValueError("clamp bounds must be contiguous [rows, slots, 3]")
+    return ([write.index, add if add is not None else like, add.stride(0) if add is not None else 0,
+             directions if clamps else like, bounds if clamps else like,
+             directions.stride(0) if clamps else 0, directions.stride(1) if clamps else 0],
+            add is not None, clamps)
+
+
+def _num_warps(width: int) -> int:
+    return 4 if width <= 4096 else 8
+
+
+def steer(hidden: torch.Tensor, write: SiteWrite) -> torch.Tensor:
+    """``hidden`` [N, H] with one site's writes applied (additive row, then clamp slots), in one
+    kernel: the unfused path, bit for bit what ``add_rms_norm`` computes for its residual."""
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    n, width = hidden.shape
+    out = torch.empty_like(hidden)
+    if n:
+        args, add, clamps = _site_args(write, hidden)
+        _steer_kernel[(n,)](hidden, out, hidden.stride(0), out.stride(0), width, *args, ADD=add, CLAMPS=clamps,
+                            BLOCK=triton.next_power_of_2(width), num_warps=_num_warps(width))
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+                 weight: torch.Tensor, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + delta``, then the steering writes of up to two hook points in order (each an
+    additive table row and projection clamps, rounded to the activation dtype as the separate ops
+    round), and ``rms_norm(h)``, in one kernel: the residual add and steering cost no pass of their
+    own. residual/delta: [N, H]; each write's index covers at least N rows."""
+    if len(writes) > 2:
+        raise ValueError(f"add_rms_norm takes the writes of at most two hook points, got {len(writes)}")
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     if delta is not None and delta.stride(-1) != 1:
         delta = delta.contiguous()
@@ -161,57 +264,71 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None,
     out = torch.empty_like(residual)
     y = torch.empty_like(residual)
     if n:
-        (t1, i1), (t2, i2) = [*table_adds, *[(residual, residual)] * (2 - len(table_adds))]
+        (args1, add1, clamps1), (args2, add2, clamps2) = [_site_args(w, residual)
+                                                          for w in [*writes, *[None] * (2 - len(writes))]]
         _add_rms_norm_kernel[(n,)](
-            residual, delta if delta is not None else residual, t1, i1, t2, i2, weight, out, y,
-            residual.stride(0), delta.stride(0) if delta is not None else 0, t1.stride(0), t2.stride(0),
-            out.stride(0), y.stride(0), width, eps, HAS_DELTA=delta is not None, NUM_TABLES=len(table_adds),
-            BLOCK=triton.next_power_of_2(width), num_warps=4 if width <= 4096 else 8)
+            residual, delta if delta is not None else residual, weight, out, y, residual.stride(0),
+            delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps, *args1, *args2,
+            HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
+            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, num_warps=_num_warps(width))
     return out, y
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[N, 2I] (gate | up) -> [N, I]."""
+def _gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> act(gate) * up, [N, I]."""
     n, width = x.shape
     inter = width // 2
     y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     if n:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
-                                                         num_warps=4)
+        _gated_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
+                                                          GELU_TANH=gelu_tanh, num_warps=4)
     return y
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: [N, 2I] (gate | up) -> [N, I]."""
+    return _gated(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with tanh-approximated GELU (Gemma): [N, 2I] (gate | up) -> [N, I]."""
+    return _gated(x, gelu_tanh=True)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float,
-                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None = None,
+                 unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split a fused qkv projection [T, (Hq + 2 Hkv) D] into q, k (optionally RMS-normed per head,
     then rotated) and a view of v, in one kernel for q and k. Given ``kv_cache = (k_cache,
-    v_cache, slot_mapping)`` (caches [blocks, block_size, Hkv, D]) the same kernel writes k and v
-    into their cache slots instead and returns ``(q, None, None)``: no separate KV-store pass."""
+    v_cache, slot_mapping, k_scale, v_scale)`` (caches [blocks, block_size, Hkv, D]; a float8
+    cache stores value / scale) the same kernel writes k and v into their cache slots instead and
+    returns ``(q, None, None)``: no separate KV-store pass. ``unit_offset``: the q/k norms scale by
+    Gemma's (1 + w)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     store = kv_cache is not None
     if store:
         k = v = None
-        k_cache, v_cache, slots = kv_cache
+        k_cache, v_cache, slots, k_scale, v_scale = kv_cache
         cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     else:
         k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
         k_cache, v_cache, slots, cache_strides = q, q, positions, (0,) * 6  # unread without the store
+        k_scale = v_scale = 1.0
     if tokens:
         norm = q_weight is not None
         _qk_norm_rope_kernel[(tokens,)](
             qkv, q, q if store else k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
             k_cache, v_cache, slots, qkv.stride(0), q.stride(0), 0 if store else k.stride(0), cos.stride(0), eps,
-            *cache_strides,
+            *cache_strides, float(k_scale), float(v_scale),
             NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
             HEAD_D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
             KV_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            num_warps=4)
+            KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, UNIT_OFFSET=unit_offset, num_warps=4)
     return q, k, v
 
 

@@ -1,4 +1,5 @@
-"""RMSNorm with the same float32 arithmetic as Hugging Face's Llama/Qwen implementations."""
+"""RMSNorms with the same float32 arithmetic as Hugging Face's implementations: Llama/Qwen scale the
+downcast normalised value by ``weight``; Gemma scales by ``1 + weight`` in float32, then downcasts."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from steerable.hook_points import SiteWrite
 from steerable.layers import fused
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False  # the fused kernels' switch for Gemma's (1 + weight)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -23,11 +27,29 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None,
-                       table_adds: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(residual + delta + each table[index], its norm)`` in one kernel where this norm has
-        one for this device, with the rounding of the separate ops; None otherwise."""
+        """``(residual + delta with each site's steering writes applied, its norm)`` in one kernel
+        where this norm has one for this device, with the rounding of the separate ops; None
+        otherwise."""
         if not fused.enabled(residual):
             return None
-        return fused.add_rms_norm(residual, delta, table_adds, self.weight, self.eps)
+        return fused.add_rms_norm(residual, delta, writes, self.weight, self.eps, unit_offset=self.unit_offset)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm: ``(x / rms(x)) * (1 + weight)`` all in float32, rounded once at the end. The
+    weight is stored as HF stores it (zero-centred), so checkpoints load unchanged."""
+
+    unit_offset = True
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps, unit_offset=True)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)

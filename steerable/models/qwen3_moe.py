@@ -21,9 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from steerable.config import ModelConfig
+from steerable.distributed.groups import current_tp
 from steerable.hook_points import ROUTER_LOGITS, HookLayout, HookPoints
+from steerable.layers import fused
 from steerable.layers.activation import silu_and_mul
-from steerable.layers.linear import default_weight_loader
+from steerable.layers.fused_moe import fused_experts
+from steerable.layers.linear import Weight, check_shape, default_weight_loader, even_shard
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qwen3_config
 
@@ -59,7 +62,14 @@ def qwen3_moe_config(hf: Any) -> MoeConfig:
 
 class Qwen3MoeSparseBlock(nn.Module):
     """Top-k routed SwiGLU experts. Expert weights are stored fused:
-    ``experts_gate_up [E, 2*I, H]`` (gate rows then up rows per expert) and ``experts_down [E, H, I]``."""
+    ``experts_gate_up [E, 2*I, H]`` (gate rows then up rows per expert) and ``experts_down [E, H, I]``.
+
+    Under tensor parallelism the experts are split over the ranks (rank r holds experts
+    ``[r E/T, (r+1) E/T)`` whole, and reads only their tensors); the router is replicated, every
+    rank computes its experts' share of each token and one all-reduce sums the shares. Splitting
+    each expert's intermediate dimension instead would keep every rank looping over all experts,
+    which is where this host-side dispatch spends its time (``docs/parallel.md`` has the numbers).
+    """
 
     def __init__(self, cfg: MoeConfig, layer: int, hooks: HookPoints):
         super().__init__()
@@ -67,26 +77,45 @@ class Qwen3MoeSparseBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..num_experts={cfg.num_experts}")
         self.layer = layer
         self.hooks = hooks
+        self.tp = current_tp()
         self.num_experts = cfg.num_experts
+        self.first_expert, local = even_shard(cfg.num_experts, self.tp, "num_experts")
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.intermediate_size = cfg.moe_intermediate_size
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts_gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
-        self.experts_down = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
+        self.experts_gate_up = nn.Parameter(torch.empty(local, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(local, cfg.hidden_size, cfg.moe_intermediate_size))
         # Checkpoint shards: gate_up holds (expert e, gate | up) as shard 2e | 2e + 1; down holds expert e.
         self.experts_gate_up.weight_loader, self.experts_gate_up.num_shards = self._load_gate_up, 2 * cfg.num_experts
         self.experts_down.weight_loader, self.experts_down.num_shards = self._load_down, cfg.num_experts
 
-    def _load_gate_up(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
-        if shard is None:
-            default_weight_loader(param, tensor, None)
-            return
-        size = self.intermediate_size
-        default_weight_loader(param.data[shard // 2].narrow(0, (shard % 2) * size, size), tensor, None)
+    def _local(self, expert: int) -> int | None:
+        """This rank's index of a global expert id (None: another rank's)."""
+        index = expert - self.first_expert
+        return index if 0 <= index < self.experts_down.shape[0] else None
 
-    def _load_down(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
-        default_weight_loader(param.data if shard is None else param.data[shard], tensor, None)
+    def _stacked(self, param: torch.Tensor, tensor: Weight) -> None:
+        """A fused 3-D checkpoint tensor holding every expert: read this rank's experts only."""
+        check_shape(tensor, [self.num_experts, *param.shape[1:]])
+        default_weight_loader(param, tensor.narrow(0, self.first_expert, param.shape[0]), None)
+
+    def _load_gate_up(self, param: torch.Tensor, tensor: Weight, shard: int | None) -> None:
+        if shard is None:
+            self._stacked(param, tensor)
+            return
+        local = self._local(shard // 2)
+        if local is not None:
+            size = self.intermediate_size
+            default_weight_loader(param.data[local].narrow(0, (shard % 2) * size, size), tensor, None)
+
+    def _load_down(self, param: torch.Tensor, tensor: Weight, shard: int | None) -> None:
+        if shard is None:
+            self._stacked(param, tensor)
+            return
+        local = self._local(shard)
+        if local is not None:
+            default_weight_loader(param.data[local], tensor, None)
 
     def route(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, k] and their weights [T, k] (in the activation dtype, as HF)."""
@@ -103,33 +132,53 @@ class Qwen3MoeSparseBlock(nn.Module):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, ctx)
         num_tokens, k = experts.shape
-        # Group the T*k (token, expert) assignments by expert: one host sync for the group sizes.
+        if fused.enabled(x):  # grouped GEMMs with static shapes: no host sync, CUDA-graph safe
+            out = fused_experts(x, *self._local_assignments(experts, weights), self.experts_gate_up,
+                                self.experts_down)
+        else:
+            out = self._experts_loop(x, experts, weights)
+        # Sum the k expert outputs of each token: deterministic and independent of which other
+        # tokens share the batch; under tensor parallelism each rank holds its experts' share.
+        return self.tp.all_reduce(out.view(num_tokens, k, -1).sum(dim=1)).reshape(shape)
+
+    def _local_assignments(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids in this rank's numbering; another rank's assignments go to expert 0 with
+        weight 0, so they add exact zeros here (static shapes: no host sync to drop them)."""
+        local = self.experts_down.shape[0]
+        if local == self.num_experts:
+            return experts, weights
+        ids = experts - self.first_expert
+        mine = (ids >= 0) & (ids < local)
+        return torch.where(mine, ids, 0), torch.where(mine, weights, torch.zeros_like(weights))
+
+    def _experts_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (and the reference): assignments grouped by expert with one host sync
+        for the group sizes, one pair of linears per expert; outputs in assignment order."""
+        k = experts.shape[1]
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[token_of]
         ws = weights.reshape(-1)[order]
-        ys = torch.empty_like(xs)
-        # A grouped GEMM (one kernel over all expert segments, no host sync) replaces this loop on GPU.
-        start = 0
-        for e, n in enumerate(counts):
+        local = self.experts_down.shape[0]
+        # Assignments to another rank's experts contribute zeros here (that rank adds them).
+        ys = torch.empty_like(xs) if local == self.num_experts else torch.zeros_like(xs)
+        start = sum(counts[:self.first_expert])
+        for e in range(local):
+            n = counts[self.first_expert + e]
             if n == 0:
                 continue
             seg = slice(start, start + n)
             h = silu_and_mul(F.linear(xs[seg], self.experts_gate_up[e]))
             ys[seg] = F.linear(h, self.experts_down[e]) * ws[seg, None]
             start += n
-        # Back to (token, slot) order and sum the k expert outputs of each token: deterministic and
-        # independent of which other tokens share the batch.
         out = torch.empty_like(ys)
         out[order] = ys
-        return out.view(num_tokens, k, -1).sum(dim=1).reshape(shape)
+        return out
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False  # expert dispatch reads group sizes on the host
-
     def make_layer(self, cfg: MoeConfig, layer: int, hooks: HookPoints, backend: ModuleType,
                    rotary: RotaryEmbedding) -> nn.Module:
         if cfg.is_sparse_layer(layer):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from steerable.config import ModelConfig
-from steerable.models import llama, qwen3_moe
+from steerable.models import gemma3, llama, qwen3_moe
 from steerable.models.base import CausalLM
 
 _MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
@@ -19,6 +19,8 @@ _MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
     "Qwen2ForCausalLM": (llama.LlamaForCausalLM, llama.qwen2_config),
     "Qwen3ForCausalLM": (llama.LlamaForCausalLM, llama.qwen3_config),
     "Qwen3MoeForCausalLM": (qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.qwen3_moe_config),
+    "Gemma3ForCausalLM": (gemma3.Gemma3ForCausalLM, gemma3.gemma3_config),
+    "Gemma3ForConditionalGeneration": (gemma3.Gemma3ForCausalLM, gemma3.gemma3_config),
 }
 
 

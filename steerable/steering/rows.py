@@ -29,11 +29,15 @@ class RowTables:
         self._adds: dict[Site, dict[int, np.ndarray | None]] = {}  # None: back to zeros
         self._clamps: dict[Site, dict[int, list[ClampSlot]]] = {}  # []: every slot cleared
         self._sent_capacity = 0
+        self._live: tuple[frozenset[Site], frozenset[Site]] | None = None  # cached until rows change
 
     def live_sites(self) -> tuple[frozenset[Site], frozenset[Site]]:
-        """(sites with a live additive row, sites with a live clamp row)."""
-        return (frozenset(s for s, rows in self.add_rows.items() if rows),
-                frozenset(s for s, rows in self.clamp_rows.items() if rows))
+        """(sites with a live additive row, sites with a live clamp row): the same objects from step
+        to step while no row changes, so a CUDA-graph key built from them hashes once."""
+        if self._live is None:
+            self._live = (frozenset(s for s, rows in self.add_rows.items() if rows),
+                          frozenset(s for s, rows in self.clamp_rows.items() if rows))
+        return self._live
 
     def grow(self, min_capacity: int) -> None:
         capacity = self.capacity
@@ -45,6 +49,7 @@ class RowTables:
 
     def write(self, row: int, items: Sequence[Intervention]) -> None:
         """Fill ``row`` with the interventions active on its tokens (adds at one site are summed)."""
+        self._live = None
         adds: dict[Site, np.ndarray] = {}
         clamps: dict[Site, list[ClampSlot]] = {}
         for item in items:
@@ -66,6 +71,7 @@ class RowTables:
             self.clamp_rows.setdefault(site, set()).add(row)
 
     def clear(self, row: int) -> None:
+        self._live = None
         for site, rows in self.add_rows.items():
             if row in rows:
                 self._adds.setdefault(site, {})[row] = None

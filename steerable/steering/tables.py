@@ -14,6 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from steerable.hook_points import SiteWrite
+from steerable.layers import fused
 from steerable.steering.ops import add_rows, clamp_rows
 from steerable.step import Site, SteeringPlan, SteeringUpdate
 
@@ -106,8 +108,8 @@ def _grown(old: torch.Tensor, capacity: int, fill: float | list[float]) -> torch
 
 
 class StepSteering:
-    """What the hook points ask of steering in one step: does anything act at a site, is its effect
-    a table lookup to add (fusable), and apply it."""
+    """What the hook points ask of steering in one step: does anything act at a site, its writes as
+    table lookups (what the fused norm applies), and apply them on their own."""
 
     def __init__(self, tables: SteeringTables, plan: SteeringPlan, index: torch.Tensor):
         self.tables = tables
@@ -118,17 +120,21 @@ class StepSteering:
     def acts_at(self, site: Site) -> bool:
         return site in self.add_sites or site in self.clamp_sites
 
-    def table_add(self, site: Site) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(table, index)`` when the effect at ``site`` is exactly ``h + table[index]``."""
-        if site in self.clamp_sites or site not in self.add_sites:
-            return None
-        return self.tables.add[site], self.index
+    def site_write(self, site: Site) -> SiteWrite:
+        tables = self.tables
+        clamped = site in self.clamp_sites
+        return SiteWrite(self.index, tables.add[site] if site in self.add_sites else None,
+                         tables.clamp_dir[site] if clamped else None, tables.clamp_bounds[site] if clamped else None)
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
-        if site in self.add_sites:
-            hidden = add_rows(hidden, self.tables.add[site], self.index)
-        if site in self.clamp_sites:
-            bounds = self.tables.clamp_bounds[site]
-            hidden = clamp_rows(hidden, self.tables.clamp_dir[site], bounds[..., 0], bounds[..., 1], bounds[..., 2],
-                                self.index)
+        """The writes at ``site`` alone: one kernel on the fused path (the same arithmetic the fused
+        norm does), else the PyTorch ops."""
+        write = self.site_write(site)
+        if fused.enabled(hidden):
+            return fused.steer(hidden, write)
+        if write.add is not None:
+            hidden = add_rows(hidden, write.add, self.index)
+        if write.clamp_dir is not None:
+            bounds = write.clamp_bounds
+            hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], self.index)
         return hidden

@@ -1,37 +1,42 @@
-"""CUDA graphs for decode-only steps, with steering and capture inside the graph.
+"""CUDA graphs for decode-only steps, with steering, capture and (where it can) sampling inside.
 
-A decode step of n requests is padded to the next size of a ladder and replayed from a graph
-captured the first time that shape is seen. Everything that changes per step lives in persistent
-buffers the graph reads: token ids, positions, slot mapping, block table, sequence lengths, the
-steering row of every token, the capture row indices. What the graph cannot read from a buffer is
-part of its key: the padded size, the steering signature (which op runs at which site, and the
-table layout version: a table that grew has moved in memory), and the shape of the capture plan
-(which hook sites gather for which groups). Mixed and prefill steps run eagerly.
+A decode step of n requests is padded to the next size of a ladder and replayed from a graph of
+the step's forward program captured the first time that shape is seen (the worker captures the
+unsteered ladder at start-up). Everything that changes per step lives in persistent buffers the
+graph reads: token ids and the owners of pending ones, positions, slot mapping, each sequence's
+request slot (its block-table row is gathered in the graph), sequence lengths, the steering row
+of every token, the capture row indices, sampling seeds and temperatures. What the graph cannot
+read from a buffer is part of its key: the padded size, the steering signature (which op runs at
+which site, and the table layout version: a table that grew has moved in memory), the shape of
+the capture plan (which hook sites gather for which groups), and whether the step samples inside
+(the LM head and the fused sampler). Mixed and prefill steps run the same program eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from steerable.worker.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
+
+Program = Callable[[], tuple[torch.Tensor, "torch.Tensor | None"]]  # a step's forward: (hidden, samples or None)
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     output: torch.Tensor  # final hidden states [padded, H], owned by the graph
-    staged: dict = field(default_factory=dict)  # capture gathers, owned by the graph
+    tokens: torch.Tensor | None  # samples [padded] when the program samples
+    staged: list[torch.Tensor] = field(default_factory=list)  # capture blocks per group, owned by the graph
 
 
 class CudaGraphRunner:
-    def __init__(self, model: nn.Module, max_num_seqs: int):
-        self.model = model
+    def __init__(self, max_num_seqs: int):
         self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
                             | {max_num_seqs})
         self.graphs: dict[tuple, _Graph] = {}
@@ -45,33 +50,38 @@ class CudaGraphRunner:
                 return size
         return None
 
-    def run(self, ctx: ForwardContext, key: tuple) -> tuple[torch.Tensor, dict]:
-        """Replay (capturing first if new) the graph for ``key``: (hidden states, capture gathers)."""
+    def run(self, ctx: ForwardContext, key: tuple, program: Program
+            ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+        """Replay the graph for ``key``, or, if the key is new, run the step eagerly and capture
+        ``program`` for the next ones: (hidden states, samples or None, capture gathers)."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(ctx, key)
+            return self._capture(ctx, key, program)
         entry.graph.replay()
         self.num_replays += 1
-        return entry.output, entry.staged
+        return entry.output, entry.tokens, entry.staged
 
-    def _capture(self, ctx: ForwardContext, key: tuple) -> _Graph:
+    def _capture(self, ctx: ForwardContext, key: tuple, program: Program
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+        """Run this step eagerly (which also compiles every kernel for the shape), then capture the
+        graph without replaying it: the step has side effects a second run would see (the sampled
+        tokens it stores per request slot are the next step's inputs, which the graph gathers)."""
         steering = key[1]
         if steering is not None:  # graphs baked against older steering tables are dead
             for stale in [k for k in self.graphs if k[1] is not None and k[1][-1] != steering[-1]]:
                 del self.graphs[stale]
-        # One eager run compiles every kernel for this shape outside the capture (its K/V writes
-        # are the same values the replay writes again).
-        self.model(ctx.input_ids, ctx.positions, ctx)
+        output, tokens = program()
+        staged = ctx.capture.staged() if ctx.capture is not None else []
         if ctx.capture is not None:
-            ctx.capture.staged.clear()
+            ctx.capture.reset()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self.model(ctx.input_ids, ctx.positions, ctx)
+            graph_output, graph_tokens = program()
         if self.pool is None:
             self.pool = graph.pool()
-        entry = _Graph(graph, output, dict(ctx.capture.staged) if ctx.capture is not None else {})
-        self.graphs[key] = entry
+        self.graphs[key] = _Graph(graph, graph_output, graph_tokens,
+                                  ctx.capture.staged() if ctx.capture is not None else [])
         self.num_captures += 1
         logger.debug("captured CUDA graph %s (%d total)", key[0], len(self.graphs))
-        return entry
+        return output, tokens, staged

@@ -16,10 +16,10 @@ from steerable.steering.tables import StepSteering
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # int64 [T]; -1 marks padding rows
+    slot_mapping: torch.Tensor  # int64 [G, T], per KV group; -1 marks padding rows
     query_start_loc: torch.Tensor  # int32 [B + 1]
     seq_lens: torch.Tensor  # int32 [B]: context + new tokens (0 for padding sequences)
-    block_table: torch.Tensor  # int32 [B, max_blocks]
+    block_table: torch.Tensor  # int32 [G, B, max_blocks], per KV group
     max_query_len: int
     workspace: Any = None  # the attention backend's scratch buffers
 
@@ -32,6 +32,7 @@ class ForwardContext:
     num_tokens: int  # real rows; rows beyond are padding for a CUDA graph
     steering: StepSteering | None = None
     capture: StepCapture | None = None
+    pipeline_in: torch.Tensor | None = None  # [2, T_padded, H]: (h, delta) from the previous pipeline stage
 
     @property
     def num_padded_tokens(self) -> int:

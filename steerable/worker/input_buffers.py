@@ -1,92 +1,130 @@
 """Persistent device tensors for a step's inputs (CUDA graphs read them at fixed addresses), with
-pinned host staging: each step's columns go up in a few non-blocking copies."""
+pinned host staging: a step's columns go up in at most three non-blocking copies, and what depends
+on the device (the tokens sampled last step, each sequence's block-table rows) is gathered by
+``gather`` inside the step's forward program, so a decode graph holds it too.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from steerable.step import BlockTableUpdate
+from steerable.step import PLACEHOLDER, BlockTableUpdate, StepInput
+
+# Rows of the per-token int64 block: token id (0 where pending), position, steering row, owner (the
+# slot whose last sample is the input; NOT_PENDING otherwise), sampling seed, the request slot of
+# each sequence (a per-sequence column: a step has no more sequences than tokens), then the KV slot
+# of each token in each KV group (``steerable.kv_groups``).
+IDS, POSITIONS, STEER, OWNER, SEEDS, SEQ_SLOTS, SLOTS = range(7)
+
+
+@dataclass
+class StepViews:
+    """Device views of one step's staged inputs, padded to ``padded`` tokens / ``pad_seqs`` sequences."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor  # [G, padded]
+    steer_index: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor  # [G, pad_seqs, max_blocks]
+    seeds: torch.Tensor
+    temperature: torch.Tensor
+    request_slots: torch.Tensor
 
 
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, num_kv_groups: int = 1,
+                 steps_in_flight: int = 1):
+        """``steps_in_flight``: how many earlier steps may still be queued on the device when a
+        step is prepared: one in the engine's loop; P - 1 on a rank of a P-stage pipeline, which
+        gets step N + P once step N has finished everywhere but may still be running N + 1..."""
         self.device = device
         self.max_seqs = max_seqs
+        self.not_pending = max_seqs + 1  # an entry of last_sampled that stays 0
         pin = device.type == "cuda"
-        self.tokens = torch.zeros(4, max_tokens, dtype=torch.int64, device=device)  # ids, pos, slots, steer
+        rows = SLOTS + num_kv_groups
+        self.tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, device=device)
         self.seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)  # query_start, seq_lens
-        # Two sets of host staging, used by alternate steps: while one step's copies may still be
-        # queued behind the step in flight, the next step fills the other set.
-        self._tokens_host = [torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._slot_index_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.temperature = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # Sets of host staging used in turn: a step fills a set whose last copies (steps_in_flight
+        # steps ago at least) have left it, so nothing queued behind a step in flight is overwritten.
+        sets = steps_in_flight + 1
+        self._tokens_host = [torch.zeros(rows, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(sets)]
+        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
+        self._temperature_host = [torch.zeros(max_tokens, dtype=torch.float32, pin_memory=pin) for _ in range(sets)]
         self.parity = 0
-        # Each running request owns a row of block ids (the last row stays zero for padding); the
-        # step's block table is gathered from it on the device.
-        self.request_blocks = torch.zeros(max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
-        self.slot_index = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        # The token each request slot sampled last: the next step's input where the host has a placeholder.
-        self.last_sampled = torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
-
-    def begin_step(self) -> None:
-        self.parity ^= 1
+        # Each running request owns a row of block ids per KV group (the last row stays zero for
+        # padding); the step's block tables are gathered from them on the device.
+        self.request_blocks = torch.zeros(num_kv_groups, max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(num_kv_groups, max_seqs, max_blocks, dtype=torch.int32, device=device)
+        # The token each request slot sampled last (padding sequences sample into slot max_seqs);
+        # entry max_seqs + 1 is never written: the owner of every token that is not pending.
+        self.last_sampled = torch.zeros(max_seqs + 2, dtype=torch.int64, device=device)
 
     def write_blocks(self, update: BlockTableUpdate) -> None:
         index = torch.from_numpy(np.stack([update.rows, update.cols])).to(self.device, non_blocking=True)
         values = torch.from_numpy(update.values.astype(np.int32)).to(self.device, non_blocking=True)
-        self.request_blocks[index[0], index[1]] = values
+        self.request_blocks[:, index[0], index[1]] = values
 
-    def write_tokens(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, padded: int,
-                     pending: np.ndarray, owners: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids, positions and KV slots, padded to ``padded`` rows (padding writes no KV). Rows
-        ``pending`` take the token their owner slot sampled last step, straight from the device."""
-        n = len(token_ids)
+    def stage(self, step: StepInput, padded: int, seeds: np.ndarray | None = None,
+              temperature: np.ndarray | None = None) -> StepViews:
+        """Copy the step's columns up, padded to ``padded`` tokens (a decode step replaying a graph
+        pads with sequences of length 0 that read the all-zero block row and write no KV). Tokens
+        still being sampled (PLACEHOLDER) take their request's last sample in ``gather``. ``seeds``
+        and ``temperature`` (per token) are staged for sampling inside the forward program."""
+        self.parity = (self.parity + 1) % len(self._tokens_host)
+        n, num_seqs = step.num_tokens, step.num_requests
+        pad_seqs = padded if padded != n else num_seqs
         host_tensor = self._tokens_host[self.parity]
         host = host_tensor.numpy()
-        host[0, :n] = token_ids
-        host[0, pending] = 0
-        host[1, :n] = positions
-        host[2, :n] = slot_mapping
-        host[:3, n:padded] = 0
-        host[2, n:padded] = -1
-        self.tokens[:3, :padded].copy_(host_tensor[:3, :padded], non_blocking=True)
-        if len(pending):
-            rows = torch.from_numpy(pending).to(self.device, non_blocking=True)
-            slots = torch.from_numpy(owners).to(self.device, non_blocking=True)
-            self.tokens[0].index_copy_(0, rows, self.last_sampled.index_select(0, slots))
-        return self.tokens[0, :padded], self.tokens[1, :padded], self.tokens[2, :padded]
-
-    def write_sequences(self, query_start: np.ndarray, seq_lens: np.ndarray, request_slots: np.ndarray,
-                        padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Query starts, sequence lengths and the block table; when a decode step is padded, each
-        padding row is a sequence of length 0 reading the all-zero block row."""
-        num_seqs = len(seq_lens)
-        num_tokens = int(query_start[-1])
-        pad_seqs = padded if padded != num_tokens else num_seqs
+        pending = step.token_ids == PLACEHOLDER
+        host[IDS, :n] = np.where(pending, 0, step.token_ids)
+        host[POSITIONS, :n] = step.positions
+        host[SLOTS:, :n] = step.slot_mapping
+        host[STEER, :n] = step.steering.index if step.steering is not None else 0
+        if n == num_seqs:  # one token per sequence (decode): token i belongs to sequence i
+            host[OWNER, :n] = np.where(pending, step.request_slots, self.not_pending)
+        else:
+            host[OWNER, :n] = self.not_pending
+            if pending.any():
+                host[OWNER, :n][pending] = step.request_slots[step.token_request[pending]]
+        host[:, n:padded] = 0
+        host[SLOTS:, n:padded] = -1
+        host[OWNER, n:padded] = self.not_pending
+        if seeds is not None:
+            host[SEEDS, :n] = seeds
+        host[SEQ_SLOTS, :num_seqs] = step.request_slots
+        host[SEQ_SLOTS, num_seqs:pad_seqs] = self.max_seqs  # the all-zero padding row
+        width = max(padded, pad_seqs)
+        self.tokens[:, :width].copy_(host_tensor[:, :width], non_blocking=True)
         seq_tensor = self._seqs_host[self.parity]
         seq_host = seq_tensor.numpy()
-        seq_host[0, :num_seqs + 1] = query_start
-        seq_host[0, num_seqs + 1:pad_seqs + 1] = np.arange(num_tokens + 1, padded + 1)
-        seq_host[1, :num_seqs] = seq_lens
+        seq_host[0, :num_seqs + 1] = step.query_start
+        seq_host[0, num_seqs + 1:pad_seqs + 1] = np.arange(n + 1, padded + 1)
+        seq_host[1, :num_seqs] = step.seq_lens
         seq_host[1, num_seqs:pad_seqs] = 0
         self.seqs[:, :pad_seqs + 1].copy_(seq_tensor[:, :pad_seqs + 1], non_blocking=True)
-        slot_tensor = self._slot_index_host[self.parity]
-        slot_host = slot_tensor.numpy()
-        slot_host[:num_seqs] = request_slots
-        slot_host[num_seqs:pad_seqs] = self.max_seqs  # the all-zero padding row
-        self.slot_index[:pad_seqs].copy_(slot_tensor[:pad_seqs], non_blocking=True)
-        block_table = self.block_table[:pad_seqs]
-        torch.index_select(self.request_blocks, 0, self.slot_index[:pad_seqs], out=block_table)
-        return self.seqs[0, :pad_seqs + 1], self.seqs[1, :pad_seqs], block_table
+        if temperature is not None:
+            temp_host = self._temperature_host[self.parity]
+            temp_host.numpy()[:n] = temperature
+            temp_host.numpy()[n:padded] = 0.0
+            self.temperature[:padded].copy_(temp_host[:padded], non_blocking=True)
+        return StepViews(self.input_ids[:padded], self.tokens[POSITIONS, :padded], self.tokens[SLOTS:, :padded],
+                         self.tokens[STEER, :padded], self.seqs[0, :pad_seqs + 1], self.seqs[1, :pad_seqs],
+                         self.block_table[:, :pad_seqs], self.tokens[SEEDS, :padded], self.temperature[:padded],
+                         self.tokens[SEQ_SLOTS, :pad_seqs])
 
-    def write_steering(self, index: np.ndarray, padded: int) -> torch.Tensor:
-        """Each token's steering row (0 for padding)."""
-        n = len(index)
-        host_tensor = self._tokens_host[self.parity]
-        host = host_tensor.numpy()
-        host[3, :n] = index
-        host[3, n:padded] = 0
-        self.tokens[3, :padded].copy_(host_tensor[3, :padded], non_blocking=True)
-        return self.tokens[3, :padded]
+    def gather(self, views: StepViews) -> None:
+        """On the device (inside a graph, if one runs): each token's input id (its request's last
+        sample where the host had a placeholder) and each sequence's block-table row per KV group."""
+        padded = views.input_ids.shape[0]
+        torch.add(self.tokens[IDS, :padded], self.last_sampled.index_select(0, self.tokens[OWNER, :padded]),
+                  out=views.input_ids)
+        pad_seqs = views.request_slots.shape[0]
+        for group, blocks in enumerate(self.request_blocks):
+            torch.index_select(blocks, 0, views.request_slots, out=self.block_table[group, :pad_seqs])

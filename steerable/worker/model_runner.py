@@ -1,30 +1,41 @@
 """The worker: owns the model, its KV cache, the persistent per-step device inputs, the device
 halves of the steering and capture planes, and the sampler. Each step it takes one plain
 ``StepInput``, runs one forward (eager or a CUDA-graph replay) and samples; ``finish`` hands back
-a plain ``StepOutput``."""
+a plain ``StepOutput``.
+
+One runner per rank: under tensor/pipeline parallelism (``distributed``) every rank runs this same
+code on the same step input, holding its shard of the model and the layers of its stage. A stage
+after the first receives the residual stream before its forward and one before the last sends it
+on after; only tensor-parallel rank 0 of the last stage samples.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import numpy as np
 import torch
 
-from steerable.capture.gather import CaptureBuffers, copy_to_host
+from steerable.capture.gather import CaptureBuffers
 from steerable.config import EngineConfig, ModelConfig
+from steerable.distributed.groups import ParallelContext, building
 from steerable.hook_points import HookPoints
+from steerable.kv_groups import KVGroups
+from steerable.layers import fused
 from steerable.layers.attention import Attention
 from steerable.layers.attention_backends import torch_ref
-from steerable.models.loader import ModelSource, iter_weights
+from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
 from steerable.steering.tables import SteeringTables
-from steerable.step import PLACEHOLDER, StepInput, StepOutput
+from steerable.step import SamplingInput, StepInput, StepOutput
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
-from steerable.worker.input_buffers import InputBuffers
+from steerable.worker.input_buffers import InputBuffers, StepViews
 from steerable.worker.sampler import SampleHandle, Sampler
+from steerable.worker.warmup import warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -47,72 +58,101 @@ class Launched:
 
     step_id: int
     samples: SampleHandle | None
-    captured: dict[tuple[int, int], torch.Tensor]
+    captured: list[torch.Tensor]
     copied: torch.cuda.Event | None
     graphed: bool
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, source: ModelSource,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 parallel: ParallelContext | None = None):
+        """``parallel``: this rank's place and groups (None: the whole model on one rank)."""
         self.config = config
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
+        self.parallel = parallel if parallel is not None else ParallelContext.single(model_config.num_layers)
+        placement = self.parallel.placement
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
         self.backend = select_backend(config.attention_backend, device)
         cls = model_class(model_config.architecture)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
+            with torch.device(device), building(self.parallel):
                 self.model = cls(model_config, HookPoints(), self.backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iter_weights(source, model_config.hf_config, dtype))
+        if config.load_format == "dummy":
+            dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(iter_weights(source, model_config.num_heads, model_config.num_kv_heads, dtype))
         self.model.eval().requires_grad_(False)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_groups = KVGroups.for_model(model_config)
+        self.kv_slots, self.kv_placement = self.kv_groups.stage_placement(range(*placement.layers))
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device,
+                                    self.kv_groups.num_groups, steps_in_flight=max(1, placement.pp_size - 1))
+        # The residual stream from the previous stage lands here: (h, delta) of up to max_tokens rows.
+        self.pipeline_in = None if placement.is_first_stage else torch.zeros(
+            2 * max_tokens, model_config.hidden_size, dtype=dtype, device=device)
+        # Under tensor parallelism the sampled tokens, which feed the next step, go to every rank.
+        self.share_samples = self.parallel.tp.size > 1 and placement.pp_size == 1
+        self.single_rank = self.parallel.tp.size == 1 and placement.pp_size == 1
+        self.kv_dtype = config.resolve_kv_dtype(dtype)
         self.workspace = None
         if self.backend is not torch_ref:
-            self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, model_config.num_heads,
+            self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, self.attention_layers[0].num_heads,
                                                           model_config.head_dim, device)
         self.sampler = Sampler()
-        self.steering = SteeringTables(model_config.hidden_size, device, dtype)
-        self.capture = CaptureBuffers(max_tokens, device)
-        self.num_blocks = self._allocate_kv_cache()
+        self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
+        self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components)
+        self.parallel.tp.warm_up(device)
+        self.num_blocks = self.parallel.agree_min(self._kv_cache_blocks())  # every rank holds the same blocks
+        self._allocate_kv_cache(self.num_blocks)
         self.graphs = None
         if (device.type == "cuda" and not config.enforce_eager and self.backend is not torch_ref
                 and getattr(self.model, "supports_cuda_graphs", True)):
-            self.graphs = CudaGraphRunner(self.model, config.max_num_seqs)
+            self.graphs = CudaGraphRunner(config.max_num_seqs)
 
     # ------------------------------------------------------------ memory
 
-    def _allocate_kv_cache(self) -> int:
-        cfg = self.model_config
-        layers = len(self.attention_layers)
-        bytes_per_block = 2 * layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        if self.config.kv_cache_tokens is not None:
-            num_blocks = self.config.kv_cache_tokens // self.block_size
-        elif self.device.type == "cuda":
-            num_blocks = int(self._profile_free_bytes() // bytes_per_block)
-        else:
-            num_blocks = _CPU_KV_BYTES // bytes_per_block
+    def _kv_cache_blocks(self) -> int:
+        """How many KV blocks this rank can hold: a block is ``block_size`` tokens of this rank's
+        layers of one KV group (``kv_slots`` layers at most) and of its KV heads."""
+        if self.config.kv_cache_tokens is not None:  # as much memory as that many tokens of every layer
+            return self.config.kv_cache_tokens // self.block_size * len(self.attention_layers) // self.kv_slots
+        if self.device.type == "cuda":
+            return int(self._profile_free_bytes() // self._bytes_per_block)
+        return _CPU_KV_BYTES // self._bytes_per_block
+
+    @property
+    def _bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        return 2 * self.kv_slots * self.block_size * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """One pool of blocks; every layer reads the blocks of its KV group at its slot."""
+        kv_dtype = self.kv_dtype
         if num_blocks < 1:
             raise ValueError("not enough memory for a single KV block; lower the model size or raise "
                              "gpu_memory_utilization / kv_cache_tokens")
-        shape = (2, layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        layer = self.attention_layers[0]
+        shape = (2, self.kv_slots, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         # Unwritten slots are never read (attention masks by seq_lens), so GPU memory need not be cleared.
         make = torch.empty if self.device.type == "cuda" else torch.zeros
-        self.kv_cache = make(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = make(shape, dtype=kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", num_blocks, self.block_size,
-                    num_blocks * bytes_per_block / 2**30)
-        return num_blocks
+            layer.kv_group, slot = self.kv_placement[i]
+            layer.k_cache, layer.v_cache = self.kv_cache[0, slot], self.kv_cache[1, slot]
+        logger.info("KV cache: %d blocks of %d tokens x %d layers in %d groups (%.1f GiB)", num_blocks,
+                    self.block_size, self.kv_slots, self.kv_groups.num_groups,
+                    num_blocks * self._bytes_per_block / 2**30)
 
     @torch.inference_mode()
     def _profile_free_bytes(self) -> int:
@@ -120,7 +160,8 @@ class ModelRunner:
         on the most rows, then give the KV cache what ``gpu_memory_utilization`` leaves."""
         cfg = self.model_config
         tokens = max(self.config.max_num_batched_tokens, self.max_num_seqs)
-        scratch = torch.zeros(1, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+        layer = self.attention_layers[0]
+        scratch = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.kv_dtype,
                               device=self.device)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = scratch
@@ -131,18 +172,25 @@ class ModelRunner:
         lens = [bs] * (tokens // bs) + ([tokens % bs] if tokens % bs else [])
         seqs = min(self.max_num_seqs, len(lens))
         starts = np.concatenate([[0], np.cumsum(lens)])
+        groups = self.kv_groups.num_groups
         meta = AttentionMetadata(
-            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((groups, tokens), -1, dtype=torch.int64, device=self.device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_table=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(groups, len(lens), 1, dtype=torch.int32, device=self.device),
             max_query_len=max(lens), workspace=self.workspace)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, ids, ForwardContext(ids, ids, meta, tokens))
-        logits = self.model.compute_logits(hidden[:seqs]).float()  # the torch sampler path works in float32
-        probs = logits.softmax(-1)
-        torch.empty_like(probs).exponential_()
-        del hidden, logits, probs
+        ctx = ForwardContext(ids, ids, meta, tokens)
+        if self.pipeline_in is not None:  # a later stage: what the previous one would send
+            ctx.pipeline_in = self.pipeline_in[:2 * tokens].view(2, tokens, cfg.hidden_size)
+        hidden = self.model(ids, ids, ctx)
+        if self.parallel.placement.is_last_stage:
+            logits = self.model.compute_logits(hidden[:seqs])
+            if logits is not None:  # the sampling rank; the torch sampler path works in float32
+                probs = logits.float().softmax(-1)
+                torch.empty_like(probs).exponential_()
+                del logits, probs
+        del hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -159,22 +207,52 @@ class ModelRunner:
         Sampled tokens stay on the device, kept per request slot for the next step's inputs."""
         if step.steering_update is not None:
             self.steering.apply(step.steering_update)
-        ctx, key = self._prepare(step)
+        ctx, views, key, inside = self._prepare(step)
+        if ctx.pipeline_in is not None:  # the previous stage's residual stream, into the buffer the forward reads
+            self.parallel.pipe.receive(ctx.pipeline_in)
+        program = partial(self._program, ctx, views, inside)
         if key is not None:
-            hidden, staged = self.graphs.run(ctx, key)
+            hidden, tokens, staged = self.graphs.run(ctx, key, program)
         else:
-            hidden = self.model(ctx.input_ids, ctx.positions, ctx)
-            staged = ctx.capture.staged if ctx.capture is not None else {}
+            hidden, tokens = program()
+            staged = ctx.capture.staged() if ctx.capture is not None else []
         samples = None
-        sampling = step.sampling
-        if sampling is not None:
-            rows = torch.from_numpy(sampling.rows).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows])
-            samples = self.sampler.sample(logits, sampling)
-            slots = torch.from_numpy(sampling.slots).to(self.device, non_blocking=True)
-            self.buffers.last_sampled.index_copy_(0, slots, samples.tokens)
-        captured, copied = copy_to_host(staged, step.capture) if staged else ({}, None)
+        if not self.parallel.placement.is_last_stage:
+            self.parallel.pipe.send(hidden)
+        elif tokens is not None:
+            samples = self.sampler.fetch(tokens[:step.num_tokens], step.sampling.logprobs)
+        elif step.sampling is not None:
+            samples = self._sample(hidden, step.sampling)
+        captured, copied = self.capture.copy_to_host(staged, step.capture) if staged else ([], None)
         return Launched(step.step_id, samples, captured, copied, key is not None)
+
+    def _program(self, ctx: ForwardContext, views: StepViews, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a decode CUDA graph holds: the inputs that depend on the device gathered, the
+        forward, and, for a step that samples every row with the fused sampler, the logits, the
+        samples and each slot's last token. (hidden states, samples or None)."""
+        self.buffers.gather(views)
+        hidden = self.model(ctx.input_ids, ctx.positions, ctx)
+        if not sample:
+            return hidden, None
+        tokens = fused.gumbel_argmax(self.model.compute_logits(hidden), views.temperature, views.seeds)
+        self.buffers.last_sampled.index_copy_(0, views.request_slots, tokens)
+        return hidden, tokens
+
+    def _sample(self, hidden: torch.Tensor, sampling: SamplingInput) -> SampleHandle | None:
+        """Sample on the rank that has the logits; keep the tokens per request slot for the next
+        step's placeholders (on every tensor-parallel rank: each embeds them)."""
+        rows = torch.from_numpy(sampling.rows).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows])
+        samples = self.sampler.sample(logits, sampling) if logits is not None else None
+        if samples is None and not self.share_samples:
+            return None
+        tokens = samples.tokens if samples is not None else torch.empty(len(sampling.rows), dtype=torch.int64,
+                                                                         device=self.device)
+        if self.share_samples:
+            self.parallel.tp.broadcast(tokens)
+        slots = torch.from_numpy(sampling.slots).to(self.device, non_blocking=True)
+        self.buffers.last_sampled.index_copy_(0, slots, tokens)
+        return samples
 
     def finish(self, launched: Launched) -> StepOutput:
         """Wait for a launched step and bring its samples and captured rows to the host."""
@@ -183,8 +261,19 @@ class ModelRunner:
             launched.copied.synchronize()
         return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed)
 
-    def _prepare(self, step: StepInput) -> tuple[ForwardContext, tuple | None]:
-        """Copy the step's columns into the persistent buffers (padded to a graph size for a decode
+    def _samples_inside(self, step: StepInput) -> bool:
+        """Whether the step's sampling runs inside its forward program: a decode step that samples
+        every row, with the fused sampler (no top-k/top-p/min-p, penalties, held-back tokens or
+        logprobs, which take the sampler's other paths), on an engine of one rank (tensor-parallel
+        ranks gather their logits and share the samples; only a pipeline's last stage samples)."""
+        sampling = step.sampling
+        return (sampling is not None and self.single_rank and step.max_query_len == 1
+                and len(sampling.rows) == step.num_tokens and fused.enabled(self.buffers.tokens)
+                and not sampling.filtered and not sampling.penalties and not sampling.suppress
+                and all(n is None for n in sampling.logprobs))
+
+    def _prepare(self, step: StepInput) -> tuple[ForwardContext, StepViews, tuple | None, bool]:
+        """Stage the step's columns in the persistent buffers (padded to a graph size for a decode
         step that can replay one) and build the forward context; the key is None for an eager step."""
         buf = self.buffers
         if step.block_update is not None:
@@ -195,27 +284,36 @@ class ModelRunner:
             size = self.graphs.padded_size(step.num_requests)
             if size is not None:
                 padded, graphed = size, True
-        buf.begin_step()
-        pending = np.flatnonzero(step.token_ids == PLACEHOLDER)
-        owners = step.request_slots[step.token_request[pending]] if len(pending) else pending
-        input_ids, positions, slot_mapping = buf.write_tokens(step.token_ids, step.positions, step.slot_mapping,
-                                                              padded, pending, owners)
-        query_start, seq_lens, block_table = buf.write_sequences(step.query_start, step.seq_lens,
-                                                                 step.request_slots, padded)
-        attn = AttentionMetadata(slot_mapping, query_start, seq_lens, block_table, step.max_query_len,
-                                 self.workspace)
-        ctx = ForwardContext(input_ids, positions, attn, num_tokens)
+        inside = self._samples_inside(step)
+        sampling = step.sampling
+        views = buf.stage(step, padded, sampling.seeds if inside else None, sampling.temperature if inside else None)
+        attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
+                                 step.max_query_len, self.workspace)
+        ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens)
+        if self.pipeline_in is not None:
+            ctx.pipeline_in = self.pipeline_in[:2 * padded].view(2, padded, self.model_config.hidden_size)
         if step.steering is not None:
-            ctx.steering = self.steering.step_view(step.steering, buf.write_steering(step.steering.index, padded))
+            ctx.steering = self.steering.step_view(step.steering, views.steer_index)
         if step.capture is not None:
             ctx.capture = self.capture.step_view(step.capture, padded, graphed)
         key = None
         if graphed:
             key = (padded, step.steering.signature if step.steering is not None else None,
-                   step.capture.signature if step.capture is not None else None)
-        return ctx, key
+                   step.capture.signature if step.capture is not None else None, inside)
+        return ctx, views, key, inside
 
     # ------------------------------------------------------------ lifecycle
+
+    def warmup(self) -> None:
+        """Run the start-up steps of ``worker.warmup``: every kernel variant compiled and every decode
+        CUDA graph captured now, not in the first requests. Leaves nothing a request can see (K/V
+        only in free blocks); the replay counter restarts at zero."""
+        sizes = self.graphs.sizes if self.graphs is not None else []
+        for step in warmup_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
+                                 self.block_size, sizes):
+            self.finish(self.launch(step))
+        if self.graphs is not None:
+            self.graphs.num_replays = 0
 
     def stats(self) -> dict[str, int]:
         graphs = self.graphs
@@ -226,6 +324,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs so their device memory can be reused."""
+        if self.parallel.pipe is not None:
+            self.parallel.pipe.flush()
         self.graphs = None
         self.model = None
         self.kv_cache = None

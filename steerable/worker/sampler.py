@@ -54,6 +54,11 @@ class Sampler:
                                          seeds.to(logits.device, non_blocking=True))  # reads the logits' own dtype
         else:
             tokens = _sample_torch(logits.float(), sampling)
+        return self.fetch(tokens, want, raw_logprobs)
+
+    @staticmethod
+    def fetch(tokens: torch.Tensor, want: list[int | None], raw_logprobs: torch.Tensor | None = None) -> SampleHandle:
+        """Enqueue the copy of sampled tokens (drawn here or inside a forward program) to the host."""
         host = tokens.to("cpu", non_blocking=True) if tokens.is_cuda else tokens
         done = torch.cuda.Event() if tokens.is_cuda else None
         if done is not None:

@@ -43,9 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype"
                        help="do not reuse the KV cache of shared prompt prefixes")
     group.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per layer (default: 1)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="ranks that split every layer's weights (default: 1); docs/parallel.md")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="pipeline stages (default: 1)")
+                       help="pipeline stages, each holding a range of layers (default: 1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

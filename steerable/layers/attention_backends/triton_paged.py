@@ -6,10 +6,12 @@ Public API
     Scatter new K/V rows into the paged cache (``slot = block_id * block_size + offset``,
     ``-1`` skips the row).
 ``paged_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-max_query_len, scale, sliding_window=None, workspace=None)``
+max_query_len, scale, sliding_window=None, workspace=None, k_scale=1.0, v_scale=1.0)``
     Causal (optionally sliding-window) attention of a flattened ragged batch against the
     paged cache. Prefill chunks with prefix context and single-token decodes can be mixed in
-    one call.
+    one call. A float8 (e4m3) cache holds K / k_scale and V / v_scale: tiles are converted to
+    the query's dtype as they are loaded, k_scale is folded into the softmax scale and v_scale
+    into the output.
 ``DecodeWorkspace``
     Preallocated fp32 buffers for the split-KV decode path (keeps the op CUDA-graph safe).
 ``CONFIG``
@@ -122,6 +124,13 @@ class DecodeWorkspace:
 # store_kv
 # --------------------------------------------------------------------------------------
 
+@triton.jit
+def _to_fp8(x, scale, dtype: tl.constexpr):
+    """A float8 (e4m3) cache's entry for ``x``: ``x / scale`` saturated at the format's largest
+    value, 448."""
+    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
+
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -129,8 +138,9 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kco, stride_kch,
     stride_vcb, stride_vco, stride_vch,
+    k_scale, v_scale,
     NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -145,6 +155,9 @@ def _store_kv_kernel(
                 mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask)
+    if FP8:
+        k = _to_fp8(k, k_scale, k_cache_ptr.dtype.element_ty)
+        v = _to_fp8(v, v_scale, v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kco
              + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vco
@@ -152,9 +165,10 @@ def _store_kv_kernel(
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
-             slot_mapping: Tensor) -> None:
+             slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``k_cache``/``v_cache``
-    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64 ``[T]``; ``-1`` = skip)."""
+    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64 ``[T]``; ``-1`` = skip); a
+    float8 cache stores ``value / scale``, saturated."""
     T = key.shape[0]
     if T == 0:
         return
@@ -174,8 +188,10 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(k_scale), float(v_scale),
         NUM_HEADS=num_heads, HEAD_D=head_d,
         H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_d), BLOCK_SIZE=block_size,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=CONFIG.store_num_warps,
     )
 
@@ -219,8 +235,8 @@ def _kv_tile_step(
     v_off += kv_head * stride_vh
 
     k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None],
-                mask=k_valid[None, :] & d_mask[:, None], other=0.0)  # [D_PAD, TILE_N]
-    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+                mask=k_valid[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [D_PAD, TILE_N]
+    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N], log2 domain (k's scale folded in)
 
     mask = row_valid[:, None] & k_valid[None, :]
     if CAUSAL_PER_ROW:
@@ -237,7 +253,7 @@ def _kv_tile_step(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
-                mask=k_valid[:, None] & d_mask[None, :], other=0.0)  # [TILE_N, D_PAD]
+                mask=k_valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [TILE_N, D_PAD]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -251,7 +267,7 @@ def _kv_tile_step(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale, window,
+    num_seqs, qk_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
@@ -331,7 +347,7 @@ def _unified_attention_kernel(
             BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * v_scale
     tl.store(out_ptr + q_tok[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
@@ -410,7 +426,7 @@ def _split_kv_decode_kernel(
 
 @triton.jit
 def _split_kv_reduce_kernel(
-    out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr, qsl_ptr,
+    out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr, qsl_ptr, v_scale,
     stride_ot, stride_oh,
     stride_wab, stride_wah, stride_was,
     stride_wmb, stride_wmh,
@@ -437,7 +453,7 @@ def _split_kv_reduce_kernel(
                   + offs_s[:, None] * stride_was + offs_d[None, :],
                   mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     num = tl.sum(w[:, None] * acc, axis=0)
-    o = num / tl.where(denom == 0.0, 1.0, denom)
+    o = num / tl.where(denom == 0.0, 1.0, denom) * v_scale
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_D)
 
@@ -455,7 +471,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
-                    workspace: "DecodeWorkspace | None" = None) -> None:
+                    workspace: "DecodeWorkspace | None" = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """Causal paged attention over a ragged batch; writes ``out`` in place.
 
     ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``;
@@ -497,7 +514,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     group = num_q_heads // num_kv_heads
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
-    qk_scale = float(scale) * _LOG2E
+    qk_scale = float(scale) * float(k_scale) * _LOG2E  # a float8 cache holds K / k_scale
     use_window = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if use_window else 0
     dot_prec = _dot_precision(q.dtype)
@@ -526,7 +543,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages,
         )
         _split_kv_reduce_kernel[(B, num_q_heads)](
-            out, workspace.acc, workspace.max, workspace.sum, query_start_loc,
+            out, workspace.acc, workspace.max, workspace.sum, query_start_loc, float(v_scale),
             out.stride(0), out.stride(1),
             workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
             workspace.max.stride(0), workspace.max.stride(1),
@@ -549,7 +566,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     _unified_attention_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table,
-        B, qk_scale, window,
+        B, qk_scale, float(v_scale), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

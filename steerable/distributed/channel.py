@@ -1,0 +1,110 @@
+"""The driver's messages to every rank, and the stages' reports back, over the gloo control groups.
+
+A message travels as one fixed-size frame (kind, length, the first bytes of the payload) and, when
+the payload is larger, one more transfer of the rest: a typical step is a single collective.
+A gloo send (a broadcast too) completes only when its receiver takes it, so sends here are
+asynchronous and each completes before the next one starts: a stage reporting step N while the
+driver broadcasts step N + 1 would otherwise wait for each other forever.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FRAME_BYTES = 64 * 1024
+_HEAD = 2  # int64 words before the payload: kind, payload length
+
+
+class Kind(enum.IntEnum):
+    STEP = 1
+    SHUTDOWN = 2
+    REPORT = 3
+
+
+def _frame(kind: Kind, payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    frame[:8 * _HEAD].view(torch.int64).copy_(torch.tensor([int(kind), len(payload)]))
+    first = min(len(payload), FRAME_BYTES - 8 * _HEAD)
+    data = np.frombuffer(payload, dtype=np.uint8)
+    frame[8 * _HEAD:8 * _HEAD + first] = torch.from_numpy(data[:first].copy())
+    rest = torch.from_numpy(data[first:].copy()) if len(payload) > first else None
+    return frame, rest
+
+
+def _parse(frame: torch.Tensor) -> tuple[Kind, int, torch.Tensor]:
+    kind, length = frame[:8 * _HEAD].view(torch.int64).tolist()
+    return Kind(kind), length, frame[8 * _HEAD:8 * _HEAD + min(length, FRAME_BYTES - 8 * _HEAD)]
+
+
+def _join(first: torch.Tensor, rest: torch.Tensor | None) -> memoryview:
+    """The payload as one writable buffer (decoded arrays are views of it)."""
+    payload = first.clone() if rest is None else torch.cat([first, rest])
+    return memoryview(payload.numpy())
+
+
+class ControlChannel:
+    """Rank 0 broadcasts; every other rank receives the same messages in the same order. A
+    broadcast completes only once every rank receives it, and the last stage of a pipeline takes
+    the next step only after finishing (and reporting) the previous one: so the driver does not
+    wait for a message to arrive before running its own part of the step, only before sending
+    the next message."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def publish(self, kind: Kind, payload: bytes = b"") -> None:
+        self.flush()
+        frame, rest = _frame(kind, payload)
+        for tensor in (frame, rest) if rest is not None else (frame,):
+            self._pending.append((dist.broadcast(tensor, src=0, group=self.group, async_op=True), tensor))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+
+    def receive(self) -> tuple[Kind, memoryview]:
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        dist.broadcast(frame, src=0, group=self.group)
+        kind, length, first = _parse(frame)
+        rest = None
+        if length > len(first):
+            rest = torch.empty(length - len(first), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+        return kind, _join(first, rest)
+
+
+class ReportChannel:
+    """A stage's reports to the driver (rank 0), point to point."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, payload: bytes) -> None:
+        self.flush()
+        frame, rest = _frame(Kind.REPORT, payload)
+        for tensor in (frame, rest) if rest is not None else (frame,):
+            self._pending.append((dist.isend(tensor, dst=0, group=self.group), tensor))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+
+    def receive(self, src: int) -> memoryview:
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        dist.recv(frame, src=src, group=self.group)
+        kind, length, first = _parse(frame)
+        if kind is not Kind.REPORT:
+            raise RuntimeError(f"rank {src} sent {kind.name} where a report was due")
+        rest = None
+        if length > len(first):
+            rest = torch.empty(length - len(first), dtype=torch.uint8)
+            dist.recv(rest, src=src, group=self.group)
+        return _join(first, rest)

@@ -1,0 +1,86 @@
+"""The stream store on its own: a step's rows of every layer arrive as one block, are kept in order
+with their labels across chunk boundaries and budgets, come back as views or one concatenation,
+drain by request, reduce per request, and serialise to the wire format losslessly."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from steerable.capture.rowlog import RowLog
+from steerable.capture.serialization import deserialize_captured
+from steerable.capture.store import StreamConfig, StreamRows, StreamStore
+
+LAYERS = [0, 3]
+
+
+def _steps(num_steps: int, requests: list[str], width: int = 8, dtype=torch.float32):
+    """Decode-like steps: one row per request per step, values 1000 * (index of the layer) +
+    100 * (index of the request) + step."""
+    for step in range(num_steps):
+        n = len(requests)
+        block = torch.stack([torch.arange(n)[:, None].float() * 100 + step + layer * 1000 + torch.zeros(n, width)
+                             for layer in range(len(LAYERS))]).to(dtype)
+        yield StreamRows(block, np.arange(n), list(requests), np.ones(n, np.int64), np.full(n, step, np.int32),
+                         np.arange(n, dtype=np.int32) + 7)
+
+
+def test_rows_in_computed_order_across_chunks_and_views():
+    store = StreamStore(StreamConfig(LAYERS, None, "all", "all", None), LAYERS, {})
+    for rows in _steps(600, ["a-00000001", "b-00000002"]):  # 1200 rows: two chunks of the log
+        store.append(rows)
+    assert len(store.logs[0].chunks) == 2
+    tensors, metas = store.fetch(clear_selected=True)
+    assert tensors[3].shape == (1200, 8) and tensors[3][:, 0].tolist()[:4] == [1000.0, 1100.0, 1001.0, 1101.0]
+    assert metas[0].positions.tolist()[:4] == [0, 0, 1, 1] and metas[0].req_ids[:2] == ["a-00000001", "b-00000002"]
+    order = metas[0].by_request()
+    assert metas[0].select(order).positions.tolist() == list(range(600)) * 2
+    assert store.tokens_stored == 0 and store.status()["requests"] == 0
+    small = StreamStore(StreamConfig(LAYERS, None, "all", "all", None), LAYERS, {})
+    small.append(next(_steps(1, ["a"])))
+    peek, _ = small.fetch(clear_selected=False)
+    assert peek[0].data_ptr() == small.logs[0].chunks[0].data_ptr()  # a view, no copy
+
+
+def test_drain_one_request_budget_and_wire_round_trip():
+    store = StreamStore(StreamConfig(LAYERS, None, "all", "all", 25), LAYERS, {0: {"width": 8}, 3: {"width": 8}})
+    for rows in _steps(10, ["a-00000001", "b-00000002", "c-00000003"]):
+        store.append(rows)
+    assert store.status()["rows_stored"] == {0: 25, 3: 25} and store.tokens_dropped == 2 * 5
+    wire = store.serialize(layers=[3])
+    tensors, metas = deserialize_captured(wire)
+    peek, peek_meta = store.fetch(layers=[3], clear_selected=False)
+    assert torch.equal(tensors[3], peek[3]) and metas[3] == peek_meta[3]
+    b_rows, b_meta = store.fetch(req_ids=["b"], clear_selected=True)
+    assert set(b_meta[0].req_ids) == {"b-00000002"} and b_meta[0].positions.tolist() == list(range(8))
+    assert (b_rows[0][:, 0] == torch.arange(8) + 100).all()
+    rest, rest_meta = store.fetch(clear_selected=True)
+    assert len(rest_meta[0]) == 25 - 8 and "b-00000002" not in rest_meta[0].req_ids
+
+
+def test_reductions_per_request():
+    for reduce in ("mean", "last"):
+        store = StreamStore(StreamConfig(LAYERS, None, reduce, None, None), LAYERS, {})
+        for rows in _steps(4, ["a", "b"]):
+            store.append(rows)
+        assert store.pending_requests() == ["a", "b"] and store.status()["pending_reductions"] == 4
+        store.finish_request("b")
+        store.abort_request("a")
+        tensors, metas = store.fetch(clear_selected=True)
+        assert metas[0].req_ids == ["b"] and store.pending_requests() == []
+        expected = 100 + (1.5 if reduce == "mean" else 3.0)
+        assert tensors[0][0, 0].item() == expected and tensors[3][0, 0].item() == expected + 1000
+        assert metas[3].positions.tolist() == ([-1] if reduce == "mean" else [3])
+
+
+def test_row_log_gathers_subsets_across_chunks():
+    log = RowLog()
+    source = torch.arange(3000, dtype=torch.float32)[:, None].repeat(1, 4)
+    for start in range(0, 3000, 300):
+        log.append(source[start:start + 300], None, np.arange(start, start + 300), np.zeros(300, np.int32),
+                   np.zeros(300, np.int32))
+    assert len(log.chunks) == 2 and len(log) == 3000
+    pick = np.array([0, 5, 1023, 1024, 2999])
+    assert log.rows(pick)[:, 0].tolist() == pick.tolist()
+    log.keep(np.arange(3000) % 2 == 1)
+    assert len(log) == 1500 and log.rows()[:3, 0].tolist() == [1.0, 3.0, 5.0] and log.labels()[0][0] == 1

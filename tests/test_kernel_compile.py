@@ -1,0 +1,108 @@
+"""The Triton kernels compile for Hopper (sm_90: H100/H200) on a machine without a GPU: Triton's
+compiler and the ptxas it ships need no device. The CPU interpreter runs the kernels' arithmetic;
+this catches what only the real compiler sees (types, float8 conversions, constexpr branches,
+layouts of ``tl.dot``), for the variants a CPU run cannot execute."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("the interpreter replaces the compiler; run without TRITON_INTERPRET", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from steerable.layers import fused, fused_moe  # noqa: E402
+from steerable.layers.attention_backends import triton_paged  # noqa: E402
+
+_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
+          torch.int64: "*i64", torch.int32: "*i32"}
+
+
+def compile_for_hopper(kernel, **args) -> str:
+    """PTX of ``kernel`` for sm_90: tensors give pointer types, ints and floats scalar types; the
+    kernel's constexpr parameters take their values from ``args``."""
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = args[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.dtype):
+            signature[param.name] = _TYPES[value]
+        else:
+            signature[param.name] = "fp32" if isinstance(value, float) else "i64"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": args.get("num_warps", 4)})
+    return compiled.asm["ptx"]
+
+
+BF16, FP32, FP8, I64, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64, torch.int32
+
+
+def _site(suffix: str) -> dict:
+    return {f"i{suffix}_ptr": I64, f"a{suffix}_ptr": BF16, f"stride_a{suffix}": 1, f"d{suffix}_ptr": BF16,
+            f"b{suffix}_ptr": FP32, f"stride_d{suffix}r": 1, f"stride_d{suffix}k": 1}
+
+
+@pytest.mark.parametrize("add1, clamps1, add2, clamps2", [(True, 0, False, 0), (True, 1, True, 2), (False, 1, True, 0)])
+def test_fused_steering_kernels(add1, clamps1, add2, clamps2):
+    norm = dict(res_ptr=BF16, delta_ptr=BF16, w_ptr=BF16, out_ptr=BF16, y_ptr=BF16, stride_res=1, stride_delta=1,
+                stride_out=1, stride_y=1, H=1, eps=1.0, **_site("1"), **_site("2"), HAS_DELTA=True, ADD1=add1,
+                CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2, BLOCK=1024, UNIT_OFFSET=add2)  # Gemma's (1 + w) as well
+    assert "ld.global" in compile_for_hopper(fused._add_rms_norm_kernel, **norm)
+    steer = dict(x_ptr=BF16, out_ptr=BF16, stride_x=1, stride_out=1, H=1, index_ptr=I64, add_ptr=BF16, stride_add=1,
+                 dir_ptr=BF16, bounds_ptr=FP32, stride_dir_row=1, stride_dir_slot=1, ADD=add1, CLAMPS=clamps1,
+                 BLOCK=1024)
+    compile_for_hopper(fused._steer_kernel, **steer)
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8])
+def test_kv_cache_kernels(kv):
+    rope = dict(qkv_ptr=BF16, q_ptr=BF16, k_ptr=BF16, pos_ptr=I64, cos_ptr=FP32, sin_ptr=FP32, qw_ptr=BF16,
+                kw_ptr=BF16, kc_ptr=kv, vc_ptr=kv, slot_ptr=I64, stride_qkv=1, stride_q=1, stride_k=1, stride_cos=1,
+                eps=1.0, stride_kcb=1, stride_kco=1, stride_kch=1, stride_vcb=1, stride_vco=1, stride_vch=1,
+                k_scale=1.0, v_scale=1.0, NUM_Q=16, NUM_QK=24, HEADS_PAD=32, HEAD_D=128, HALF=64, QK_NORM=True,
+                STORE_KV=True, KV_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=kv == FP8, UNIT_OFFSET=kv == FP8)
+    ptx = compile_for_hopper(fused._qk_norm_rope_kernel, **rope)
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (kv == FP8)  # the hardware's rounding, saturated
+    store = dict(key_ptr=BF16, value_ptr=BF16, k_cache_ptr=kv, v_cache_ptr=kv, slot_ptr=I64, stride_kt=1,
+                 stride_kh=1, stride_vt=1, stride_vh=1, stride_kcb=1, stride_kco=1, stride_kch=1, stride_vcb=1,
+                 stride_vco=1, stride_vch=1, k_scale=1.0, v_scale=1.0, NUM_HEADS=8, HEAD_D=128, H_PAD=8, D_PAD=128,
+                 BLOCK_SIZE=16, FP8=kv == FP8)
+    compile_for_hopper(triton_paged._store_kv_kernel, **store)
+    cache = dict(k_cache_ptr=kv, v_cache_ptr=kv, stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1,
+                 stride_vh=1, block_table_ptr=I32, stride_bt=1, qsl_ptr=I32, seq_lens_ptr=I32, qk_scale=1.0,
+                 window=1, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, USE_WINDOW=False, DOT_PREC="tf32")
+    unified = dict(cache, q_ptr=BF16, out_ptr=BF16, num_seqs=1, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1,
+                   stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
+                   ONE_TOKEN_PER_SEQ=True)
+    compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
+    split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_qt=1, stride_qh=1,
+                 stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16,
+                 TILE_N=64, NUM_SEGMENTS=16)
+    compile_for_hopper(triton_paged._split_kv_decode_kernel, **split)
+    reduce = dict(out_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, qsl_ptr=I32, v_scale=1.0,
+                  stride_ot=1, stride_oh=1, stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1,
+                  HEAD_D=128, D_PAD=128, NUM_SEGMENTS=16, SEG_PAD=16)
+    compile_for_hopper(triton_paged._split_kv_reduce_kernel, **reduce)
+
+
+@pytest.mark.parametrize("mul_weight", [False, True])
+def test_grouped_moe_gemm(mul_weight):
+    args = dict(a_ptr=BF16, b_ptr=BF16, c_ptr=BF16, weight_ptr=BF16, ids_ptr=I32, block_expert_ptr=I32, N=1,
+                K=1, num_assignments=1, stride_am=1, stride_be=1, stride_bn=1, stride_bk=1, stride_cm=1,
+                NUM_EXPERTS=128, ROWS_PER_A=8, MUL_WEIGHT=mul_weight, DOT_PREC="tf32", BLOCK_M=16, BLOCK_N=64,
+                BLOCK_K=64)
+    assert "mma" in compile_for_hopper(fused_moe._moe_gemm_kernel, **args)  # tensor cores
+
+
+@pytest.mark.parametrize("gelu_tanh", [False, True])
+def test_gated_mul_kernel(gelu_tanh):
+    """SwiGLU (Llama, Qwen) and GeGLU with the tanh GELU (Gemma 3)."""
+    args = dict(x_ptr=BF16, y_ptr=BF16, stride_x=1, stride_y=1, I=1, BLOCK=1024, GELU_TANH=gelu_tanh)
+    compile_for_hopper(fused._gated_mul_kernel, **args)
