@@ -1,6 +1,7 @@
 """The browser the playground's tests drive: Debian's ``chromium`` package through playwright's
 ``executable_path`` (nothing downloads a browser). Without it the tests skip, except on CI (``CI``
-or ``STEERABLE_REQUIRE_BROWSER=1``), where a missing browser must fail, not silently skip."""
+or ``STEERABLE_REQUIRE_BROWSER=1``), where a missing browser must fail, not silently skip.
+``STEERABLE_CHROMIUM`` names another Chromium binary (or a missing one, to check that path)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("STEERABLE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 

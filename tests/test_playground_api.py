@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import sys
 
 import httpx
 import numpy as np
@@ -192,15 +193,24 @@ def test_blocking_llm_cancel_aborts_the_batch_in_flight(model_dirs):
     asyncio.run(main())
 
 
-
+@pytest.mark.parametrize("missing", ["chromium", "playwright"])
 @pytest.mark.parametrize("env, outcome", [({}, pytest.skip.Exception), ({"CI": "true"}, pytest.fail.Exception),
                                           ({"STEERABLE_REQUIRE_BROWSER": "1"}, pytest.fail.Exception)])
-def test_a_missing_browser_fails_on_ci_and_skips_elsewhere(monkeypatch, env, outcome):
+def test_a_missing_browser_fails_on_ci_and_skips_elsewhere(monkeypatch, env, outcome, missing):
+    import importlib.util
+
     import browser_harness
-    monkeypatch.setattr(browser_harness, "CHROMIUM", "/nonexistent/chromium")
+    if missing == "chromium":
+        monkeypatch.setattr(browser_harness, "CHROMIUM", "/nonexistent/chromium")
+    else:  # a browser that exists, so that only playwright is missing
+        monkeypatch.setattr(browser_harness, "CHROMIUM", sys.executable)
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "playwright"
+                            else find_spec(name, *a))
     for name in ("CI", "STEERABLE_REQUIRE_BROWSER"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(outcome, match="apt-get install -y chromium"):
+    with pytest.raises(outcome, match=f"need {'/nonexistent/chromium' if missing == 'chromium' else 'playwright'}: "
+                       "apt-get install -y chromium"):
         browser_harness.require_browser()
