@@ -184,6 +184,46 @@ def test_chat_mode_equals_the_chat_api(page, http, shots):
     check_heatmap(page, http, steered, "steered", v)
 
 
+def test_steering_at_other_layers_and_hook_equals_the_inline_api(page, http, shots):
+    """The steer-at controls move a module's additions: a layer it lacks is refused next to them
+    before anything runs; a subset of its layers at another hook runs inline and equals the API."""
+    g = torch.Generator().manual_seed(24)
+    v1, v2 = torch.randn(64, generator=g) * 3, torch.randn(64, generator=g) * 3
+    d = torch.randn(64, generator=g)
+    modules = {"pg-place": {"post_mlp": {"1": v1.tolist(), "2": v2.tolist()}},
+               "pg-clamped": {"vectors": {"1": v1.tolist()}, "clamps": [{"layer": 2, "direction": d.tolist(), "max": 0.0}]}}
+    assert http.post("/v1/steering/modules", json=modules, headers=ADMIN).status_code == 200
+    try:
+        enter_key(page, USER_KEY)
+        choose_module(page, "pg-clamped", "It steers as registered")
+        assert page.is_disabled("#steer-layers") and page.is_disabled("#steer-hook")
+        choose_module(page, "pg-place", "layers 1, 2.")
+        assert page.is_enabled("#steer-layers") and page.input_value("#steer-layers") == "1, 2"
+        assert page.input_value("#steer-hook") == "post_mlp"
+        page.fill("#steer-layers", "2, 5")
+        page.click("#run")
+        expect(page.locator("#steer-error")).to_have_text("The module adds nothing at layer 5; it adds at 1, 2.")
+        assert page.text_content("#run-status") == "" and page.text_content("#pane-steered") == ""
+        page.fill("#steer-layers", "2")
+        page.select_option("#steer-hook", "post_attn")
+        page.select_option("#heat-layer", "2")
+        page.fill("#max-tokens", "12")
+        run_page(page, "The quick brown fox", scale_steps=5)
+        assert page.text_content("#steer-error") == ""
+        page.screenshot(path=str(shots / "placement.png"), full_page=True)
+        base = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0.7, "seed": 0,
+                "capture": {"layers": [2], "hook": "post_mlp", "select": "all", "dtype": "float32"}}
+        moved = api_run(http, "/v1/completions",
+                        {**base, "steering_vectors": {"post_attn": {"2": {"vector": v2.tolist(), "scale": 1.5}}}})
+        as_registered = api_run(http, "/v1/completions",
+                                {**base, "steering_module_ref": {"name": "pg-place", "scale": 1.5}})
+    finally:
+        http.delete("/v1/steering/modules/pg-place", headers=ADMIN)
+        http.delete("/v1/steering/modules/pg-clamped", headers=ADMIN)
+    assert page.text_content("#pane-steered") == moved["text"] != as_registered["text"]
+    check_heatmap(page, http, moved, "steered", v2)
+
+
 def test_stop_aborts_both_runs_and_the_server_keeps_serving(page, http):
     v = torch.randn(64, generator=torch.Generator().manual_seed(23))
     assert http.post("/v1/steering/modules", json={"pg-stop": {"1": v.tolist()}}, headers=ADMIN).status_code == 200
@@ -205,7 +245,7 @@ def test_stop_aborts_both_runs_and_the_server_keeps_serving(page, http):
 
 
 def test_user_key_sees_admin_controls_disabled(page, shots):
-    assert page.text_content("#key-status") == "This server needs an API key."
+    expect(page.locator("#key-status")).to_have_text("This server needs an API key.")  # after the page's first call
     assert page.text_content("#api-key-error") == ""
     enter_key(page, USER_KEY)
     assert page.text_content("#key-status").startswith("User key")
@@ -249,7 +289,7 @@ def test_train_in_place_then_sweep_plots_the_report(page, http, shots):
     page.click("#train")
     expect(page.locator("#module")).to_have_value("pg-trained", timeout=30_000)
     try:
-        assert "layers 1, 2" in page.text_content("#module-info")
+        expect(page.locator("#module-info")).to_contain_text("layers 1, 2")  # filled after the value is set
         page.fill("#items", '{"prompt": "x"}')
         page.click("#sweep")
         expect(page.locator("#items-error")).not_to_be_empty()

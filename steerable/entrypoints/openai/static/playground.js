@@ -10,7 +10,7 @@ const state = { module: null, controller: null };  // the chosen module's direct
 // Where a server error goes: the first [param prefix, element id] whose prefix names its param.
 const RUN_SLOTS = [["prompt", "prompt-error"], ["messages", "prompt-error"], ["max_tokens", "max-tokens-error"],
   ["temperature", "temperature-error"], ["seed", "seed-error"], ["steering_module_ref", "module-error"],
-  ["capture", "heat-error"]];
+  ["steering_vectors", "steer-error"], ["capture", "heat-error"]];
 const TRAIN_SLOTS = [["positives", "positives-error"], ["negatives", "negatives-error"],
   ["layers", "train-layers-error"], ["hook", "train-hook-error"]];
 const SWEEP_SLOTS = [["items", "items-error"], ["scales", "scales-error"], ["module", "module-error"]];
@@ -80,7 +80,7 @@ async function loadModules(wanted) {
 }
 
 async function chooseModule() {
-  clearErrors("module-error", "heat-error");
+  clearErrors("module-error", "steer-error", "heat-error");
   state.module = null;
   $("module-info").textContent = "";
   const name = $("module").value;
@@ -90,31 +90,70 @@ async function chooseModule() {
       const { spec } = await apiJson("GET", `v1/steering/modules/${encodeURIComponent(name)}`);
       state.module = moduleDirections(name, spec);
       layers = [...state.module.directions.keys()].sort((a, b) => a - b);
-      $("module-info").textContent = layers.length ? `Adds at ${state.module.hooks.join(", ")}, layers ${layers.join(", ")}.`
-        : "This module adds no vector (clamps only): there is no direction for the heatmap.";
-      if (state.module.hooks.length) $("heat-hook").value = state.module.hooks[0];
+      $("module-info").textContent = (layers.length ? `Adds at ${state.module.hooks.join(", ")}, layers ${layers.join(", ")}.`
+        : "This module adds no vector (clamps only): there is no direction for the heatmap.")
+        + (fixedPlacement(state.module) ? " It steers as registered (it clamps, or adds at several hooks)." : "");
+      if (state.module.hooks.length) {
+        $("heat-hook").value = state.module.hooks[0];
+        $("steer-hook").value = state.module.hooks[0];
+      }
     } catch (err) {
       showError(err, [], "module-error");
     }
   }
+  $("steer-layers").value = layers.join(", ");
+  $("steer-layers").disabled = $("steer-hook").disabled = !state.module || fixedPlacement(state.module);
   const select = $("heat-layer");
   const keep = Number(select.value);
   select.replaceChildren(...layers.map((layer) => new Option(`layer ${layer}`, layer)));
   if (layers.length) select.value = layers.includes(keep) ? keep : layers[Math.floor(layers.length / 2)];
 }
 
-// Per layer, the sum of what the module adds there (at any hook), as float64.
+// Per layer, the sum of what the module adds there (at any hook), as float64; its additions as the
+// server sent them (to steer at other layers or another hook), and how many clamps it has.
 function moduleDirections(name, spec) {
   const directions = new Map();
   const hooks = new Set();
+  const adds = [];
+  let clamps = 0;
   for (const item of spec.interventions || []) {
-    if (item.type !== "add") continue;
+    if (item.type !== "add") {
+      clamps += 1;
+      continue;
+    }
+    adds.push(item);
     const vector = littleEndian(item.vector.data, DataView.prototype.getFloat32, 4);
     const sum = directions.get(item.layer);
     directions.set(item.layer, sum ? sum.map((x, i) => x + vector[i]) : vector);
     hooks.add(item.hook);
   }
-  return { name, directions, hooks: [...hooks] };
+  return { name, directions, hooks: [...hooks], adds, clamps };
+}
+
+// A module that clamps, or adds at more than one hook, has no single placement to move: it runs as registered.
+function fixedPlacement(module) {
+  return module.clamps > 0 || module.hooks.length > 1;
+}
+
+// The steered run's steering: the module by reference where it steers as registered; where the
+// layers or the hook were changed, its additions at those layers and that hook, inline, with the
+// same scale (the server multiplies either form alike). Null, with the reason shown, when the
+// layers name one the module adds nothing at.
+function steering(module, scale) {
+  const own = [...module.directions.keys()].sort((a, b) => a - b);
+  const text = $("steer-layers").value.trim();
+  const layers = new Set(text ? parseLayers(text) : own);
+  const missing = [...layers].filter((layer) => !module.directions.has(layer));
+  if (missing.length) {
+    $("steer-error").textContent = `The module adds nothing at layer ${missing.join(", ")}; it adds at ${own.join(", ")}.`;
+    return null;
+  }
+  const hook = $("steer-hook").value;
+  if (fixedPlacement(module) || (layers.size === own.length && hook === module.hooks[0])) {
+    return { steering_module_ref: { name: module.name, scale } };
+  }
+  const interventions = module.adds.filter((item) => layers.has(item.layer)).map((item) => ({ ...item, hook, scale }));
+  return { steering_vectors: { interventions } };
 }
 
 async function upload(event) {
@@ -222,9 +261,11 @@ async function run(event) {
     $("module-error").textContent = "Choose a module that adds a vector (or upload or train one) first.";
     return;
   }
+  const steer = steering(module, Number($("scale").value));
+  if (!steer) return;
   const hook = $("heat-hook").value;
   const base = requestBody(layer, hook);
-  const steered = { ...base, steering_module_ref: { name: module.name, scale: Number($("scale").value) } };
+  const steered = { ...base, ...steer };
   const path = base.messages ? "v1/chat/completions" : "v1/completions";
   const controller = new AbortController();
   state.controller = controller;
