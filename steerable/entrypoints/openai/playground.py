@@ -21,8 +21,11 @@ router = APIRouter()
 @router.get("/", include_in_schema=False)
 @router.get("/playground", include_in_schema=False)
 async def page() -> FileResponse:
+    """The page itself, open without a key: it holds no secret and asks for one. ``no-cache``: the
+    browser revalidates it, so an upgraded server's page shows at once."""
     return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
 
 
 def mount_static(app: FastAPI) -> None:
+    """The page's CSS, JavaScript modules and icon, from the package (no build step, no CDN)."""
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
