@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism on CPU (gloo, float32): TP=2, PP=2 and TP=2 x PP=2 on Llama,
 Qwen3 (one KV head, so TP=2 replicates it), Qwen3-MoE (experts split over the ranks) and Gemma 3
-(sliding-window KV groups split over the stages) against
-one rank and HF transformers: greedy tokens, logprobs, steering, captures; preemption and prefix
-caching; a killed or failing worker; torchrun.
+(sliding-window KV groups split over the stages) against one rank and HF transformers: greedy
+tokens, logprobs, steering, captures; preemption and prefix caching; a killed or failing worker;
+torchrun.
 
 Every parallel engine lives in a module fixture (one at a time) and the ranks start from a fork
 server, so the module stays short on two cores. A deadline turns a hang into a failure.
