@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on CPU (gloo, float32): TP=2, PP=2 and TP=2 x PP=2 on Llama,
-Qwen3 (one KV head, so TP=2 replicates it) and Qwen3-MoE (experts split over the ranks) against
-one rank and HF transformers: greedy tokens, logprobs, steering, captures; preemption and prefix
-caching; a killed or failing worker; torchrun.
+Qwen3 (one KV head, so TP=2 replicates it), Qwen3-MoE (experts split over the ranks) and Gemma 3
+(sliding-window KV groups split over the stages) against one rank and HF transformers: greedy
+tokens, logprobs, steering, captures; preemption and prefix caching; a killed or failing worker;
+torchrun.
 
 Every parallel engine lives in a module fixture (one at a time) and the ranks start from a fork
 server, so the module stays short on two cores. A deadline turns a hang into a failure.
@@ -34,7 +35,7 @@ from steerable.errors import EngineDeadError
 from steerable.models import registry
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
-FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3"]
 HOOKS = ["pre_attn", "post_attn", "post_mlp"]
 TOKENS = 6
 LOGPROB_TOL = 1e-4
@@ -87,7 +88,8 @@ def _build_qwen3_one_kv_head(path: str, seed: int) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, model_dirs) -> dict[str, str]:
     root = tmp_path_factory.mktemp("parallel")
-    dirs = {"llama": model_dirs["llama"], "qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe")}
+    dirs = {"llama": model_dirs["llama"], "qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe"),
+            "gemma3": model_dirs["gemma3"]}
     _build_qwen3_one_kv_head(dirs["qwen3"], seed=7)
     build_qwen3_moe(dirs["qwen3_moe"], seed=8, num_hidden_layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
                     norm_topk_prob=True)

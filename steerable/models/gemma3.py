@@ -148,9 +148,9 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Gemma3Config, hooks: HookPoints, backend: ModuleType, max_positions: int):
         super().__init__(cfg, hooks, backend, max_positions)
-        # HF multiplies by sqrt(hidden) cast to the weight dtype (25.25, not 25.298, in bfloat16).
-        dtype = self.embed_tokens.weight.dtype
-        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))
+        # HF multiplies by sqrt(hidden) cast to the weight dtype (25.25, not 25.298, in bfloat16);
+        # the weights are built in the default dtype (a later pipeline stage has no embedding).
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.get_default_dtype()))
         self.skipped_tensors = 0
 
     def make_shared(self, cfg: Gemma3Config, max_positions: int) -> dict[str, RotaryEmbedding]:
@@ -171,7 +171,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.cfg.final_logit_softcapping
-        if cap:
+        if cap and logits is not None:  # None: a tensor-parallel rank that does not sample
             logits = torch.tanh(logits / cap) * cap
         return logits
 
