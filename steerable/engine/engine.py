@@ -35,6 +35,7 @@ from steerable.outputs import RequestOutput
 from steerable.request import Request, SchedulerOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
+from steerable.steering.spec import SteeringSpec
 from steerable.step import PLACEHOLDER, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,10 @@ class LLMEngine(ResumableRequests):
     def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
         with self.lock.hold():
             self.steering.unregister_modules(names)
+
+    def get_steering_module(self, name: str) -> SteeringSpec:
+        with self.lock.hold():
+            return self.steering.module_spec(name)
 
     def list_steerable_layers(self) -> dict[str, list[int]]:
         return self.steering.steerable_layers()

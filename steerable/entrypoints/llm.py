@@ -14,6 +14,7 @@ from steerable.errors import InvalidRequestError
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
 from steerable.sampling_params import SamplingParams
+from steerable.steering.spec import SteeringSpec
 
 Prompt = str | Sequence[int]
 
@@ -68,6 +69,10 @@ class LLM:
 
     def unregister_steering_modules(self, names: str | Sequence[str]) -> None:
         self.engine.unregister_steering_modules(names)
+
+    def get_steering_module(self, name: str) -> SteeringSpec:
+        """What module ``name`` adds and clamps: its interventions as registered (scales folded in)."""
+        return self.engine.get_steering_module(name)
 
     def list_steerable_layers(self) -> dict[str, list[int]]:
         return self.engine.list_steerable_layers()

@@ -12,6 +12,7 @@ distinct configs other than memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from steerable.hook_points import RESIDUAL_POINTS
 from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
 from steerable.steering.rows import RowTables
-from steerable.steering.spec import Intervention, SpecParser, config_identity
+from steerable.steering.spec import Add, Clamp, Intervention, SpecParser, SteeringSpec, config_identity
 from steerable.step import SteeringPlan, SteeringUpdate
 
 # Selection fields that never change which generation rows are selected: a config whose selects
@@ -104,6 +105,13 @@ class SteeringManager:
         for name in names:
             del self.modules[name]
         self._scaled_modules.clear()
+
+    def module_spec(self, name: str) -> SteeringSpec:
+        """A registered module as a ``SteeringSpec`` of its canonical interventions (scales folded
+        in), so a client can see what the module adds, e.g. to project activations on it."""
+        if name not in self.modules:
+            raise InvalidRequestError(f"name: unknown module {name!r}; registered: {sorted(self.modules)}")
+        return SteeringSpec(interventions=[_as_item(item) for item in self.modules[name]])
 
     def steerable_layers(self) -> dict[str, list[int]]:
         return {point: list(range(self.num_layers)) for point in RESIDUAL_POINTS}
@@ -283,3 +291,10 @@ class SteeringManager:
         if row >= self.tables.capacity:
             self.tables.grow(row + 1)
         return row
+
+
+def _as_item(item: Intervention) -> Add | Clamp:
+    if item.kind == "add":
+        return Add(item.layer, item.vector.clone(), item.point, select=item.select)
+    return Clamp(item.layer, item.vector.clone(), item.point, min=None if item.lo == -math.inf else item.lo,
+                 max=None if item.hi == math.inf else item.hi, strength=item.strength, select=item.select)

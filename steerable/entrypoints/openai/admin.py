@@ -94,6 +94,16 @@ async def list_modules(request: Request) -> dict[str, Any]:
     return {"modules": (await server_state(request).llm.get_steering_status())["modules"]}
 
 
+@user.get("/v1/steering/modules/{name}")
+async def get_module(name: str, request: Request) -> dict[str, Any]:
+    """What a module adds and clamps, as a ``SteeringSpec`` dict with base64 vectors. A user route:
+    a key that may steer with a module can read the vector from captures anyway."""
+    llm = server_state(request).llm
+    if name not in (await llm.get_steering_status())["modules"]:
+        raise APIError(404, f"name: no steering module {name!r} is registered", "name")
+    return {"name": name, "spec": (await llm.get_steering_module(name)).to_dict(encoding="base64")}
+
+
 # ---------------------------------------------------------------- capture streams
 
 @admin.post("/v1/capture/streams/{stream}")

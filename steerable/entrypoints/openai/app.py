@@ -14,14 +14,15 @@ from fastapi.responses import JSONResponse
 import steerable
 from steerable.capture.session import COMPONENTS
 from steerable.entrypoints.async_llm import AsyncLLM
-from steerable.entrypoints.openai import admin, chat, completions, info
+from steerable.entrypoints.openai import admin, auth, chat, completions, info, playground, vectors
 from steerable.entrypoints.openai.auth import Keys
 from steerable.entrypoints.openai.errors import error_body, install_error_handlers
 from steerable.entrypoints.openai.extensions import CaptureInfo
 from steerable.entrypoints.openai.metrics import Metrics
 from steerable.entrypoints.openai.state import ServerSettings, ServerState
 
-ROUTERS = [info.open_router, info.router, completions.router, chat.router, admin.user, admin.admin]
+ROUTERS = [info.open_router, info.router, auth.router, completions.router, chat.router, admin.user, admin.admin,
+           vectors.user, vectors.admin, playground.router]
 
 Scope = dict[str, Any]
 
@@ -34,6 +35,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                    capture_info(llm), int(time.time()))
     for router in ROUTERS:
         app.include_router(router)
+    playground.mount_static(app)
     install_error_handlers(app)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_ErrorCounter, metrics=metrics)  # outermost: it sees the body limit's 413s too

@@ -1,14 +1,16 @@
 """API keys. With ``--api-key``, user routes need ``Authorization: Bearer KEY``; admin routes (the
 ones that change what other users get) need ``--admin-api-key``, which also works as a user key,
 and answer 403 naming that flag when it was not given. Keys are compared as SHA-256 digests with
-``hmac.compare_digest``, against every configured key, so timing tells nothing about them."""
+``hmac.compare_digest``, against every configured key, so timing tells nothing about them.
+``GET /v1/auth`` tells a client (the playground) what its key may do."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, Request
 
 from steerable.entrypoints.openai.errors import APIError
 
@@ -54,3 +56,15 @@ async def require_admin(request: Request) -> None:
         raise APIError(403, "this route changes what every user gets and needs the admin key (--admin-api-key)")
     if role is None:
         raise APIError(401, "the admin key is required: send 'Authorization: Bearer ADMIN_KEY'")
+
+
+router = APIRouter(dependencies=[Depends(require_user)])
+
+
+@router.get("/v1/auth")
+async def whoami(request: Request) -> dict[str, Any]:
+    """``role``: "admin" for the admin key, else "user" (any key that passed, or none on an open
+    server); ``admin_routes``: whether the server has admin routes at all (``--admin-api-key``)."""
+    keys: Keys = request.app.state.server.keys
+    role = keys.role(request.headers.get("authorization"))
+    return {"role": ADMIN if role == ADMIN else USER, "admin_routes": keys.admin is not None}

@@ -3,9 +3,9 @@ ignored, as vLLM does; fields this server cannot honour are refused rather than 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from steerable.entrypoints.openai.extensions import capture_from_json, module_ref_from_json, reject_unknown_extensions
 from steerable.errors import InvalidRequestError
@@ -13,6 +13,12 @@ from steerable.sampling_params import SamplingParams
 from steerable.steering.wire import steering_from_json
 
 MAX_LOGPROBS = 20  # as OpenAI and vLLM
+# Bounds of the vector-toolkit routes: each pair or item is one prompt's forward pass (per scale,
+# for a sweep), so these keep one request's work near that of a long completions batch.
+MAX_TRAIN_PAIRS = 256
+MAX_EVAL_ITEMS = 64
+MAX_EVAL_SCALES = 11
+MAX_TEXT_CHARS = 4000
 
 
 class OpenAIBase(BaseModel):
@@ -140,3 +146,30 @@ class StreamStartRequest(Strict):
     select: Any = None
     budget_rows: int | None = None
     hook: str = "post_mlp"
+
+
+Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
+
+
+class TrainVectorRequest(Strict):
+    """``POST /v1/vectors/train``: the arguments of ``steerable.vectors.train``; ``module`` also
+    registers the vector as a steering module of that name."""
+
+    positives: list[Text] = Field(min_length=1, max_length=MAX_TRAIN_PAIRS)
+    negatives: list[Text] = Field(min_length=1, max_length=MAX_TRAIN_PAIRS)
+    layers: list[int] | None = None
+    method: str = "mean_diff"
+    token: str = "last"
+    hook: str = "post_mlp"
+    normalize: bool | None = None
+    module: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
+
+
+class EvaluateVectorRequest(Strict):
+    """``POST /v1/vectors/evaluate``: ``steerable.vectors.evaluate`` of a registered module over
+    two-choice items (the forms ``ABItem.parse`` reads) and scales."""
+
+    module: str
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_EVAL_ITEMS)
+    scales: list[float] = Field(default=[-2.0, -1.0, 0.0, 1.0, 2.0], min_length=1, max_length=MAX_EVAL_SCALES)
+    positions: str = "all"
