@@ -93,7 +93,8 @@ def test_soak(server, http, offline):
             if cap:
                 tensors, metas = deserialize_captured(choice["captures"]["hidden_states"])
                 assert torch.equal(metas[2].positions, ref.capture_meta["hidden_states"][2].positions)
-                torch.testing.assert_close(tensors[2], ref.captures["hidden_states"][2], rtol=0, atol=1e-5)
+                # Other requests in the batch change the CPU GEMMs' float32 summation order.
+                torch.testing.assert_close(tensors[2], ref.captures["hidden_states"][2], rtol=1e-5, atol=1e-5)
         counts[kind] += 1
 
     async def main() -> None:
