@@ -178,3 +178,20 @@ def server(model_dirs, tmp_path_factory):
     with serve_test_model(model_dirs["qwen3"], str(tmp_path_factory.mktemp("server") / "server.log")) as running:
         yield running
     assert running.proc.returncode is not None  # no server process outlives the tests
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """A client of the shared server (long timeout: training and sweeps run on two CPU cores)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(model_dirs):
+    """The served model in this process: the oracle every server response is compared with."""
+    from steerable import LLM
+
+    return LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=8192)

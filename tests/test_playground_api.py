@@ -15,7 +15,7 @@ import pytest
 import torch
 from server_harness import ADMIN, ADMIN_KEY, USER, USER_KEY, assert_nothing_held
 
-from steerable import LLM, AsyncLLM, Clamp, SamplingParams, SteeringSpec
+from steerable import AsyncLLM, Clamp, SamplingParams, SteeringSpec
 from steerable.entrypoints.openai.blocking_llm import BlockingLLM
 from steerable.entrypoints.openai.errors import ClientDisconnected
 from steerable.entrypoints.openai.protocol import MAX_EVAL_ITEMS, MAX_TEXT_CHARS, MAX_TRAIN_PAIRS
@@ -27,17 +27,6 @@ POSITIVES = ["I love this place.", "What a wonderful day.", "The food was delici
 NEGATIVES = ["I hate this place.", "What a terrible day.", "The food was disgusting.", "They were so rude."]
 ITEMS = [{"prompt": "The quick brown", "matching": " fox", "other": " dog"},
          {"question": "Pick one.\n(A) fox\n(B) dog", "matching": "B"}]
-
-
-@pytest.fixture(scope="module")
-def offline(model_dirs):
-    return LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=8192)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def error(r: httpx.Response, status: int) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -60,12 +59,6 @@ def page(browser, server):
     yield tab
     tab.close()
     assert not errors, errors
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def expect(locator):

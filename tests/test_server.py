@@ -27,19 +27,8 @@ MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
 
 
 @pytest.fixture(scope="module")
-def offline(model_dirs):
-    return LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=8192)
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=USER_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def vector(seed: int, scale: float = 4.0) -> torch.Tensor:

@@ -8,7 +8,6 @@ import asyncio
 import random
 
 import httpx
-import pytest
 import torch
 from server_harness import MAX_BODY_BYTES, USER, assert_nothing_held
 
@@ -16,17 +15,6 @@ from steerable import LLM, CaptureSpec, SamplingParams
 from steerable.capture import deserialize_captured
 
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Steering vectors shift", "Paged attention stores keys"]
-
-
-@pytest.fixture(scope="module")
-def offline(model_dirs):
-    return LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=8192)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def soak_requests(n: int, rng: random.Random) -> list[tuple[str, dict | bytes]]:

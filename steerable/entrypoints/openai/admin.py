@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from steerable.capture.serialization import serialize_captured
 from steerable.checks import finite_number
+from steerable.entrypoints.async_llm import AsyncLLM
 from steerable.entrypoints.openai.auth import require_admin, require_user
 from steerable.entrypoints.openai.errors import APIError
 from steerable.entrypoints.openai.protocol import GlobalSteeringRequest, StreamStartRequest
@@ -73,8 +74,7 @@ def _module_spec(spec: Any, where: str) -> Any:
 @admin.delete("/v1/steering/modules/{name}")
 async def unregister_module(name: str, request: Request) -> dict[str, Any]:
     llm = server_state(request).llm
-    if name not in (await llm.get_steering_status())["modules"]:
-        raise APIError(404, f"name: no steering module {name!r} is registered", "name")
+    await require_module(llm, name, "name")
     await llm.unregister_steering_modules([name])
     return {"modules": (await llm.get_steering_status())["modules"]}
 
@@ -99,9 +99,15 @@ async def get_module(name: str, request: Request) -> dict[str, Any]:
     """What a module adds and clamps, as a ``SteeringSpec`` dict with base64 vectors. A user route:
     a key that may steer with a module can read the vector from captures anyway."""
     llm = server_state(request).llm
-    if name not in (await llm.get_steering_status())["modules"]:
-        raise APIError(404, f"name: no steering module {name!r} is registered", "name")
+    await require_module(llm, name, "name")
     return {"name": name, "spec": (await llm.get_steering_module(name)).to_dict(encoding="base64")}
+
+
+async def require_module(llm: AsyncLLM, name: str, field: str) -> None:
+    """A 404 naming ``field`` unless a module ``name`` is registered: the routes that address a
+    module by name treat an unknown one as a missing resource."""
+    if name not in (await llm.get_steering_status())["modules"]:
+        raise APIError(404, f"{field}: no steering module {name!r} is registered", field)
 
 
 # ---------------------------------------------------------------- capture streams

@@ -22,9 +22,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from steerable.entrypoints.openai.admin import require_module
 from steerable.entrypoints.openai.auth import require_admin, require_user
 from steerable.entrypoints.openai.blocking_llm import run_blocking
-from steerable.entrypoints.openai.errors import APIError
 from steerable.entrypoints.openai.protocol import EvaluateVectorRequest, TrainVectorRequest
 from steerable.entrypoints.openai.state import server_state
 from steerable.errors import InvalidRequestError
@@ -52,8 +52,7 @@ async def train_vector(body: TrainVectorRequest, request: Request) -> dict[str, 
 @user.post("/v1/vectors/evaluate")
 async def evaluate_vector(body: EvaluateVectorRequest, request: Request) -> dict[str, Any]:
     llm = server_state(request).llm
-    if body.module not in (await llm.get_steering_status())["modules"]:
-        raise APIError(404, f"module: no steering module {body.module!r} is registered", "module")
+    await require_module(llm, body.module, "module")
     cv = module_vector(await llm.get_steering_module(body.module), body.module)
     report = await run_blocking(request, llm, lambda view: evaluate(view, cv, body.items, body.scales,
                                                                     positions=body.positions))
