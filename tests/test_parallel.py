@@ -421,7 +421,8 @@ def test_steering_batch_matches_one_rank(parallel, single):
 
 def _capture_run(llm: LLM, family: str):
     """Streams (hidden states at pre_attn, attention heads, router logits) and per-request
-    captures at post_attn / post_mlp, in one batch where some requests capture nothing."""
+    captures at post_attn / post_mlp, in one batch where some requests capture nothing; some also
+    capture attention heads of one layer, a second gather group at a site the stream reads."""
     streams = [HIDDEN_STATES, ATTENTION_HEADS] + ([ROUTER_LOGITS] if family == "qwen3_moe" else [])
     llm.start_capture(HIDDEN_STATES, hook="pre_attn")
     llm.start_capture(ATTENTION_HEADS, select="all_prompt")
@@ -429,7 +430,7 @@ def _capture_run(llm: LLM, family: str):
         llm.start_capture(ROUTER_LOGITS)
     params = []
     for i in range(len(PROMPTS)):
-        capture = [None, CaptureSpec(hook="post_attn", select="all"),
+        capture = [None, [CaptureSpec(hook="post_attn", select="all"), CaptureSpec(ATTENTION_HEADS, layers=[1])],
                    CaptureSpec(hook="post_mlp", layers=[0, 2], select="last_prompt")][i % 3]
         params.append(_greedy(capture=capture))
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
