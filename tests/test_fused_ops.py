@@ -15,7 +15,7 @@ if not torch.cuda.is_available() and not INTERPRET:
                 allow_module_level=True)
 
 from steerable.hook_points import SiteWrite  # noqa: E402
-from steerable.layers import fused  # noqa: E402
+from steerable.layers import fused, gemv  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
 from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
 
@@ -227,3 +227,28 @@ def test_gumbel_argmax_greedy_and_distribution():
     again = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                 torch.arange(n, device=DEVICE) * 7919 + 1)
     assert torch.equal(tokens, again)  # same seeds, same samples
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features, in_features", [(64, 64), (1000, 300), (2050, 1536), (5, 2500)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_linear(dtype, out_features, in_features, bias):
+    """The one-row kernel equals ``F.linear`` across tile edges (N, K not multiples of the tiles)."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(out_features, generator=g).to(DEVICE, dtype) if bias else None
+    x = torch.randn(1, in_features, generator=g).to(DEVICE, dtype)
+    assert gemv.eligible(x, w)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert _close(gemv.gemv(x, w, b), ref, dtype)
+    assert _close(gemv.linear(x, w, b), ref, dtype)
+
+
+def test_gemv_takes_one_row_only():
+    """Several rows, a transposed weight or mixed dtypes go to ``F.linear``."""
+    w = torch.randn(32, 16, device=DEVICE)
+    assert not gemv.eligible(torch.randn(2, 16, device=DEVICE), w)
+    assert not gemv.eligible(torch.randn(1, 16, device=DEVICE), torch.randn(16, 32, device=DEVICE).t())
+    assert not gemv.eligible(torch.randn(1, 16, device=DEVICE, dtype=torch.float64), w)
+    x = torch.randn(3, 16, device=DEVICE)
+    assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))

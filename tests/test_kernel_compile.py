@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from steerable.layers import fused, fused_moe  # noqa: E402
+from steerable.layers import fused, fused_moe, gemv  # noqa: E402
 from steerable.layers.attention_backends import triton_paged  # noqa: E402
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
@@ -106,3 +106,10 @@ def test_gated_mul_kernel(gelu_tanh):
     """SwiGLU (Llama, Qwen) and GeGLU with the tanh GELU (Gemma 3)."""
     args = dict(x_ptr=BF16, y_ptr=BF16, stride_x=1, stride_y=1, I=1, BLOCK=1024, GELU_TANH=gelu_tanh)
     compile_for_hopper(fused._gated_mul_kernel, **args)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_kernel(bias):
+    args = dict(x_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, N=1, K=1, stride_w=1, HAS_BIAS=bias, BLOCK_N=2,
+                BLOCK_K=1024)
+    assert "ld.global" in compile_for_hopper(gemv._gemv_kernel, **args)

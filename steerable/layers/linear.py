@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from steerable.distributed.groups import TPGroup, current_tp
+from steerable.layers import gemv
 from steerable.models.checkpoint import CheckpointTensor, materialize
 
 Weight = torch.Tensor | CheckpointTensor
@@ -84,6 +84,9 @@ class MergedLinear(nn.Linear):
             default_weight_loader(param.data.narrow(0, local, length), tensor.narrow(0, offset + start, length), None)
             offset += size
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv.linear(x, self.weight, self.bias)
+
 
 class QKVLinear(MergedLinear):
     """The q, k and v projections, split by heads. ``num_heads`` / ``num_kv_heads`` are this
@@ -118,6 +121,6 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return gemv.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(gemv.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

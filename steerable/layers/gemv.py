@@ -1,0 +1,72 @@
+"""``y = x W^T (+ b)`` for a single row (a batch-1 decode step) as one Triton kernel.
+
+At batch 1 a decode step streams every weight once and does almost no arithmetic. cuBLAS tiles
+the product for many rows: on the H200, for a 0.6B model's projections, its one-row kernels took
+4-12 us where this kernel takes 3-4 us (``docs/benchmarks.md``), and some add a split-K reduction
+kernel. Those projections, not attention, set the batch-1 step time. Here each program owns a few
+output features and streams their weight rows in long contiguous chunks; it accumulates in float32
+and rounds once, as cuBLAS does, so results agree with ``F.linear`` to the last bit or two.
+
+More rows read each weight tile once for all of them, which is what cuBLAS does well, so
+``linear`` takes this path for exactly one row. The LM head keeps cuBLAS: at 150k rows of weights
+it already streams them at full bandwidth.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from steerable.layers import fused
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: callers use the PyTorch path
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes the kernel: a fused-path device, one row, row-major weights."""
+    return (fused.enabled(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+            and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(1) == 1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [1, K] and ``weight`` [N, K]. Tile sizes from a sweep
+    on the H200: narrow outputs (o_proj, down_proj) want more programs, hence 2 rows each."""
+    n, k = weight.shape
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n = 2 if n <= 2048 else 8
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, k,
+                                             weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                                             BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4,
+                                             num_stages=3)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through the one-row kernel where it applies (a batch-1 decode step)."""
+    if eligible(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
