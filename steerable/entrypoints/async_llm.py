@@ -190,6 +190,20 @@ class AsyncLLM:
         """``LLMEngine.stats()``, read between steps."""
         return await self._call(self.engine.stats)
 
+    async def _control(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``LLM.<name>(*args, **kwargs)`` between steps."""
+        return await self._call(functools.partial(getattr(self._llm, name), *args, **kwargs))
+
+    @property
+    def dtype(self) -> Any:
+        """The model's activation dtype (a ``torch.dtype``)."""
+        return self.engine.dtype
+
+    def capture_layouts(self) -> dict[str, dict[str, Any]]:
+        """``capture_status`` of every component the model offers, read at start (the layouts do
+        not change): what a server advertises and sizes captures by."""
+        return capture_layouts(self.engine)
+
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer wrapper (``encode``, ``decode``, ``apply_chat_template``, ``hf``)."""
@@ -255,12 +269,17 @@ class AsyncLLM:
         try:
             async for item in iterator:
                 chunk = _as_chunk(item)
-                await self._call(functools.partial(self.engine.extend_request, rid, chunk.prompt,
-                                                   chunk.sampling_params or params))
-            await self._call(functools.partial(self._close_input, rid))
+                await self._extend(rid, chunk.prompt, chunk.sampling_params or params)
+            await self._end_input(rid)
         except Exception as err:  # a bad chunk, or the iterator raised: the request ends with it
             self._abort_soon(rid, stream)
             stream._fail(err)
+
+    async def _extend(self, request_id: str, prompt: Any, params: SamplingParams | None) -> None:
+        await self._call(functools.partial(self.engine.extend_request, request_id, prompt, params))
+
+    async def _end_input(self, request_id: str) -> None:
+        await self._call(functools.partial(self._close_input, request_id))
 
     def _close_input(self, request_id: str) -> None:
         self._deliver(self.engine.close_request_input(request_id))
@@ -369,13 +388,26 @@ def _awaitable(name: str) -> Callable[..., Any]:
 
     @functools.wraps(getattr(LLM, name))
     async def call(self: AsyncLLM, *args: Any, **kwargs: Any) -> Any:
-        return await self._call(functools.partial(getattr(self._llm, name), *args, **kwargs))
+        return await self._control(name, args, kwargs)
 
     return call
 
 
 for _name in _CONTROL_PLANE:
     setattr(AsyncLLM, _name, _awaitable(_name))
+
+
+def capture_layouts(engine: Any) -> dict[str, dict[str, Any]]:
+    """``engine.capture_status`` of each capture component the model has hook points for."""
+    from steerable.capture.session import COMPONENTS
+
+    layouts = {}
+    for component in COMPONENTS:
+        try:
+            layouts[component] = engine.capture_status(component)
+        except ValueError:  # the model has no such hook points (router logits of a dense model)
+            continue
+    return layouts
 
 
 def _as_chunk(item: Any) -> StreamingInput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -56,15 +57,15 @@ def serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     kwargs = engine_kwargs(args)
     steering = control_vector(args)
-    from steerable.entrypoints.async_llm import AsyncLLM
+    from steerable.entrypoints.engine_process import ProcessAsyncLLM
     from steerable.entrypoints.openai import build_app, run_server
 
-    llm = AsyncLLM(**kwargs)
+    llm = ProcessAsyncLLM(**kwargs)  # the engine in its own process: HTTP work must not slow its steps
     try:
         if steering is not None:  # llama.cpp's global control vectors: the default every request gets
-            cfg = llm.engine.model_config
+            cfg = llm.model_config
             steering.check_model(cfg.hidden_size, cfg.num_layers, "--control-vector")
-            llm.engine.set_steering_vectors(steering)
+            asyncio.run(llm.set_steering_vectors(steering))
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

@@ -12,7 +12,6 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 import steerable
-from steerable.capture.session import COMPONENTS
 from steerable.entrypoints.async_llm import AsyncLLM
 from steerable.entrypoints.openai import admin, auth, chat, completions, info, playground, vectors
 from steerable.entrypoints.openai.auth import Keys
@@ -45,15 +44,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 def capture_info(llm: AsyncLLM) -> CaptureInfo:
     """Capturable layers and widths per component (read once; the model does not change)."""
     layers, widths, layouts = {}, {}, {}
-    for component in COMPONENTS:
-        try:
-            status = llm.engine.capture_status(component)
-        except ValueError:  # the model has no such hook points (router logits of a dense model)
-            continue
+    for component, status in llm.capture_layouts().items():
         layers[component] = status["hooked_layers"]
         layouts[component] = status["layouts"]
         widths[component] = next(iter(status["layouts"].values()))["width"]
-    return CaptureInfo(layers, widths, layouts, llm.engine.dtype)
+    return CaptureInfo(layers, widths, layouts, llm.dtype)
 
 
 # The engine thread gives up the GIL at each device sync and must get it back at once; the event

@@ -1,0 +1,366 @@
+"""``ProcessAsyncLLM``: ``AsyncLLM`` with the engine in a process of its own (vLLM's engine core).
+
+A server streaming hundreds of requests spends as much Python time per step on HTTP (one SSE chunk
+per request per token) as the engine spends scheduling and emitting. In one process both share one
+GIL, and the engine's steps stretch to the sum (on an H200, 256 streams ran at under half the
+offline rate). With the engine here in its own process, the engine steps at the offline rate; a
+busy event loop only means that each stream's chunks carry several tokens, because a stream keeps
+just its newest cumulative output.
+
+The protocol is one duplex pipe between this process and the engine's, carrying our own objects
+(requests the server has already validated and parsed, outputs, control-plane calls and their
+results), never a client's bytes:
+
+- to the engine: ``("call", id, op, args)``, answered by ``("result", id, value, error)`` unless
+  ``id`` is None, and ``("shutdown",)``;
+- from the engine: ``("outputs", [RequestOutput])`` once per step, with each request's prompt sent
+  only while it changes (the pipe would otherwise carry every prompt again every step), and
+  ``("dead", message)`` when a step failed.
+
+Calls run between steps in the order sent, as on ``AsyncLLM``'s engine thread. An abort names the
+stream it comes from, so a late abort never reaches a later request that reuses the id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+from typing import Any
+
+from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _resolve, capture_layouts
+from steerable.errors import EngineDeadError
+from steerable.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessAsyncLLM(AsyncLLM):
+    """``AsyncLLM(*args, **kwargs)`` whose engine runs in a spawned child process. Everything but
+    Python callables crosses the process boundary: capture consumers (functions) are refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(target=_engine_main, args=(child, args, kwargs), name="steerable-engine")
+        self._proc.start()
+        child.close()
+        self._info = self._wait_ready()
+        self._send_lock = threading.Lock()
+        self._routes_lock = threading.Lock()
+        self._routes: dict[str, RequestStream] = {}  # guarded by _routes_lock
+        self._pending: dict[int, tuple[asyncio.Future, Any]] = {}  # guarded by _send_lock
+        self._prompts: dict[str, tuple[Any, list[int]]] = {}  # reader thread only
+        self._call_ids = itertools.count()
+        self._stream_keys = itertools.count(1)
+        self._closing = False
+        self._dead: EngineDeadError | None = None
+        self._reader = threading.Thread(target=self._read, name="steerable-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> dict[str, Any]:
+        """The engine's description once its ``LLM`` is built; its error if that failed."""
+        while not self._conn.poll(1.0):
+            if not self._proc.is_alive():
+                raise EngineDeadError(f"the engine process exited with {self._proc.exitcode} while loading")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._proc.join(30)
+            raise EngineDeadError(f"the engine process exited with {self._proc.exitcode} while loading") from None
+        if kind == "failed":
+            self._proc.join(30)
+            raise payload
+        return payload
+
+    # ------------------------------------------------------------ what the engine told us at start
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._info["tokenizer"]
+
+    def get_tokenizer(self) -> Any:
+        return self._info["tokenizer"].hf
+
+    @property
+    def model_config(self) -> Any:
+        return self._info["model_config"]
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info["max_model_len"]
+
+    @property
+    def dtype(self) -> Any:
+        return self._info["dtype"]
+
+    def capture_layouts(self) -> dict[str, dict[str, Any]]:
+        return self._info["capture_layouts"]
+
+    # ------------------------------------------------------------ calls into the engine process
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._request("stats")
+
+    async def abort(self, request_id: str) -> None:
+        await self._request("abort", request_id)
+
+    async def _control(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if name == "add_capture_consumer":
+            raise ValueError("consumer: capture consumers are Python functions and cannot reach an engine in "
+                             "another process; use a capture stream and fetch_captured")
+        return await self._request("control", name, args, kwargs)
+
+    async def _admit_soon(self, stream: RequestStream, prompt: Any, params: SamplingParams | None,
+                          resumable: bool) -> None:
+        stream._key = next(self._stream_keys)
+
+        def route() -> None:  # on the reader thread, before any output of the request can arrive
+            with self._routes_lock:
+                self._routes[stream.request_id] = stream
+
+        try:
+            await self._request("admit", stream.request_id, stream._key, prompt, params, resumable, on_ok=route)
+        except asyncio.CancelledError:  # admitted or not, nobody will consume it
+            self._abort_soon(stream.request_id, stream)
+            raise
+
+    def _abort_soon(self, request_id: str, stream: RequestStream) -> None:
+        try:
+            self._send(None, "abort_stream", (request_id, getattr(stream, "_key", None)))
+        except EngineDeadError:
+            pass  # the engine is gone, and the request with it
+
+    async def _extend(self, request_id: str, prompt: Any, params: SamplingParams | None) -> None:
+        await self._request("extend", request_id, prompt, params)
+
+    async def _end_input(self, request_id: str) -> None:
+        await self._request("close_input", request_id)
+
+    async def _request(self, op: str, *args: Any, on_ok: Any = None) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self._send((future, on_ok), op, args)
+        return await future
+
+    def _send(self, pending: tuple[asyncio.Future, Any] | None, op: str, args: tuple) -> None:
+        with self._send_lock:
+            if self._dead is not None or self._closing:
+                raise self._dead or EngineDeadError("AsyncLLM is shutting down")
+            call_id = None
+            if pending is not None:
+                call_id = next(self._call_ids)
+                self._pending[call_id] = pending
+            try:
+                self._conn.send(("call", call_id, op, args))
+            except (OSError, ValueError) as err:  # the pipe is gone: the engine died
+                self._pending.pop(call_id, None)
+                raise EngineDeadError(f"the engine process is gone: {err!r}") from err
+
+    # ------------------------------------------------------------ the reader thread
+
+    def _read(self) -> None:
+        """Outputs to their streams and results to their callers, in the order the engine sent them."""
+        error = EngineDeadError("AsyncLLM is shut down")
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "outputs":
+                    self._deliver(message[1])
+                elif message[0] == "result":
+                    self._finish_call(*message[1:])
+                else:  # "dead"
+                    error = EngineDeadError(message[1])
+                    break
+        except (EOFError, OSError):
+            if not self._closing:
+                error = EngineDeadError(f"the engine process exited with {self._proc.exitcode}")
+        self._stop(error)
+
+    def _finish_call(self, call_id: int, value: Any, error: BaseException | None) -> None:
+        with self._send_lock:
+            future, on_ok = self._pending.pop(call_id)
+        if error is None and on_ok is not None:
+            on_ok()
+        _post(future.get_loop(), _resolve, future, value, error)
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if out.prompt_token_ids is None:  # unchanged since the engine last sent it
+                out.prompt, out.prompt_token_ids = self._prompts[out.request_id]
+            else:
+                self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
+        with self._routes_lock:
+            super()._deliver(outputs)
+
+    def _stop(self, error: EngineDeadError) -> None:
+        with self._send_lock:
+            self._dead = error
+            pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            _post(future.get_loop(), _resolve, future, None, error)
+        with self._routes_lock:
+            routes, self._routes = self._routes, {}
+        for stream in routes.values():
+            _post(stream._loop, stream._fail, error)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        """Stop the engine process (open streams end with ``EngineDeadError``) and wait for it and
+        its own workers to exit. Idempotent."""
+        with self._send_lock:
+            first = not self._closing
+            self._closing = True
+            if first and self._dead is None:
+                try:
+                    self._conn.send(("shutdown",))
+                except (OSError, ValueError):
+                    pass
+        self._proc.join(60)
+        if self._proc.is_alive():
+            logger.error("the engine process ignored shutdown; killing it")
+            self._proc.kill()
+            self._proc.join(30)
+        if threading.current_thread() is not self._reader:
+            self._reader.join(30)
+        self._conn.close()
+
+
+# ---------------------------------------------------------------- the engine process
+
+def _engine_main(conn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The child: build the engine, describe it, then serve calls and step until told to stop or
+    the parent's end of the pipe closes (a parent that died takes its engine with it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    from steerable.entrypoints.llm import LLM
+
+    try:
+        llm = LLM(*args, **kwargs)
+    except BaseException as err:
+        conn.send(("failed", _portable(err)))
+        return
+    try:
+        core = _EngineCore(llm, conn)
+        conn.send(("ready", core.describe()))
+        core.run()
+    finally:
+        llm.shutdown()
+
+
+class _EngineCore:
+    """The engine side of the pipe: the loop of ``AsyncLLM``'s engine thread, with calls named
+    rather than passed as functions."""
+
+    def __init__(self, llm: Any, conn: Any):
+        self.llm = llm
+        self.engine = llm.engine
+        self.conn = conn
+        self.streams: dict[str, int] = {}  # running request id -> the parent stream's key
+        self.sent_prompt_lens: dict[str, int] = {}
+
+    def describe(self) -> dict[str, Any]:
+        engine = self.engine
+        return {"tokenizer": engine.tokenizer, "model_config": engine.model_config,
+                "max_model_len": engine.max_model_len, "dtype": engine.dtype,
+                "capture_layouts": capture_layouts(engine)}
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        idle = 0
+        while True:
+            busy = engine.has_unfinished_requests() and idle < 2
+            try:
+                ready = conn.poll(0 if busy else None)
+                while ready:
+                    message = conn.recv()
+                    if message[0] == "shutdown":
+                        return
+                    self.handle(*message[1:])
+                    idle = 0
+                    ready = conn.poll(0)
+            except (EOFError, OSError):
+                return  # the parent is gone
+            if engine.has_unfinished_requests():
+                steps = engine.num_steps
+                try:
+                    outputs = engine.step()
+                except Exception as err:
+                    logger.exception("an engine step failed")
+                    conn.send(("dead", f"the engine failed: {err!r}"))
+                    return
+                self.send_outputs(outputs)
+                idle = 0 if outputs or engine.num_steps != steps else idle + 1
+
+    def handle(self, call_id: int | None, op: str, args: tuple) -> None:
+        try:
+            value = getattr(self, f"op_{op}")(*args)
+        except Exception as err:
+            if call_id is None:
+                logger.exception("engine call %s failed", op)
+                return
+            self.conn.send(("result", call_id, None, _portable(err)))
+        else:
+            if call_id is not None:
+                self.conn.send(("result", call_id, value, None))
+
+    # ------------------------------------------------------------ calls
+
+    def op_admit(self, request_id: str, key: int, prompt: Any, params: SamplingParams | None,
+                 resumable: bool) -> None:
+        self.engine.add_request(request_id, prompt, params, stream=True, resumable=resumable)
+        self.streams[request_id] = key
+
+    def op_abort(self, request_id: str) -> None:
+        if request_id in self.streams:
+            self.send_outputs(self.engine.abort_request(request_id))
+
+    def op_abort_stream(self, request_id: str, key: int | None) -> None:
+        if self.streams.get(request_id) == key:
+            self.send_outputs(self.engine.abort_request(request_id))
+
+    def op_extend(self, request_id: str, prompt: Any, params: SamplingParams | None) -> None:
+        self.engine.extend_request(request_id, prompt, params)
+
+    def op_close_input(self, request_id: str) -> None:
+        self.send_outputs(self.engine.close_request_input(request_id))
+
+    def op_stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def op_control(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return getattr(self.llm, name)(*args, **kwargs)
+
+    # ------------------------------------------------------------ outputs
+
+    def send_outputs(self, outputs: list[Any]) -> None:
+        """Outputs of the parent's requests, each prompt only when the parent lacks it."""
+        sent = []
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self.streams:
+                continue
+            if self.sent_prompt_lens.get(rid) == len(out.prompt_token_ids):
+                out.prompt, out.prompt_token_ids = None, None
+            else:
+                self.sent_prompt_lens[rid] = len(out.prompt_token_ids)
+            if out.finished:
+                del self.streams[rid]
+                self.sent_prompt_lens.pop(rid, None)
+            sent.append(out)
+        if sent:
+            self.conn.send(("outputs", sent))
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` if it survives pickling (user errors keep their type), else a RuntimeError saying it."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
