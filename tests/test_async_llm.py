@@ -12,14 +12,17 @@ import torch
 
 from steerable import LLM, AsyncLLM, CaptureSpec, SamplingParams, StreamingInput
 from steerable.capture import match_capture_request_id
+from steerable.entrypoints.engine_process import ProcessAsyncLLM
 from steerable.errors import EngineDeadError, InvalidRequestError
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(model_dirs):
-    with AsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=4096) as engine:
+@pytest.fixture(scope="module", params=[AsyncLLM, ProcessAsyncLLM], ids=["thread", "process"])
+def llm(request, model_dirs):
+    """Every test runs against the engine on a thread and against the engine in its own process
+    (what ``steerable serve`` runs)."""
+    with request.param(model_dirs["qwen3"], device="cpu", kv_cache_tokens=4096) as engine:
         yield engine
 
 
@@ -83,7 +86,7 @@ def test_cancelling_the_consumer_aborts_within_one_step(llm):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        steps = llm.engine.num_steps  # the abort is queued now; the engine applies it before its next step
+        steps = (await llm.stats())["num_steps"]  # read after the queued abort, before the next step
         stats = await wait_idle(llm)
         return seen, stats["num_steps"] - steps, stats
 
@@ -141,9 +144,10 @@ def test_control_plane_is_awaitable(llm, offline):
 def test_idle_engine_thread_sleeps(llm):
     async def main():
         await last(llm, "Hello", SamplingParams(max_tokens=2, **GREEDY))
-        steps, cpu = llm.engine.num_steps, time.process_time()
+        steps, cpu = (await llm.stats())["num_steps"], time.process_time()
         await asyncio.sleep(0.5)  # the measurement window: nothing is submitted
-        return llm.engine.num_steps - steps, time.process_time() - cpu
+        cpu = time.process_time() - cpu  # this process: the engine thread, or the reader of the engine's pipe
+        return (await llm.stats())["num_steps"] - steps, cpu
 
     steps, cpu = asyncio.run(main())
     assert steps == 0 and cpu < 0.1
@@ -243,9 +247,10 @@ def test_streaming_input_refuses_a_chunk_that_changes_steering(llm):
     assert_nothing_held(asyncio.run(main()))
 
 
-def test_shutdown_fails_open_streams_and_later_calls(model_dirs):
+@pytest.mark.parametrize("kind", [AsyncLLM, ProcessAsyncLLM], ids=["thread", "process"])
+def test_shutdown_fails_open_streams_and_later_calls(model_dirs, kind):
     async def main():
-        llm = AsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024)
+        llm = kind(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024)
         stream = await llm.add_request("open", "Hello", SamplingParams(max_tokens=400, **GREEDY))
         await stream.__anext__()
         llm.shutdown()
@@ -258,3 +263,36 @@ def test_shutdown_fails_open_streams_and_later_calls(model_dirs):
         return llm.dead
 
     assert isinstance(asyncio.run(main()), EngineDeadError)
+
+
+def test_engine_process_death_fails_streams_and_leaves_no_process(model_dirs):
+    """A killed engine process: the open stream and later calls fail with EngineDeadError within
+    seconds, and shutdown leaves no child behind."""
+    import multiprocessing
+
+    async def main():
+        llm = ProcessAsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024)
+        stream = await llm.add_request("open", "Hello", SamplingParams(max_tokens=400, **GREEDY))
+        await stream.__anext__()
+        llm._proc.kill()
+        with pytest.raises(EngineDeadError, match="exited"):
+            await asyncio.wait_for(stream.__anext__(), 30)
+        with pytest.raises(EngineDeadError):
+            await llm.stats()
+        llm.shutdown()
+        return llm._proc
+
+    child = asyncio.run(main())
+    assert not child.is_alive() and child not in multiprocessing.active_children()
+
+
+def test_engine_process_refuses_consumers_and_keeps_error_types(model_dirs):
+    async def main():
+        async with ProcessAsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024) as llm:
+            with pytest.raises(ValueError, match="consumer"):
+                await llm.add_capture_consumer(lambda rows: None)
+            with pytest.raises(InvalidRequestError):  # raised in the engine process, same type here
+                await llm.set_steering_vectors({1: [1.0, 2.0]})
+            return await llm.stats()
+
+    assert asyncio.run(main())["num_requests"] == 0
