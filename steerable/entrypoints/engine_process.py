@@ -13,12 +13,9 @@ results), never a client's bytes:
 
 - to the engine: ``("call", id, op, args)``, answered by ``("result", id, value, error)`` unless
   ``id`` is None, and ``("shutdown",)``;
-- from the engine: ``("outputs", [RequestOutput], starts)`` once per step and ``("dead", message)``
-  when a step failed. Outputs are cumulative, but the pipe carries only what is new: a prompt
-  only when it changes, and each completion's tokens, text and logprobs from ``starts`` on (what
-  the engine sent before). Cumulative lists sent whole every step cost the engine process more
-  pickling per step than the step itself, and a full pipe stalls it. The requests of streaming
-  input (whose completions restart with each chunk) are sent whole.
+- from the engine: ``("outputs", [RequestOutput])`` once per step, with each request's prompt sent
+  only while it changes (the pipe would otherwise carry every prompt again every step), and
+  ``("dead", message)`` when a step failed.
 
 Calls run between steps in the order sent, as on ``AsyncLLM``'s engine thread. An abort names the
 stream it comes from, so a late abort never reaches a later request that reuses the id.
@@ -57,8 +54,7 @@ class ProcessAsyncLLM(AsyncLLM):
         self._routes_lock = threading.Lock()
         self._routes: dict[str, RequestStream] = {}  # guarded by _routes_lock
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}  # guarded by _send_lock
-        self._prompts: dict[str, tuple[Any, list[int]]] = {}  # reader thread only, as is:
-        self._completions: dict[tuple[str, int], tuple[list[int], str, list | None]] = {}
+        self._prompts: dict[str, tuple[Any, list[int]]] = {}  # reader thread only
         self._call_ids = itertools.count()
         self._stream_keys = itertools.count(1)
         self._closing = False
@@ -173,7 +169,7 @@ class ProcessAsyncLLM(AsyncLLM):
             while True:
                 message = self._conn.recv()
                 if message[0] == "outputs":
-                    self._deliver(self._expand(*message[1:]))
+                    self._deliver(message[1])
                 elif message[0] == "result":
                     self._finish_call(*message[1:])
                 else:  # "dead"
@@ -191,31 +187,14 @@ class ProcessAsyncLLM(AsyncLLM):
             on_ok()
         _post(future.get_loop(), _resolve, future, value, error)
 
-    def _expand(self, outputs: list[Any], starts: list[Any]) -> list[Any]:
-        """Whole cumulative outputs from the engine's increments; each is a fresh snapshot, as the
-        in-process engine's are."""
-        for out, out_starts in zip(outputs, starts):
-            rid = out.request_id
-            if out.prompt_token_ids is None:  # unchanged since the engine last sent it
-                out.prompt, out.prompt_token_ids = self._prompts[rid]
-            else:
-                self._prompts[rid] = (out.prompt, out.prompt_token_ids)
-            if out_starts is not None:
-                for completion, (tokens_at, text_at, logprobs_at) in zip(out.outputs, out_starts):
-                    key = (rid, completion.index)
-                    tokens, text, logprobs = self._completions.get(key, ([], "", None))
-                    completion.token_ids = tokens[:tokens_at] + completion.token_ids
-                    completion.text = text[:text_at] + completion.text
-                    if completion.logprobs is not None:
-                        completion.logprobs = (logprobs or [])[:logprobs_at] + completion.logprobs
-                    self._completions[key] = (completion.token_ids, completion.text, completion.logprobs)
-            if out.finished:
-                self._prompts.pop(rid, None)
-                for completion in out.outputs:
-                    self._completions.pop((rid, completion.index), None)
-        return outputs
-
     def _deliver(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if out.prompt_token_ids is None:  # unchanged since the engine last sent it
+                out.prompt, out.prompt_token_ids = self._prompts[out.request_id]
+            else:
+                self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
         with self._routes_lock:
             super()._deliver(outputs)
 
@@ -283,9 +262,7 @@ class _EngineCore:
         self.engine = llm.engine
         self.conn = conn
         self.streams: dict[str, int] = {}  # running request id -> the parent stream's key
-        self.resumable: set[str] = set()
         self.sent_prompt_lens: dict[str, int] = {}
-        self.sent: dict[tuple[str, int], tuple[int, str, int]] = {}  # tokens, text, logprobs sent
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine
@@ -338,8 +315,6 @@ class _EngineCore:
                  resumable: bool) -> None:
         self.engine.add_request(request_id, prompt, params, stream=True, resumable=resumable)
         self.streams[request_id] = key
-        if resumable:
-            self.resumable.add(request_id)
 
     def op_abort(self, request_id: str) -> None:
         if request_id in self.streams:
@@ -364,8 +339,8 @@ class _EngineCore:
     # ------------------------------------------------------------ outputs
 
     def send_outputs(self, outputs: list[Any]) -> None:
-        """Outputs of the parent's requests, cut down to what the parent lacks (module docstring)."""
-        sent, starts = [], []
+        """Outputs of the parent's requests, each prompt only when the parent lacks it."""
+        sent = []
         for out in outputs:
             rid = out.request_id
             if rid not in self.streams:
@@ -374,29 +349,12 @@ class _EngineCore:
                 out.prompt, out.prompt_token_ids = None, None
             else:
                 self.sent_prompt_lens[rid] = len(out.prompt_token_ids)
-            starts.append(None if rid in self.resumable else [self._cut(rid, c) for c in out.outputs])
             if out.finished:
                 del self.streams[rid]
-                self.resumable.discard(rid)
                 self.sent_prompt_lens.pop(rid, None)
-                for completion in out.outputs:
-                    self.sent.pop((rid, completion.index), None)
             sent.append(out)
         if sent:
-            self.conn.send(("outputs", sent, starts))
-
-    def _cut(self, rid: str, completion: Any) -> tuple[int, int, int]:
-        """Drop from ``completion`` what was sent before; (tokens, text, logprobs) kept before the
-        rest. Tokens and logprobs only grow; text may shrink when a stop string is cut off."""
-        tokens, text, logprobs = completion.token_ids, completion.text, completion.logprobs
-        tokens_at, sent_text, logprobs_at = self.sent.get((rid, completion.index), (0, "", 0))
-        text_at = len(sent_text) if text.startswith(sent_text) else 0
-        self.sent[(rid, completion.index)] = (len(tokens), text, len(logprobs) if logprobs is not None else 0)
-        completion.token_ids = tokens[tokens_at:]
-        completion.text = text[text_at:]
-        if logprobs is not None:
-            completion.logprobs = logprobs[logprobs_at:]
-        return tokens_at, text_at, logprobs_at
+            self.conn.send(("outputs", sent))
 
 
 def _portable(err: BaseException) -> BaseException:
