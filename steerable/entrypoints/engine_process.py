@@ -13,8 +13,8 @@ results), never a client's bytes:
 
 - to the engine: ``("call", id, op, args)``, answered by ``("result", id, value, error)`` unless
   ``id`` is None, and ``("shutdown",)``;
-- from the engine: ``("outputs", [RequestOutput])`` once per step, with each request's prompt sent
-  only while it changes (the pipe would otherwise carry every prompt again every step), and
+- from the engine: ``("outputs", [encoded])`` once per step, each output what is new since the last
+  (``output_codec``; cumulative outputs pickled whole cost more per step than the step), and
   ``("dead", message)`` when a step failed.
 
 Calls run between steps in the order sent, as on ``AsyncLLM``'s engine thread. An abort names the
@@ -33,6 +33,7 @@ import threading
 from typing import Any
 
 from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _resolve, capture_layouts
+from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder
 from steerable.errors import EngineDeadError
 from steerable.sampling_params import SamplingParams
 
@@ -54,7 +55,7 @@ class ProcessAsyncLLM(AsyncLLM):
         self._routes_lock = threading.Lock()
         self._routes: dict[str, RequestStream] = {}  # guarded by _routes_lock
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}  # guarded by _send_lock
-        self._prompts: dict[str, tuple[Any, list[int]]] = {}  # reader thread only
+        self._decoder = OutputDecoder()  # reader thread only
         self._call_ids = itertools.count()
         self._stream_keys = itertools.count(1)
         self._closing = False
@@ -169,7 +170,7 @@ class ProcessAsyncLLM(AsyncLLM):
             while True:
                 message = self._conn.recv()
                 if message[0] == "outputs":
-                    self._deliver(message[1])
+                    self._deliver([self._decoder.decode(encoded) for encoded in message[1]])
                 elif message[0] == "result":
                     self._finish_call(*message[1:])
                 else:  # "dead"
@@ -188,13 +189,6 @@ class ProcessAsyncLLM(AsyncLLM):
         _post(future.get_loop(), _resolve, future, value, error)
 
     def _deliver(self, outputs: list[Any]) -> None:
-        for out in outputs:
-            if out.prompt_token_ids is None:  # unchanged since the engine last sent it
-                out.prompt, out.prompt_token_ids = self._prompts[out.request_id]
-            else:
-                self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
-            if out.finished:
-                self._prompts.pop(out.request_id, None)
         with self._routes_lock:
             super()._deliver(outputs)
 
@@ -262,7 +256,8 @@ class _EngineCore:
         self.engine = llm.engine
         self.conn = conn
         self.streams: dict[str, int] = {}  # running request id -> the parent stream's key
-        self.sent_prompt_lens: dict[str, int] = {}
+        self.resumable: set[str] = set()
+        self.encoder = OutputEncoder()
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine
@@ -315,6 +310,8 @@ class _EngineCore:
                  resumable: bool) -> None:
         self.engine.add_request(request_id, prompt, params, stream=True, resumable=resumable)
         self.streams[request_id] = key
+        if resumable:
+            self.resumable.add(request_id)
 
     def op_abort(self, request_id: str) -> None:
         if request_id in self.streams:
@@ -339,20 +336,16 @@ class _EngineCore:
     # ------------------------------------------------------------ outputs
 
     def send_outputs(self, outputs: list[Any]) -> None:
-        """Outputs of the parent's requests, each prompt only when the parent lacks it."""
+        """The parent's requests' outputs, as increments."""
         sent = []
         for out in outputs:
             rid = out.request_id
             if rid not in self.streams:
                 continue
-            if self.sent_prompt_lens.get(rid) == len(out.prompt_token_ids):
-                out.prompt, out.prompt_token_ids = None, None
-            else:
-                self.sent_prompt_lens[rid] = len(out.prompt_token_ids)
+            sent.append(self.encoder.encode(out, whole=rid in self.resumable))
             if out.finished:
                 del self.streams[rid]
-                self.sent_prompt_lens.pop(rid, None)
-            sent.append(out)
+                self.resumable.discard(rid)
         if sent:
             self.conn.send(("outputs", sent))
 
