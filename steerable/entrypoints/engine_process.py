@@ -2,10 +2,10 @@
 
 A server streaming hundreds of requests spends as much Python time per step on HTTP (one SSE chunk
 per request per token) as the engine spends scheduling and emitting. In one process both share one
-GIL, and the engine's steps stretch to the sum (on an H200, 256 streams ran at under half the
-offline rate). With the engine here in its own process, the engine steps at the offline rate; a
-busy event loop only means that each stream's chunks carry several tokens, because a stream keeps
-just its newest cumulative output.
+GIL, and the engine's steps stretch towards the sum (on an H200, 256 streams ran at 0.41-0.64x the
+offline rate; 0.75x with the engine here, ``docs/benchmarks.md``). In its own process the engine
+never waits for HTTP work: a busy event loop only means that each stream's chunks carry several
+tokens, because a stream keeps just its newest cumulative output.
 
 The protocol is one duplex pipe between this process and the engine's, carrying our own objects
 (requests the server has already validated and parsed, outputs, control-plane calls and their
