@@ -78,12 +78,7 @@ def main() -> None:
         result.update({k: after[k] - before[k] for k in after})
         return result
 
-    for mode in MODES:
-        run(mode, f"warmup-{mode}", warm=True)
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
-    for r in range(args.repeats):
-        for mode in MODES:
-            results[mode].append(run(mode, f"{mode}-{r}"))
+    results = common.interleaved(MODES, run, args.repeats)
 
     ok = True
     for mode in MODES:

@@ -253,6 +253,18 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
+def interleaved(modes: list[str], run: Callable[..., Any], repeats: int) -> dict[str, list[Any]]:
+    """``run(mode, salt, warm=True)`` once per mode, then ``repeats`` rounds of ``run(mode, salt)``
+    over the modes in turn: alternating, so slow drift of the machine hits every mode alike."""
+    for mode in modes:
+        run(mode, f"warmup-{mode}", warm=True)
+    results: dict[str, list[Any]] = {mode: [] for mode in modes}
+    for r in range(repeats):
+        for mode in modes:
+            results[mode].append(run(mode, f"{mode}-{r}"))
+    return results
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

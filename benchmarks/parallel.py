@@ -58,16 +58,10 @@ def run_modes(llm, w: common.Workload, args, modes: list[str]) -> dict[str, list
                 tensors, _ = llm.fetch_captured(STREAM)
                 if not warm and {int(t.shape[0]) for t in tensors.values()} != {len(w)}:
                     raise SystemExit(f"captured rows per layer {[t.shape[0] for t in tensors.values()]} != {len(w)}")
+        progress(f"{salt}: {seconds:.2f} s")
         return seconds
 
-    for mode in modes:
-        once(mode, f"warmup-{mode}", warm=True)
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for r in range(args.repeats):
-        for mode in modes:
-            times[mode].append(once(mode, f"{mode}-{r}"))
-            progress(f"{mode} run {r}: {times[mode][-1]:.2f} s")
-    return times
+    return common.interleaved(modes, once, args.repeats)
 
 
 def decode_ms(llm, args) -> float:
