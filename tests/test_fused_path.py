@@ -17,7 +17,7 @@ from conftest import hf_model  # noqa: E402
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap  # noqa: E402
 
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec  # noqa: E402
-from steerable.layers import fused  # noqa: E402
+from steerable.layers import fused, gemv  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -27,8 +27,11 @@ def _vec(seed, scale=1.0):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
-def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family):
+def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family, monkeypatch):
     assert fused.enabled(torch.zeros(1))  # the switch is on: CPU tensors take the fused kernels
+    one_row = []  # projections that took the one-row GEMV kernel (every batch-1 decode step's)
+    real_gemv = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *args: one_row.append(args[1].shape) or real_gemv(*args))
     path = capture_dirs[family]
     llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=8)
     hf = hf_model(path)
@@ -50,6 +53,7 @@ def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family):
     tokens, logprobs = HFSteered(hf, edits).greedy(prompt, 5)
     assert out.outputs[0].token_ids == tokens
     assert max_logprob_gap(out, logprobs) <= 1e-4
+    assert one_row  # the decode steps above (one request) ran their projections through the GEMV
     ids = prompt + tokens
     captured = {}
     HFSteered(hf, edits).forward(torch.tensor([ids]), len(prompt), capture=captured)

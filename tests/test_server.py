@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import random
 import time
 import uuid
@@ -512,7 +513,13 @@ def test_serve_control_vector_flags_set_the_global_default(model_dirs, offline, 
             r = h.post("/v1/completions", headers=USER, json={"model": SERVED_NAME, "prompt": PROMPTS[2],
                                                                "max_tokens": 8, "temperature": 0,
                                                                "return_token_ids": True})
+        children = _children(running.proc.pid)  # the engine runs in a process of its own
     assert r.status_code == 200, r.text
+    assert sum("spawn_main" in cmdline for cmdline in children.values()) == 1, children
+    deadline = time.monotonic() + 10  # after the server: no child of it left (multiprocessing's tracker too)
+    while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], children
     offline.set_steering_vectors(combine_control_vectors([f"{a}:1.5", f"{b}:-0.5"]))
     try:
         ref = run_offline(offline, PROMPTS[2], max_tokens=8, temperature=0).outputs[0]
@@ -520,3 +527,19 @@ def test_serve_control_vector_flags_set_the_global_default(model_dirs, offline, 
         offline.clear_steering_vectors()
     plain = run_offline(offline, PROMPTS[2], max_tokens=8, temperature=0).outputs[0]
     assert r.json()["choices"][0]["token_ids"] == ref.token_ids != plain.token_ids
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Live child processes of ``pid`` and their command lines (Linux ``/proc``)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read().replace("\0", " ")
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children[int(entry)] = cmdline
+    return children
