@@ -1,13 +1,12 @@
 """Cumulative ``RequestOutput``s across a process boundary, as increments of plain tuples.
 
 The engine process reports every streamed request every step, each output holding everything the
-request has produced so far. Pickled as they are, 256 such outputs of 50-550 tokens took 3-11 ms
-to pickle and 5-19 ms to unpickle per step on a 2-core CI machine (a H200 decode step of that
-batch takes ~7 ms); as increments, 1.2-2.6 ms to encode and pickle and 1-12 ms to unpickle and
-rebuild (the rebuilt lists are the same size; the spread is that machine's noise). So
-``OutputEncoder`` (engine side) keeps what it has sent per completion and sends only the rest, as
-tuples of built-in types, which pickle at C speed, and ``OutputDecoder`` (server side) keeps the
-other half and rebuilds each output as a fresh cumulative snapshot, equal to the engine's.
+request has produced so far. For 256 requests at 550 tokens, pickling such a step took 3.5-4.3 ms
+and unpickling it 9-10 ms on a 2-core CPU (``benchmarks/output_codec.py``), about what an H200
+decode step of that batch takes. So ``OutputEncoder`` (engine side) keeps what it has sent per
+completion and sends only the rest, as tuples of built-in types, which pickle at C speed (1.2-1.4
+ms per step there), and ``OutputDecoder`` (server side) keeps the other half and rebuilds each
+output as a fresh cumulative snapshot, equal to the engine's (3.2 ms).
 
 Tokens and logprobs only grow; text may shrink, when a stop string is cut off its end. An
 increment therefore says where its part starts: ``(tokens_at, text_at, logprobs_at)``. Outputs of

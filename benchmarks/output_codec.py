@@ -1,0 +1,58 @@
+"""The engine pipe's cost per step (``steerable serve``'s engine process): a step's streamed outputs
+for ``--num-requests`` requests of growing length, pickled whole against encoded as increments
+(``steerable.entrypoints.output_codec``), engine side (encode + pickle) and server side (unpickle +
+rebuild), in the same run; checks that the rebuilt outputs equal the engine's. CPU only: no model.
+
+    PYTHONPATH=. python benchmarks/output_codec.py [--num-requests 256] [--max-len 550]
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import common
+import numpy as np
+from common import emit
+
+from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder
+from steerable.outputs import CompletionOutput, RequestOutput
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    common.setup("output_codec", args, {"min_len": (580, 8), "max_len": (550, 12)}, model=False)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, 150_000, args.min_len).tolist()  # --min-len: the prompt length here
+    tokens = [rng.integers(0, 150_000, args.max_len).tolist() for _ in range(args.num_requests)]
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    samples = {"whole": [], "increments": []}
+    checkpoints = {max(1, args.max_len // 10), args.max_len // 2, args.max_len}
+    for k in range(1, args.max_len + 1):  # step k: every request has k generated tokens
+        outs = [RequestOutput(f"r{i}", None, prompt, [CompletionOutput(0, "abcde" * k, t[:k])], False)
+                for i, t in enumerate(tokens)]
+        t0 = time.perf_counter()
+        whole = pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
+        t1 = time.perf_counter()
+        pickle.loads(whole)
+        t2 = time.perf_counter()
+        sent = pickle.dumps([encoder.encode(o) for o in outs], protocol=pickle.HIGHEST_PROTOCOL)
+        t3 = time.perf_counter()
+        rebuilt = [decoder.decode(e) for e in pickle.loads(sent)]
+        t4 = time.perf_counter()
+        if rebuilt != outs:
+            raise SystemExit(f"step {k}: the rebuilt outputs differ from the engine's")
+        if k in checkpoints:
+            samples["whole"].append((k, t1 - t0, t2 - t1, len(whole)))
+            samples["increments"].append((k, t3 - t2, t4 - t3, len(sent)))
+    for mode, rows in samples.items():
+        for k, engine_s, server_s, size in rows:
+            emit({"record": "step", "mode": mode, "requests": args.num_requests, "tokens": k,
+                  "engine_ms": engine_s * 1e3, "server_ms": server_s * 1e3, "bytes": size})
+    totals = {mode: [sum(r[i] for r in rows) for i in (1, 2)] for mode, rows in samples.items()}
+    emit({"record": "ratio", "engine_side": totals["whole"][0] / totals["increments"][0],
+          "server_side": totals["whole"][1] / totals["increments"][1]})
+
+
+if __name__ == "__main__":
+    main()
