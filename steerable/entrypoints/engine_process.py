@@ -132,7 +132,7 @@ class ProcessAsyncLLM(AsyncLLM):
 
     def _abort_soon(self, request_id: str, stream: RequestStream) -> None:
         try:
-            self._send(None, "abort_stream", (request_id, getattr(stream, "_key", None)))
+            self._send(None, "abort", (request_id, stream._key))
         except EngineDeadError:
             pass  # the engine is gone, and the request with it
 
@@ -313,12 +313,9 @@ class _EngineCore:
         if resumable:
             self.resumable.add(request_id)
 
-    def op_abort(self, request_id: str) -> None:
-        if request_id in self.streams:
-            self.send_outputs(self.engine.abort_request(request_id))
-
-    def op_abort_stream(self, request_id: str, key: int | None) -> None:
-        if self.streams.get(request_id) == key:
+    def op_abort(self, request_id: str, key: int | None = None) -> None:
+        """Abort ``request_id`` if it runs (for the stream ``key`` only, when given)."""
+        if request_id in self.streams and key in (None, self.streams[request_id]):
             self.send_outputs(self.engine.abort_request(request_id))
 
     def op_extend(self, request_id: str, prompt: Any, params: SamplingParams | None) -> None:

@@ -51,10 +51,12 @@ def capture_info(llm: AsyncLLM) -> CaptureInfo:
     return CaptureInfo(layers, widths, layouts, llm.dtype)
 
 
-# The engine thread gives up the GIL at each device sync and must get it back at once; the event
-# loop, busy with many streams, would otherwise keep it for the default 5 ms. In a simulation of a
-# saturated GPU engine (10 ms steps, 256 streams) the engine kept 84 % of its step rate at 5 ms,
-# 95 % at 0.5 ms and 98 % at 0.2 ms.
+# The thread that feeds the streams (the reader of the engine process's pipe under `steerable
+# serve`, the engine thread itself with an in-process AsyncLLM) waits without the GIL and must get
+# it back at once; the event loop, busy with many streams, would otherwise keep it for the default
+# 5 ms, and an unread pipe stalls the engine. In a simulation of a saturated GPU engine on a thread
+# (10 ms steps, 256 streams) the engine kept 84 % of its step rate at 5 ms, 95 % at 0.5 ms and 98 %
+# at 0.2 ms.
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
