@@ -244,6 +244,26 @@ def test_gemv_equals_linear(dtype, out_features, in_features, bias):
     assert _close(gemv.linear(x, w, b), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("in_features", [300, 2500])
+def test_gated_gemv_equals_gated_kernel_then_gemv(dtype, gated, in_features):
+    """The down projection with the gated activation inside equals the gated kernel followed by
+    the one-row projection, bit for bit (they share the activation's rounding); several rows take
+    the two ops."""
+    g = torch.Generator().manual_seed(in_features)
+    w = (torch.randn(96, in_features, generator=g) / in_features ** 0.5).to(DEVICE, dtype)
+    gate_up = torch.randn(1, 2 * in_features, generator=g).to(DEVICE, dtype)
+    act = {"silu": fused.silu_and_mul, "gelu_tanh": fused.gelu_tanh_and_mul}[gated]
+    out = gemv.gated_linear(gate_up, w, None, gated)
+    assert torch.equal(out, gemv.gemv(act(gate_up), w))
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref_act = torch.nn.functional.silu(gate) if gated == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    assert _close(out, torch.nn.functional.linear(ref_act * up, w.float()), dtype)
+    rows = torch.randn(3, 2 * in_features, generator=g).to(DEVICE, dtype)
+    assert torch.equal(gemv.gated_linear(rows, w, None, gated), torch.nn.functional.linear(act(rows), w))
+
+
 def test_gemv_takes_one_row_only():
     """Several rows, a transposed weight or mixed dtypes go to ``F.linear``."""
     w = torch.randn(32, 16, device=DEVICE)

@@ -53,7 +53,8 @@ def _site(suffix: str) -> dict:
 def test_fused_steering_kernels(add1, clamps1, add2, clamps2):
     norm = dict(res_ptr=BF16, delta_ptr=BF16, w_ptr=BF16, out_ptr=BF16, y_ptr=BF16, stride_res=1, stride_delta=1,
                 stride_out=1, stride_y=1, H=1, eps=1.0, **_site("1"), **_site("2"), HAS_DELTA=True, ADD1=add1,
-                CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2, BLOCK=1024, UNIT_OFFSET=add2)  # Gemma's (1 + w) as well
+                CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2, BLOCK=1024, UNIT_OFFSET=add2,  # Gemma's (1 + w) as well
+                PDL=add1)
     assert "ld.global" in compile_for_hopper(fused._add_rms_norm_kernel, **norm)
     steer = dict(x_ptr=BF16, out_ptr=BF16, stride_x=1, stride_out=1, H=1, index_ptr=I64, add_ptr=BF16, stride_add=1,
                  dir_ptr=BF16, bounds_ptr=FP32, stride_dir_row=1, stride_dir_slot=1, ADD=add1, CLAMPS=clamps1,
@@ -82,14 +83,13 @@ def test_kv_cache_kernels(kv):
                    stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
                    ONE_TOKEN_PER_SEQ=True)
     compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
-    split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_qt=1, stride_qh=1,
-                 stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16,
-                 TILE_N=64, NUM_SEGMENTS=16)
-    compile_for_hopper(triton_paged._split_kv_decode_kernel, **split)
-    reduce = dict(out_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, qsl_ptr=I32, v_scale=1.0,
-                  stride_ot=1, stride_oh=1, stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1,
-                  HEAD_D=128, D_PAD=128, NUM_SEGMENTS=16, SEG_PAD=16)
-    compile_for_hopper(triton_paged._split_kv_reduce_kernel, **reduce)
+    split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, arrived_ptr=I32,
+                 out_ptr=BF16, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1, stride_oh=1, stride_wab=1,
+                 stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16, TILE_N=64,
+                 NUM_SEGMENTS=16, SEG_PAD=16, PDL=kv == BF16)
+    ptx = compile_for_hopper(triton_paged._split_kv_decode_kernel, **split)
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx  # the merge's counter and its L2 reads
+    assert ("griddepcontrol.launch_dependents" in ptx) == (kv == BF16)
 
 
 @pytest.mark.parametrize("mul_weight", [False, True])
@@ -104,12 +104,17 @@ def test_grouped_moe_gemm(mul_weight):
 @pytest.mark.parametrize("gelu_tanh", [False, True])
 def test_gated_mul_kernel(gelu_tanh):
     """SwiGLU (Llama, Qwen) and GeGLU with the tanh GELU (Gemma 3)."""
-    args = dict(x_ptr=BF16, y_ptr=BF16, stride_x=1, stride_y=1, I=1, BLOCK=1024, GELU_TANH=gelu_tanh)
+    args = dict(x_ptr=BF16, y_ptr=BF16, stride_x=1, stride_y=1, I=1, BLOCK=1024, GELU_TANH=gelu_tanh, PDL=gelu_tanh)
     compile_for_hopper(fused._gated_mul_kernel, **args)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_kernel(bias):
-    args = dict(x_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, N=1, K=1, stride_w=1, HAS_BIAS=bias, BLOCK_N=2,
-                BLOCK_K=1024)
-    assert "ld.global" in compile_for_hopper(gemv._gemv_kernel, **args)
+@pytest.mark.parametrize("bias, gated, pdl", [(False, None, False), (True, None, True), (False, "silu", True),
+                                              (False, "gelu_tanh", False)])
+def test_gemv_kernel(bias, gated, pdl):
+    """Plain and gated (SwiGLU, GeGLU input), with programmatic dependent launch (a wait before
+    reading the input, a trigger for the next kernel) or without."""
+    args = dict(x_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, N=1, K=1, stride_w=1, HAS_BIAS=bias,
+                GATED=gated is not None, GELU_TANH=gated == "gelu_tanh", PDL=pdl, BLOCK_N=2, BLOCK_K=1024)
+    ptx = compile_for_hopper(gemv._gemv_kernel, **args)
+    assert "ld.global" in ptx
+    assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl

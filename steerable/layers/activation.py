@@ -20,3 +20,6 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}

@@ -10,6 +10,7 @@ The PyTorch implementations stay the CPU path and the reference in tests.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -33,6 +34,29 @@ def enabled(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _ON_CPU)
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+# kernel before it still runs, and waits (``gdc_wait``) only where it reads that kernel's output. At
+# batch 1 a decode step is a chain of short kernels, so the GEMVs prefetch their weights during the
+# norm or attention kernel before them. STEERABLE_PDL=0 turns it off.
+_PDL_ALLOWED = (os.environ.get("STEERABLE_PDL", "1") != "0" and triton is not None
+                and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"))
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device launch with programmatic dependent launch."""
+    return _PDL_ALLOWED and x.is_cuda and _hopper_or_later(x.device.index or 0)
+
+
+def launch_options(pdl_on: bool) -> dict[str, bool]:
+    """The launch keyword a kernel that waits on its predecessor (``gdc_wait``) takes."""
+    return {"launch_pdl": True} if pdl_on else {}
+
+
 if triton is not None:
 
     @triton.jit
@@ -44,7 +68,9 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr):
+                         UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the GEMV after this kernel may start loading its weights
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -107,7 +133,9 @@ if triton is not None:
                              i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k,
                              HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
                              ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr,
-                             UNIT_OFFSET: tl.constexpr):
+                             UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the GEMV after this kernel may start loading its weights
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -127,21 +155,29 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
-        """act(gate) * up with act SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    def gated_act(gate, up, dtype: tl.constexpr, GELU_TANH: tl.constexpr):
+        """``act(gate) * up`` from float32 inputs, rounded to ``dtype`` where the PyTorch ops round;
+        the gated kernel and the GEMV that fuses it share it, so they agree bit for bit."""
         if GELU_TANH:
             # 0.5 x (1 + tanh(z)) == x * sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3): no tanh needed
             # (1.5957... = 2 sqrt(2 / pi)).
             act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
         else:
             act = gate * tl.sigmoid(gate)
-        act = act.to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
+        return (act.to(dtype).to(tl.float32) * up).to(dtype)
+
+    @triton.jit
+    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
+                          PDL: tl.constexpr):
+        """act(gate) * up with act SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        if PDL:  # the GEMV after this kernel may start loading its weights
+            tl.extra.cuda.gdc_launch_dependents()
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, gated_act(gate, up, y_ptr.dtype.element_ty, GELU_TANH), mask=mask)
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
@@ -214,7 +250,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
                                          BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
-                                         num_warps=_num_warps(shape[-1]))
+                                         PDL=pdl(x2), num_warps=_num_warps(shape[-1]))
     return y.view(shape)
 
 
@@ -270,7 +306,8 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Seq
             residual, delta if delta is not None else residual, weight, out, y, residual.stride(0),
             delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps, *args1, *args2,
             HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
-            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, num_warps=_num_warps(width))
+            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, PDL=pdl(residual),
+            num_warps=_num_warps(width))
     return out, y
 
 
@@ -282,7 +319,7 @@ def _gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if n:
         block = min(1024, triton.next_power_of_2(inter))
         _gated_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
-                                                          GELU_TANH=gelu_tanh, num_warps=4)
+                                                          GELU_TANH=gelu_tanh, PDL=pdl(x), num_warps=4)
     return y
 
 

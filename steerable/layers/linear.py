@@ -119,8 +119,15 @@ class RowLinear(nn.Linear):
         check_shape(tensor, [param.shape[0], self.full_in])
         default_weight_loader(param, tensor.narrow(1, self.in_start, param.shape[1]), None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+        """``gated`` ("silu", "gelu_tanh"): ``x`` is a gate-up projection's [gate | up] and the input
+        is ``act(gate) * up``, applied inside the projection where it can be (one row)."""
         if self.tp.size == 1:
-            return gemv.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(gemv.linear(x, self.weight))
+            return self._project(x, self.bias, gated)
+        y = self.tp.all_reduce(self._project(x, None, gated))
         return y if self.bias is None else y + self.bias
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None, gated: str | None) -> torch.Tensor:
+        if gated is None:
+            return gemv.linear(x, self.weight, bias)
+        return gemv.gated_linear(x, self.weight, bias, gated)

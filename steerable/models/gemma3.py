@@ -25,7 +25,6 @@ from torch import nn
 
 from steerable.config import ModelConfig, rope_parameters
 from steerable.hook_points import POST_ATTN, HookPoints
-from steerable.layers.activation import gelu_tanh_and_mul
 from steerable.layers.norm import GemmaRMSNorm
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -116,8 +115,7 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3MLP(LlamaMLP):
-    def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+    activation = "gelu_tanh"  # GeGLU with the tanh GELU (HF's gelu_pytorch_tanh)
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):

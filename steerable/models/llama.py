@@ -15,7 +15,6 @@ from torch import nn
 from steerable.config import ModelConfig
 from steerable.hook_points import ATTENTION_HEADS, POST_ATTN, POST_MLP, PRE_ATTN, HookPoints
 from steerable.layers import fused
-from steerable.layers.activation import silu_and_mul
 from steerable.layers.attention import Attention
 from steerable.layers.linear import MergedLinear, QKVLinear, RowLinear
 from steerable.layers.norm import RMSNorm
@@ -93,13 +92,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    activation = "silu"  # SwiGLU; the down projection applies it (see RowLinear)
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), gated=self.activation)
 
 
 class LlamaDecoderLayer(nn.Module):
