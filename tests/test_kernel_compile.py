@@ -68,7 +68,8 @@ def test_kv_cache_kernels(kv):
                 kw_ptr=BF16, kc_ptr=kv, vc_ptr=kv, slot_ptr=I64, stride_qkv=1, stride_q=1, stride_k=1, stride_cos=1,
                 eps=1.0, stride_kcb=1, stride_kco=1, stride_kch=1, stride_vcb=1, stride_vco=1, stride_vch=1,
                 k_scale=1.0, v_scale=1.0, NUM_Q=16, NUM_QK=24, HEADS_PAD=32, HEAD_D=128, HALF=64, QK_NORM=True,
-                STORE_KV=True, KV_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=kv == FP8, UNIT_OFFSET=kv == FP8)
+                STORE_KV=True, KV_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=kv == FP8, UNIT_OFFSET=kv == FP8,
+                PDL=kv == BF16)
     ptx = compile_for_hopper(fused._qk_norm_rope_kernel, **rope)
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (kv == FP8)  # the hardware's rounding, saturated
     store = dict(key_ptr=BF16, value_ptr=BF16, k_cache_ptr=kv, v_cache_ptr=kv, slot_ptr=I64, stride_kt=1,
@@ -83,13 +84,15 @@ def test_kv_cache_kernels(kv):
                    stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
                    ONE_TOKEN_PER_SEQ=True)
     compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
-    split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, arrived_ptr=I32,
-                 out_ptr=BF16, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1, stride_oh=1, stride_wab=1,
-                 stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16, TILE_N=64,
-                 NUM_SEGMENTS=16, SEG_PAD=16, PDL=kv == BF16)
+    split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_qt=1, stride_qh=1,
+                 stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16,
+                 TILE_N=64, NUM_SEGMENTS=16, PDL=kv == BF16)
     ptx = compile_for_hopper(triton_paged._split_kv_decode_kernel, **split)
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx  # the merge's counter and its L2 reads
-    assert ("griddepcontrol.launch_dependents" in ptx) == (kv == BF16)
+    assert ("griddepcontrol.wait" in ptx) == (kv == BF16)
+    reduce = dict(out_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, qsl_ptr=I32, v_scale=1.0,
+                  stride_ot=1, stride_oh=1, stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1,
+                  HEAD_D=128, D_PAD=128, NUM_SEGMENTS=16, SEG_PAD=16, PDL=kv == BF16)
+    compile_for_hopper(triton_paged._split_kv_reduce_kernel, **reduce)
 
 
 @pytest.mark.parametrize("mul_weight", [False, True])
@@ -104,7 +107,7 @@ def test_grouped_moe_gemm(mul_weight):
 @pytest.mark.parametrize("gelu_tanh", [False, True])
 def test_gated_mul_kernel(gelu_tanh):
     """SwiGLU (Llama, Qwen) and GeGLU with the tanh GELU (Gemma 3)."""
-    args = dict(x_ptr=BF16, y_ptr=BF16, stride_x=1, stride_y=1, I=1, BLOCK=1024, GELU_TANH=gelu_tanh, PDL=gelu_tanh)
+    args = dict(x_ptr=BF16, y_ptr=BF16, stride_x=1, stride_y=1, I=1, BLOCK=1024, GELU_TANH=gelu_tanh)
     compile_for_hopper(fused._gated_mul_kernel, **args)
 
 
@@ -112,7 +115,7 @@ def test_gated_mul_kernel(gelu_tanh):
                                               (False, "gelu_tanh", False)])
 def test_gemv_kernel(bias, gated, pdl):
     """Plain and gated (SwiGLU, GeGLU input), with programmatic dependent launch (a wait before
-    reading the input, a trigger for the next kernel) or without."""
+    reading the input, then a trigger for the next kernel) or without."""
     args = dict(x_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, N=1, K=1, stride_w=1, HAS_BIAS=bias,
                 GATED=gated is not None, GELU_TANH=gated == "gelu_tanh", PDL=pdl, BLOCK_N=2, BLOCK_K=1024)
     ptx = compile_for_hopper(gemv._gemv_kernel, **args)

@@ -35,9 +35,10 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
-# kernel before it still runs, and waits (``gdc_wait``) only where it reads that kernel's output. At
-# batch 1 a decode step is a chain of short kernels, so the GEMVs prefetch their weights during the
-# norm or attention kernel before them. STEERABLE_PDL=0 turns it off.
+# kernel before it still runs, and waits (``pdl_enter``) before it reads that kernel's output. At
+# batch 1 a decode step is a chain of short kernels (norm, projection, rope, attention, ...): their
+# launch latency hides behind the kernel before, and the GEMVs load their weights meanwhile.
+# STEERABLE_PDL=0 turns it off.
 _PDL_ALLOWED = (os.environ.get("STEERABLE_PDL", "1") != "0" and triton is not None
                 and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"))
 
@@ -53,11 +54,21 @@ def pdl(x: torch.Tensor) -> bool:
 
 
 def launch_options(pdl_on: bool) -> dict[str, bool]:
-    """The launch keyword a kernel that waits on its predecessor (``gdc_wait``) takes."""
+    """The launch keyword of a kernel that calls ``pdl_enter`` (its ``PDL`` argument set)."""
     return {"launch_pdl": True} if pdl_on else {}
 
 
 if triton is not None:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """Under programmatic dependent launch: wait until the kernel before has finished (its
+        writes visible), then let the next kernel launch. Trigger after the wait, so a kernel that
+        starts early only ever overlaps its direct predecessor. Reads of that predecessor's
+        output go after this; loads of what no kernel writes (weights) may go before."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _norm_scale(xhat, w, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
@@ -69,8 +80,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr,
                          UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # the GEMV after this kernel may start loading its weights
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -134,8 +144,7 @@ if triton is not None:
                              HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
                              ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr,
                              UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # the GEMV after this kernel may start loading its weights
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -167,14 +176,11 @@ if triton is not None:
         return (act.to(dtype).to(tl.float32) * up).to(dtype)
 
     @triton.jit
-    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
-                          PDL: tl.constexpr):
+    def _gated_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
         """act(gate) * up with act SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
-        if PDL:  # the GEMV after this kernel may start loading its weights
-            tl.extra.cuda.gdc_launch_dependents()
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, gated_act(gate, up, y_ptr.dtype.element_ty, GELU_TANH), mask=mask)
@@ -186,8 +192,10 @@ if triton is not None:
                              NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
                              HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                              STORE_KV: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                             PDL: tl.constexpr):
         # One program per token: every q and k head of it as a [heads, head_dim / 2] pair of tiles.
+        pdl_enter(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS_PAD)[:, None]
         offs = tl.arange(0, HALF)[None, :]
@@ -250,7 +258,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
                                          BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
-                                         PDL=pdl(x2), num_warps=_num_warps(shape[-1]))
+                                         PDL=pdl(x2), num_warps=_num_warps(shape[-1]), **launch_options(pdl(x2)))
     return y.view(shape)
 
 
@@ -307,7 +315,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Seq
             delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps, *args1, *args2,
             HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
             BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, PDL=pdl(residual),
-            num_warps=_num_warps(width))
+            num_warps=_num_warps(width), **launch_options(pdl(residual)))
     return out, y
 
 
@@ -319,7 +327,7 @@ def _gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if n:
         block = min(1024, triton.next_power_of_2(inter))
         _gated_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
-                                                          GELU_TANH=gelu_tanh, PDL=pdl(x), num_warps=4)
+                                                          GELU_TANH=gelu_tanh, num_warps=4)
     return y
 
 
@@ -365,7 +373,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
             HEAD_D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
             KV_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, UNIT_OFFSET=unit_offset, num_warps=4)
+            KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, UNIT_OFFSET=unit_offset, PDL=pdl(qkv),
+            num_warps=4, **launch_options(pdl(qkv)))
     return q, k, v
 
 

@@ -34,26 +34,22 @@ if triton is not None:
                      GELU_TANH: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + offs_n[:, None] * stride_w
-        # The first weight tile does not depend on the kernel before: under programmatic dependent
-        # launch it streams in while that kernel finishes, and only ``x`` waits for it.
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = k0 + offs_k < K
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            # The weights do not depend on the kernel before: under programmatic dependent launch
+            # the first tile streams in while that kernel finishes, and only ``x`` waits for it.
+            fused.pdl_enter(PDL)
             if GATED:  # x holds [gate | up]: the input is act(gate) * up, as fused.silu_and_mul computes it
-                gate = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + K + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                gate = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
                 x = fused.gated_act(gate, up, y_ptr.dtype.element_ty, GELU_TANH).to(tl.float32)
             else:
-                x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            next_k = k0 + BLOCK_K + offs_k
-            w = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k[None, :] < K), other=0.0)
+                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -70,7 +66,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``F.linear(x, weight, bias)`` for ``x`` [1, K] and ``weight`` [N, K]; with ``gated`` ("silu" or
     "gelu_tanh") ``x`` is [1, 2K] (gate | up) and the input is ``act(gate) * up``, one kernel fewer per
     MLP. Tile sizes from a sweep on the H200: narrow outputs (o_proj, down_proj) want more programs,
-    hence 2 rows each."""
+    hence 2 rows each, whose whole weight rows (up to 4096 wide) load before the input is needed."""
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n = 2 if n <= 2048 else 8
@@ -78,7 +74,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, k,
                                              weight.stride(0), HAS_BIAS=bias is not None, GATED=gated is not None,
                                              GELU_TANH=gated == "gelu_tanh", PDL=pdl, BLOCK_N=block_n,
-                                             BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4,
+                                             BLOCK_K=min(4096 if block_n == 2 else 1024, triton.next_power_of_2(k)),
+                                             num_warps=4,
                                              num_stages=3, **fused.launch_options(pdl))
     return y
 

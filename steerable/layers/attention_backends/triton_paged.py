@@ -36,8 +36,7 @@ limit (and from its first query's window start when a sliding window is set).
 ``(B, Hkv, NUM_SEGMENTS)``; each program handles one GQA group of one decode token and a
 contiguous share of that sequence's KV tiles (the share is computed in-kernel from
 ``seq_lens``, so the grid is static), writing unnormalised partial output plus running
-max / sum to the workspace. The segment that finishes last (an atomic counter per sequence and KV
-head) merges all of them into the output, so a decode step runs one attention kernel, not two.
+max / sum to the workspace. A reduce kernel (grid ``(B, Hq)``) merges the segments.
 
 Everything that shapes a launch (grid, path, constexprs) depends only on host-static values:
 tensor shapes, ``max_query_len``, ``sliding_window`` and the config; no device data is read
@@ -101,9 +100,8 @@ class DecodeWorkspace:
     """Preallocated partial-result buffers for the split-KV decode path.
 
     Allocate once (outside CUDA-graph capture) for the largest decode batch; any call with
-    ``B <= max_num_seqs`` can reuse it (one call at a time: calls on one stream). Buffers are fp32:
-    ``acc [max_num_seqs, Hq, num_segments, D_pad]``, ``max``/``sum [max_num_seqs, Hq, num_segments]``;
-    ``arrived`` int32 counters.
+    ``B <= max_num_seqs`` can reuse it. Buffers are fp32:
+    ``acc [max_num_seqs, Hq, num_segments, D_pad]``, ``max``/``sum [max_num_seqs, Hq, num_segments]``.
     """
 
     def __init__(self, max_num_seqs: int, num_q_heads: int, head_size: int, device,
@@ -122,9 +120,6 @@ class DecodeWorkspace:
         self.max = torch.empty((self.max_num_seqs, self.num_q_heads, self.num_segments),
                                dtype=torch.float32, device=self.device)
         self.sum = torch.empty_like(self.max)
-        # Per (sequence, KV head): how many segments have written their partials. The segment that
-        # brings it to num_segments merges them and resets it to 0 for the next call.
-        self.arrived = torch.zeros(self.max_num_seqs * self.num_q_heads, dtype=torch.int32, device=self.device)
 
 
 # --------------------------------------------------------------------------------------
@@ -360,30 +355,27 @@ def _unified_attention_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# split-KV decode: partial results per segment, merged by the last segment
+# split-KV decode: partial kernel + reduce kernel
 # --------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
-    ws_acc_ptr, ws_max_ptr, ws_sum_ptr, arrived_ptr, out_ptr,
+    ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale, v_scale, window,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    qk_scale, window,
+    stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     stride_wab, stride_wah, stride_was,
     stride_wmb, stride_wmh,
     NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One segment of one sequence's KV for one GQA group; the last segment to finish merges all
-    of them into ``out`` (no second kernel: at batch 1 its launch cost as much as the merge)."""
-    if PDL:  # the o_proj GEMV after this kernel may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
+    fused.pdl_enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg = tl.program_id(2)
@@ -391,7 +383,7 @@ def _split_kv_decode_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if q_len <= 0:
-        return  # padding sequence: no segment of it counts, so none merges
+        return  # padding sequence: the reduce kernel skips it too
     seq_len = tl.load(seq_lens_ptr + seq)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -426,7 +418,7 @@ def _split_kv_decode_kernel(
             kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
             BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC)
 
-    # Empty segments still write (m=-inf, l=0, acc=0) so the merge never reads stale data.
+    # Empty segments still write (m=-inf, l=0, acc=0) so the reduce never reads stale data.
     ws_head = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh + seg
     tl.store(ws_max_ptr + ws_head, m_i, mask=row_valid)
     tl.store(ws_sum_ptr + ws_head, l_i, mask=row_valid)
@@ -434,30 +426,40 @@ def _split_kv_decode_kernel(
               + offs_d[None, :])
     tl.store(ws_acc_ptr + ws_acc, acc, mask=row_valid[:, None] & (offs_d[None, :] < D_PAD))
 
-    # Every thread's partials are stored before the counter moves (barrier, then a release); the
-    # merging program reads them through L2 (".cg"): its L1 may hold these addresses from an
-    # earlier call.
-    tl.debug_barrier()
-    counter = arrived_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
-        tl.store(counter, 0)
-        offs_s = tl.arange(0, SEG_PAD)
-        s_mask = offs_s < NUM_SEGMENTS
-        for i in tl.static_range(NUM_Q_PER_KV):
-            head = kv_head * NUM_Q_PER_KV + i
-            base = seq.to(tl.int64) * stride_wmb + head * stride_wmh
-            m_s = tl.load(ws_max_ptr + base + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(ws_sum_ptr + base + offs_s, mask=s_mask, other=0.0, cache_modifier=".cg")
-            m = tl.max(m_s, axis=0)
-            m_shift = tl.where(m == float("-inf"), 0.0, m)
-            w = tl.math.exp2(m_s - m_shift)  # 0 for empty segments
-            denom = tl.sum(w * l_s, axis=0)
-            part = tl.load(ws_acc_ptr + seq.to(tl.int64) * stride_wab + head * stride_wah
-                           + offs_s[:, None] * stride_was + offs_d[None, :],
-                           mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-            o = tl.sum(w[:, None] * part, axis=0) / tl.where(denom == 0.0, 1.0, denom) * v_scale
-            tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-                     o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr, qsl_ptr, v_scale,
+    stride_ot, stride_oh,
+    stride_wab, stride_wah, stride_was,
+    stride_wmb, stride_wmh,
+    HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    fused.pdl_enter(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_len <= 0:
+        return
+    offs_s = tl.arange(0, SEG_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SEGMENTS
+    base = seq.to(tl.int64) * stride_wmb + head * stride_wmh
+    m_s = tl.load(ws_max_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ws_sum_ptr + base + offs_s, mask=s_mask, other=0.0)
+    m = tl.max(m_s, axis=0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(m_s - m_shift)  # 0 for empty segments
+    denom = tl.sum(w * l_s, axis=0)
+    acc = tl.load(ws_acc_ptr + seq.to(tl.int64) * stride_wab + head * stride_wah
+                  + offs_s[:, None] * stride_was + offs_d[None, :],
+                  mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    num = tl.sum(w[:, None] * acc, axis=0)
+    o = num / tl.where(denom == 0.0, 1.0, denom) * v_scale
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_D)
 
 
 # --------------------------------------------------------------------------------------
@@ -528,11 +530,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         if workspace.num_q_heads != num_q_heads or workspace.head_size_padded < d_pad:
             raise ValueError("DecodeWorkspace was allocated for a different head layout")
         nseg = workspace.num_segments
+        pdl = fused.pdl(q)  # batch-1 decode is a chain of short kernels: each launches before the last ends
         _split_kv_decode_kernel[(B, num_kv_heads, nseg)](
-            q, k_cache, v_cache, workspace.acc, workspace.max, workspace.sum, workspace.arrived, out,
+            q, k_cache, v_cache, workspace.acc, workspace.max, workspace.sum,
             query_start_loc, seq_lens, block_table,
-            qk_scale, float(v_scale), window,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            qk_scale, window,
+            q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
@@ -541,8 +544,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad),
             HEAD_D=head_d, D_PAD=d_pad,
             BLOCK_SIZE=block_size, TILE_N=cfg.split_tile_n, NUM_SEGMENTS=nseg,
-            SEG_PAD=triton.next_power_of_2(nseg), USE_WINDOW=use_window, DOT_PREC=dot_prec, PDL=fused.pdl(q),
-            num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages,
+            USE_WINDOW=use_window, DOT_PREC=dot_prec, PDL=pdl,
+            num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **fused.launch_options(pdl),
+        )
+        _split_kv_reduce_kernel[(B, num_q_heads)](
+            out, workspace.acc, workspace.max, workspace.sum, query_start_loc, float(v_scale),
+            out.stride(0), out.stride(1),
+            workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
+            workspace.max.stride(0), workspace.max.stride(1),
+            HEAD_D=head_d, D_PAD=d_pad,
+            NUM_SEGMENTS=nseg, SEG_PAD=triton.next_power_of_2(nseg), PDL=pdl,
+            num_warps=4, **fused.launch_options(pdl),
         )
         return
 
