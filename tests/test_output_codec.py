@@ -1,14 +1,18 @@
 """The engine pipe's output codec: increments decode to outputs equal to the engine's cumulative
 ones at every step (growth, a stop string cut off the text, n=2 with logprobs, a streaming-input
-restart sent whole, captures at the end), and nothing is held once a request has finished."""
+restart sent whole, captures at the end), and nothing is held once a request has finished; folded
+increments decode like their sequence, and the engine's sender folds what queues behind a slow
+reader."""
 
 from __future__ import annotations
 
 import pickle
+import threading
 
 import torch
 
-from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder
+from steerable.entrypoints.engine_process import _Sender
+from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder, merge_increments
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -70,3 +74,80 @@ def test_sends_only_what_is_new():
     assert first[2] == ("p", prompt) and later[2] is None  # the prompt once
     assert later[3][0][2] == [50] and later[3][0][4] == "x"  # one token, one character
     assert len(pickle.dumps(later)) < 200
+
+
+def _steps() -> list[RequestOutput]:
+    """A request's cumulative outputs: n=2 with logprobs, the second completion's text cut back by a
+    stop string at step 5, the first finishing at step 7 and then reported unchanged."""
+    outs, tokens, texts, logprobs = [], [[], []], ["", ""], [[], []]
+    for step in range(9):
+        completions = []
+        for index in range(2):
+            finished = index == 0 and step >= 7
+            if not finished:
+                tokens[index].append(100 * index + step)
+                texts[index] = texts[index][:-3] if index == 1 and step == 5 else texts[index] + f" w{step}"
+                logprobs[index].append(_lp(100 * index + step, -0.1 * step))
+            completions.append(CompletionOutput(index, texts[index], list(tokens[index]), "length" if finished else None,
+                                                list(logprobs[index]), None, -1.0 * step))
+        outs.append(RequestOutput("r", "p", [1, 2, 3], completions, False))
+    return outs
+
+
+def test_merged_increments_decode_as_their_sequence():
+    """However a run of increments is folded (any prefix sent alone, the rest merged), the decoder
+    ends with the engine's output, text cut back by a stop string included."""
+    outs = _steps()
+    for split in range(len(outs)):
+        encoder, decoder = OutputEncoder(), OutputDecoder()
+        encoded = [encoder.encode(out) for out in outs]
+        for head in encoded[:split]:
+            decoder.decode(head)
+        merged = encoded[split]
+        for later in encoded[split + 1:]:
+            merged = merge_increments(merged, later)
+        assert decoder.decode(pickle.loads(pickle.dumps(merged))) == outs[-1]
+
+
+class _SlowPipe:
+    """A pipe end whose sends wait until released, recording each message."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.sending = threading.Event()
+        self.release = threading.Event()
+
+    def send(self, message) -> None:
+        self.sending.set()
+        self.release.wait(10)
+        self.sent.append(pickle.loads(pickle.dumps(message)))
+
+
+def test_sender_folds_outputs_queued_behind_a_slow_reader():
+    """Steps never wait for the pipe: what queues behind a send leaves as one message, one increment
+    per mergeable request, a call's result keeps its place, and nothing is lost on close."""
+    outs = _steps()
+    encoder, pipe = OutputEncoder(), _SlowPipe()
+    sender = _Sender(pipe)
+    sender.send_outputs([(encoder.encode(outs[0]), True)])  # in flight while the rest queues
+    assert pipe.sending.wait(10)
+    for out in outs[1:5]:
+        sender.send_outputs([(encoder.encode(out), True)])
+    sender.send(("result", 7, "value", None))
+    for out in outs[5:]:
+        sender.send_outputs([(encoder.encode(out), True)])
+    whole = OutputEncoder()
+    sender.send_outputs([(whole.encode(RequestOutput("s", None, [1], [CompletionOutput(0, "a", [4])], False), True),
+                          False)])
+    sender.send_outputs([(whole.encode(RequestOutput("s", None, [1], [CompletionOutput(0, "b", [5])], False), True),
+                          False)])
+    pipe.release.set()
+    sender.close()
+    assert not sender.thread.is_alive()
+    kinds = [message[0] for message in pipe.sent]
+    assert kinds == ["outputs", "outputs", "result", "outputs"], kinds
+    assert [len(message[1]) for message in pipe.sent if message[0] == "outputs"] == [1, 1, 3]
+    decoder = OutputDecoder()
+    decoded = [decoder.decode(encoded) for message in pipe.sent if message[0] == "outputs" for encoded in message[1]]
+    assert decoded[1] == outs[4] and decoded[2] == outs[-1]
+    assert [d.outputs[0].text for d in decoded[3:]] == ["a", "b"]  # a streaming-input request's outputs stay apart

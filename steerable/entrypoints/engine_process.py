@@ -13,9 +13,11 @@ results), never a client's bytes:
 
 - to the engine: ``("call", id, op, args)``, answered by ``("result", id, value, error)`` unless
   ``id`` is None, and ``("shutdown",)``;
-- from the engine: ``("outputs", [encoded])`` once per step, each output what is new since the last
+- from the engine: ``("outputs", [encoded])``, each output what is new since the last
   (``output_codec``; cumulative outputs pickled whole cost more per step than the step), and
-  ``("dead", message)`` when a step failed.
+  ``("dead", message)`` when a step failed. A thread of the engine process sends them, so a step
+  never waits for this process to read: outputs of steps that queued meanwhile leave together, one
+  increment per request.
 
 Calls run between steps in the order sent, as on ``AsyncLLM``'s engine thread. An abort names the
 stream it comes from, so a late abort never reaches a later request that reuses the id.
@@ -28,12 +30,13 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import queue
 import signal
 import threading
 from typing import Any
 
 from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _resolve, capture_layouts
-from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder
+from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder, merge_increments
 from steerable.errors import EngineDeadError
 from steerable.sampling_params import SamplingParams
 
@@ -239,22 +242,80 @@ def _engine_main(conn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     except BaseException as err:
         conn.send(("failed", _portable(err)))
         return
+    sender = _Sender(conn)
     try:
-        core = _EngineCore(llm, conn)
-        conn.send(("ready", core.describe()))
-        core.run()
+        core = _EngineCore(llm, sender)
+        sender.send(("ready", core.describe()))
+        core.run(conn)
     finally:
+        sender.close()
         llm.shutdown()
+
+
+class _Sender:
+    """Sends the engine's messages in order from a thread of its own. While one send waits for the
+    parent to read, later messages queue; consecutive outputs among them leave as one message,
+    each request's increments folded into one (streaming-input requests' outputs stay apart: each
+    may end a chunk)."""
+
+    _CLOSE = object()
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="steerable-engine-sender", daemon=True)
+        self.thread.start()
+
+    def send(self, message: tuple) -> None:
+        self.queue.put(message)
+
+    def send_outputs(self, outputs: list[tuple[tuple, bool]]) -> None:
+        """``(encoded, mergeable)`` pairs of one step."""
+        self.queue.put(("outputs", outputs))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued, then stop."""
+        self.queue.put(self._CLOSE)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                messages = [self.queue.get()]
+                while not self.queue.empty():
+                    messages.append(self.queue.get())
+                outputs: list[tuple] = []
+                where: dict[str, int] = {}
+                for message in messages:
+                    if message is not self._CLOSE and message[0] == "outputs":
+                        for encoded, mergeable in message[1]:
+                            if encoded[0] in where:
+                                outputs[where[encoded[0]]] = merge_increments(outputs[where[encoded[0]]], encoded)
+                                continue
+                            if mergeable:
+                                where[encoded[0]] = len(outputs)
+                            outputs.append(encoded)
+                        continue
+                    if outputs:
+                        self.conn.send(("outputs", outputs))
+                        outputs, where = [], {}
+                    if message is self._CLOSE:
+                        return
+                    self.conn.send(message)
+                if outputs:
+                    self.conn.send(("outputs", outputs))
+        except (OSError, ValueError):
+            return  # the parent is gone; the engine loop sees the pipe close
 
 
 class _EngineCore:
     """The engine side of the pipe: the loop of ``AsyncLLM``'s engine thread, with calls named
     rather than passed as functions."""
 
-    def __init__(self, llm: Any, conn: Any):
+    def __init__(self, llm: Any, sender: _Sender):
         self.llm = llm
         self.engine = llm.engine
-        self.conn = conn
+        self.sender = sender
         self.streams: dict[str, int] = {}  # running request id -> the parent stream's key
         self.resumable: set[str] = set()
         self.encoder = OutputEncoder()
@@ -265,8 +326,9 @@ class _EngineCore:
                 "max_model_len": engine.max_model_len, "dtype": engine.dtype,
                 "capture_layouts": capture_layouts(engine)}
 
-    def run(self) -> None:
-        engine, conn = self.engine, self.conn
+    def run(self, conn: Any) -> None:
+        """Calls from ``conn`` between steps, until the parent says stop or goes away."""
+        engine = self.engine
         idle = 0
         while True:
             busy = engine.has_unfinished_requests() and idle < 2
@@ -287,7 +349,7 @@ class _EngineCore:
                     outputs = engine.step()
                 except Exception as err:
                     logger.exception("an engine step failed")
-                    conn.send(("dead", f"the engine failed: {err!r}"))
+                    self.sender.send(("dead", f"the engine failed: {err!r}"))
                     return
                 self.send_outputs(outputs)
                 idle = 0 if outputs or engine.num_steps != steps else idle + 1
@@ -299,10 +361,10 @@ class _EngineCore:
             if call_id is None:
                 logger.exception("engine call %s failed", op)
                 return
-            self.conn.send(("result", call_id, None, _portable(err)))
+            self.sender.send(("result", call_id, None, _portable(err)))
         else:
             if call_id is not None:
-                self.conn.send(("result", call_id, value, None))
+                self.sender.send(("result", call_id, value, None))
 
     # ------------------------------------------------------------ calls
 
@@ -339,12 +401,13 @@ class _EngineCore:
             rid = out.request_id
             if rid not in self.streams:
                 continue
-            sent.append(self.encoder.encode(out, whole=rid in self.resumable))
+            whole = rid in self.resumable
+            sent.append((self.encoder.encode(out, whole=whole), not whole))
             if out.finished:
                 del self.streams[rid]
                 self.resumable.discard(rid)
         if sent:
-            self.conn.send(("outputs", sent))
+            self.sender.send_outputs(sent)
 
 
 def _portable(err: BaseException) -> BaseException:

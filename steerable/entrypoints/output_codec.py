@@ -12,6 +12,9 @@ Tokens and logprobs only grow; text may shrink, when a stop string is cut off it
 increment therefore says where its part starts: ``(tokens_at, text_at, logprobs_at)``. Outputs of
 streaming-input requests go whole (``whole=True``): each chunk restarts their completion, which an
 increment could not tell from growth.
+
+Two increments of a request in a row fold into one (``merge_increments``): an engine whose reader
+fell behind sends each request once for all the steps it waited, so the reader catches up.
 """
 
 from __future__ import annotations
@@ -95,3 +98,36 @@ class OutputDecoder:
 def _joined(held: list, at: int, new: list) -> list:
     """``held[:at] + new`` as a new list, copying ``held`` once in the usual case (``at`` at its end)."""
     return held + new if at == len(held) else held[:at] + new
+
+
+def merge_increments(first: tuple, then: tuple) -> tuple:
+    """One increment of a request that leaves the decoder where ``first`` then ``then`` would."""
+    rid, _, prompt, completions, captures, capture_meta = first
+    _, finished, then_prompt, then_completions, then_captures, then_meta = then
+    merged = {c[0]: c for c in completions}
+    for c in then_completions:
+        merged[c[0]] = _merge_completion(merged[c[0]], c) if c[0] in merged else c
+    return (rid, finished, then_prompt if then_prompt is not None else prompt, tuple(merged.values()),
+            then_captures or captures, then_meta or capture_meta)
+
+
+def _merge_completion(first: tuple, then: tuple) -> tuple:
+    index, tokens_at, tokens, text_at, text, logprobs_at, logprobs = first[:7]
+    _, then_tokens_at, then_tokens, then_text_at, then_text, then_logprobs_at, then_logprobs = then[:7]
+    tokens_at, tokens = _spliced(tokens_at, tokens, then_tokens_at, then_tokens)
+    text_at, text = _spliced(text_at, text, then_text_at, then_text)
+    if logprobs is None or then_logprobs is None:
+        logprobs_at, logprobs = then_logprobs_at, then_logprobs
+    else:
+        logprobs_at, logprobs = _spliced(logprobs_at, logprobs, then_logprobs_at, then_logprobs)
+    finish_reason, stop_reason, cumulative, captures, capture_meta = then[7:]
+    return (index, tokens_at, tokens, text_at, text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative,
+            captures or first[10], capture_meta or first[11])
+
+
+def _spliced(at: int, part: Any, then_at: int, then_part: Any) -> tuple[int, Any]:
+    """``part`` written from ``at``, then ``then_part`` from ``then_at``, as one write (the decoder
+    keeps what precedes a write and drops what follows it)."""
+    if then_at < at:
+        return then_at, then_part
+    return at, part[:then_at - at] + then_part
