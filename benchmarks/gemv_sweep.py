@@ -31,8 +31,9 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int]
     block_n, block_k, warps, stages = tiles
     n, k = w.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    gemv._gemv_kernel[(-(-n // block_n),)](x, w, w, y, n, k, w.stride(0), HAS_BIAS=False, BLOCK_N=block_n,
-                                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    gemv._gemv_kernel[(-(-n // block_n),)](x, w, w, y, n, k, w.stride(0), HAS_BIAS=False, GATED=False,
+                                           GELU_TANH=False, PDL=False, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           num_warps=warps, num_stages=stages)
     return y
 
 
