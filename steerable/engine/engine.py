@@ -349,6 +349,8 @@ class LLMEngine(ResumableRequests):
         """Schedule and launch a step; False when there was nothing to run."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            for request in sched.preempted:  # nothing runs, but its worker row must be rewritten on resume
+                self.builder.release(request.request_id)
             return False
         step = self.builder.build(self.num_steps, sched)
         step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
