@@ -62,6 +62,30 @@ def test_stored_dtype_and_hook(llm, tmp_path):
     assert shard["layer.1"].dtype == torch.bfloat16 and torch.equal(shard["layer.1"], reference.rows(1))
 
 
+def test_a_stream_sink_takes_the_rows_a_store_would(llm):
+    class Sink:
+        def __init__(self):
+            self.parts = []
+
+        def append(self, rows):
+            self.parts.append(rows.block.index_select(1, torch.from_numpy(rows.where)).clone())
+
+    with pytest.raises(ValueError, match="sink: takes every selected row"):
+        llm.llm_engine.start_capture("hidden_states", [0], None, "last", None, None, "post_mlp", sink=Sink())
+    sink = Sink()
+    llm.llm_engine.start_capture("hidden_states", [0, 2], None, "all", "all_prompt", None, "post_mlp", sink=sink)
+    llm.generate(TEXTS[:3], use_tqdm=False)
+    assert llm.fetch_captured() == ({}, {}) and llm.capture_status()["enabled"]
+    llm.stop_capture()
+    assert llm.fetch_captured() == ({}, {}) and not llm.capture_status()["enabled"]  # no store left behind
+    llm.start_capture(layers=[0, 2], select="all_prompt")
+    llm.generate(TEXTS[:3], use_tqdm=False)
+    llm.stop_capture()
+    stored, _ = llm.fetch_captured()
+    received = torch.cat(sink.parts, dim=1)
+    assert torch.equal(received[0], stored[0]) and torch.equal(received[1], stored[2])
+
+
 def shard_bytes(out) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
