@@ -31,7 +31,8 @@ def test_writer_bytes_equal_save_file(tmp_path, metadata):
 
 
 def test_writer_slices_over_threads_read_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(shard_file, "SLICE_BYTES", 40)  # every tensor in several slices, written by several threads
+    monkeypatch.setattr(shard_file, "SLICE_BYTES", 40)  # every tensor in several slices, written by three threads
+    monkeypatch.setattr(shard_file, "WRITE_THREADS", 3)
     tensors = mixed_tensors()
     tensors["big"] = torch.arange(1000, dtype=torch.float32).reshape(100, 10)
     written = []

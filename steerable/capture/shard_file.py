@@ -53,9 +53,13 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _pwrite(fd, struct.pack("<Q", len(text)) + text, 0)
-        if slices:
-            with ThreadPoolExecutor(min(WRITE_THREADS, len(slices))) as pool:
+        workers = min(WRITE_THREADS, len(slices))
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
                 list(pool.map(lambda item: _pwrite(fd, item[1], item[0]), slices))
+        else:  # a small file: threads would cost more than they save
+            for at, data in slices:
+                _pwrite(fd, data, at)
     finally:
         os.close(fd)
 
