@@ -81,3 +81,18 @@ def test_preemption_chunked_and_cached_together(model_dirs, reference):
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert _tokens(outs) == alone
+
+
+def test_preemption_by_a_step_that_runs_nothing(model_dirs):
+    """Prompts longer than a step, in a cache that holds one and a half of them: a request is
+    preempted mid-prompt by a schedule that then runs nothing, and must resume on its new blocks
+    (its worker row rewritten), not on the ones it gave back."""
+    long = [[(7 * i + 13 * j) % 290 + 10 for j in range(100 + 9 * i)] for i in range(6)]
+    greedy = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
+    alone = LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=4096)
+    expected = [alone.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in long]
+    llm = LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=160, max_num_batched_tokens=64)
+    outs = [o.outputs[0] for o in llm.generate(long, greedy, use_tqdm=False)]
+    assert llm.engine.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert [o.cumulative_logprob for o in outs] == pytest.approx([e.cumulative_logprob for e in expected], abs=1e-5)

@@ -132,6 +132,16 @@ def test_capture_corpus_with_hf_baseline(cache_dir):
     positive(r["ratio"][0], "prompt_tok_s_ratio")
 
 
+def test_corpus_host(cache_dir):
+    """Corpus capture's host side without a model (the script itself checks that write_safetensors
+    writes save_file's bytes)."""
+    r = run("corpus_host", cache_dir, model=False)
+    for x in r["deliver"] + r["write"] + r["pipeline"]:
+        positive(x, "gb", "seconds", "gb_s")
+    assert {x["mode"] for x in r["write"]} == {"write_safetensors", "save_file"}
+    assert r["pipeline"][0]["shards"] == 2
+
+
 def test_gemma_shape_throughput_and_kv_memory(cache_dir):
     """The throughput workload on a Gemma 3 shape, and the KV-memory record of one long request
     (chunks of 32 against a window of 8: the sliding groups must hold less than every layer)."""

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -34,7 +35,7 @@ def read_shards(out) -> list[dict[str, torch.Tensor]]:
     return [load_file(out / entry["file"]) for entry in index["shards"]]
 
 
-@pytest.mark.parametrize("select", ["all_prompt", "last_prompt"])
+@pytest.mark.parametrize("select", ["all_prompt", "last_prompt", "all", {"prompt_positions": [0, 2, -1]}])
 def test_shards_equal_steerable_capture(llm, tmp_path, select):
     index = capture_corpus(llm, TEXTS, tmp_path, layers=[0, 2], select=select, shard_size=4, batch_size=3)
     shards = read_shards(tmp_path)
@@ -62,32 +63,116 @@ def test_stored_dtype_and_hook(llm, tmp_path):
     assert shard["layer.1"].dtype == torch.bfloat16 and torch.equal(shard["layer.1"], reference.rows(1))
 
 
+def test_shards_equal_steerable_capture_under_preemption(capture_dirs, tmp_path):
+    """A request preempted mid-prompt is recomputed; each of its rows still lands once, in place."""
+    texts = [" ".join([CORPUS[i % 7]] * 4) for i in range(8)]  # 79 to 119 tokens
+    small = LLM(capture_dirs["llama"], device="cpu", kv_cache_tokens=160, max_num_batched_tokens=64)
+    capture_corpus(small, texts, tmp_path, layers=[0, 2], select="all_prompt", shard_size=8, batch_size=8)
+    assert small.engine.stats()["num_preemptions"] > 0
+    shard = read_shards(tmp_path)[0]
+    reference = steerable.capture(LLM(capture_dirs["llama"], device="cpu"), texts, layers=[0, 2], select="all_prompt")
+    for layer in (0, 2):
+        assert (shard[f"layer.{layer}"] - reference.rows(layer)).abs().max() <= 1e-5
+    assert torch.equal(shard["position"], reference.meta(0).positions.long())
+
+
+def test_a_running_stream_is_refused_and_a_stopped_one_kept(llm, tmp_path):
+    llm.start_capture(layers=[1], select="all")
+    try:
+        with pytest.raises(ValueError, match="hidden_states capture stream is running"):
+            capture_corpus(llm, TEXTS[:2], tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        llm.generate(TEXTS[:1], use_tqdm=False)
+    finally:
+        llm.stop_capture()
+    capture_corpus(llm, TEXTS[:2], tmp_path / "out", layers=[1], select="all_prompt")
+    assert not llm.capture_status()["enabled"]
+    tensors, meta = llm.fetch_captured()  # the stopped stream's rows, untouched by the corpus run
+    assert len(set(meta[1].req_ids)) == 1 and tensors[1].shape[0] == len(meta[1]) > 0
+
+
+def test_a_stream_sink_takes_the_rows_a_store_would(llm):
+    class Sink:
+        def __init__(self):
+            self.parts = []
+
+        def append(self, rows):
+            self.parts.append(rows.block.index_select(1, torch.from_numpy(rows.where)).clone())
+
+    with pytest.raises(ValueError, match="sink: takes every selected row"):
+        llm.llm_engine.start_capture("hidden_states", [0], None, "last", None, None, "post_mlp", sink=Sink())
+    sink = Sink()
+    llm.llm_engine.start_capture("hidden_states", [0, 2], None, "all", "all_prompt", None, "post_mlp", sink=sink)
+    llm.generate(TEXTS[:3], use_tqdm=False)
+    assert llm.fetch_captured() == ({}, {}) and llm.capture_status()["enabled"]
+    llm.stop_capture()
+    assert llm.fetch_captured() == ({}, {}) and not llm.capture_status()["enabled"]  # no store left behind
+    llm.start_capture(layers=[0, 2], select="all_prompt")
+    llm.generate(TEXTS[:3], use_tqdm=False)
+    llm.stop_capture()
+    stored, _ = llm.fetch_captured()
+    received = torch.cat(sink.parts, dim=1)
+    assert torch.equal(received[0], stored[0]) and torch.equal(received[1], stored[2])
+
+
 def shard_bytes(out) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
 
-def test_resume_after_an_injected_failure(llm, tmp_path, monkeypatch):
+def test_resume_after_a_failed_write(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[0, 1, 2], select="all_prompt", shard_size=2, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
-    real_save, calls = corpus.save_file, []
+    real_write, calls = corpus.write_safetensors, []
 
-    def failing(tensors, path, metadata=None):
+    def failing(path, tensors, metadata=None):
         calls.append(path)
         if len(calls) == 3:
             raise OSError("disk full")
-        real_save(tensors, path, metadata=metadata)
+        real_write(path, tensors, metadata=metadata)
 
-    monkeypatch.setattr(corpus, "save_file", failing)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(corpus, "write_safetensors", failing)
+    with pytest.raises(OSError, match="disk full"):  # raised in the writer thread, surfaces here
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     index = json.loads((tmp_path / "cut" / "index.json").read_text())
     assert len(index["shards"]) == 2 and not index["complete"]
     assert not [n for n in os.listdir(tmp_path / "cut") if n.endswith(".part")]
-    monkeypatch.setattr(corpus, "save_file", real_save)
+    assert not [t for t in threading.enumerate() if t.name.startswith("corpus-writer")]
+    monkeypatch.setattr(corpus, "write_safetensors", real_write)
     with pytest.raises(ValueError, match="resume"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     with pytest.raises(ValueError, match="resume: layers differs"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **{**kwargs, "layers": [0]}, resume=True)
+    capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs, resume=True)
+    assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
+
+
+def test_resume_after_a_failure_mid_shard_while_a_write_is_in_flight(llm, tmp_path, monkeypatch):
+    kwargs = dict(layers=[1, 2], select="all_prompt", shard_size=4, batch_size=2)
+    capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
+    real_write, real_step, events = corpus.write_safetensors, llm.engine.step, []
+
+    def slow_write(path, tensors, metadata=None):
+        time.sleep(0.5)  # still writing shard 0 when shard 1 fails
+        real_write(path, tensors, metadata=metadata)
+        events.append("written")
+
+    def failing_step():
+        events.append("step")
+        if events.count("step") == 6:  # in shard 1 (two steps per batch of two)
+            events.append("failed")
+            raise RuntimeError("device lost")
+        return real_step()
+
+    monkeypatch.setattr(corpus, "write_safetensors", slow_write)
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
+    assert events[-2:] == ["failed", "written"]  # the write was in flight when the capture failed
+    index = json.loads((tmp_path / "cut" / "index.json").read_text())
+    assert [e["shard"] for e in index["shards"]] == [0] and not index["complete"]  # listed once written
+    assert sorted(os.listdir(tmp_path / "cut")) == ["index.json", "shard-00000.safetensors"]
+    assert llm.engine.stats()["num_requests"] == 0 and not llm.capture_status()["enabled"]  # aborted, stopped
+    monkeypatch.undo()
     capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs, resume=True)
     assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
 

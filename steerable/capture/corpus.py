@@ -8,33 +8,39 @@ hash) and every finished shard with its example range and row count. A shard is 
 file and renamed, then listed in the index (itself replaced atomically), so a run killed at any
 point resumes (``resume=True``) by recomputing only the shards the index does not list; the result
 is the same as an uninterrupted run.
+
+Speed: the rows go through a capture stream whose sink is the shard itself (``ShardBuffer``), so
+each row is copied once, from the step's host block to its place in the shard, and the file is
+written from that memory (``write_safetensors``) by a background thread while the next shard is
+captured into a second buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from steerable.capture.api import capture
-from steerable.capture.session import HIDDEN_STATES
+from steerable.capture.shard_buffer import ShardBuffer
+from steerable.capture.shard_file import write_safetensors
 from steerable.capture.store import resolve_storage_dtype
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import POST_MLP, RESIDUAL_POINTS
+from steerable.hook_points import HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS
+from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
 FORMAT = "steerable-corpus-v1"
 INDEX = "index.json"
-LABELS = ("example", "position", "token_id")
 
 
 def shard_name(k: int) -> str:
@@ -47,30 +53,32 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
                    model: str | None = None, use_tqdm: bool = False) -> dict[str, Any]:
     """Capture ``hook`` at ``layers`` (default: all) on the rows ``select`` picks, for every text,
     into shards under ``out``; returns the index. ``resume=True`` continues a run with the same
-    settings (anything else differing fails naming it); without it, ``out`` must hold no capture."""
-    cfg = llm.llm_engine.model_config
+    settings (anything else differing fails naming it); without it, ``out`` must hold no capture.
+    Holds two shards' rows in memory; records through the ``hidden_states`` stream, which must not
+    be running."""
+    engine = llm.llm_engine
+    cfg = engine.model_config
     settings = _settings(texts, cfg.num_layers, layers, hook, select, dtype, shard_size, batch_size,
-                         model or llm.llm_engine.config.model)
+                         model or engine.config.model)
+    if engine.capture_status(HIDDEN_STATES)["enabled"]:
+        raise InvalidRequestError("capture_corpus: the hidden_states capture stream is running; stop it first "
+                                  "(corpus capture records through that stream)")
     out = Path(out)
     index = _open_index(out, settings, resume)
     done = {entry["shard"] for entry in index["shards"] if (out / entry["file"]).exists()}
     index["shards"] = [entry for entry in index["shards"] if entry["shard"] in done]
-    num_shards = -(-len(texts) // shard_size)
+    todo = [k for k in range(-(-len(texts) // shard_size)) if k not in done]
     finished = sum(entry["stop"] - entry["start"] for entry in index["shards"])
-    start_time, rows_written = time.perf_counter(), 0
-    with tqdm(total=len(texts), initial=finished, desc="Capturing", unit="example", disable=not use_tqdm) as bar:
-        for k in range(num_shards):
-            if k in done:
-                continue
+    storage = resolve_storage_dtype(dtype) or engine.dtype
+    buffers = [ShardBuffer(len(settings["layers"]), cfg.hidden_size, storage) for _ in range(min(2, len(todo)))]
+    with tqdm(total=len(texts), initial=finished, desc="Capturing", unit="example", disable=not use_tqdm) as bar, \
+            _ShardWriter(out, index, bar) as writer:
+        for i, k in enumerate(todo):
             lo, hi = k * shard_size, min((k + 1) * shard_size, len(texts))
-            tensors = _capture_shard(llm, texts, lo, hi, settings, batch_size, bar)
-            rows = int(tensors["example"].numel())
-            _write_atomic(out / shard_name(k), lambda path: save_file(tensors, path, metadata={"format": FORMAT}))
-            index["shards"].append({"shard": k, "file": shard_name(k), "start": lo, "stop": hi, "rows": rows})
-            index["shards"].sort(key=lambda entry: entry["shard"])
-            _write_index(out, index)
-            rows_written += rows
-            bar.set_postfix(rows_per_s=f"{rows_written / (time.perf_counter() - start_time):.0f}")
+            buffer = buffers[i % 2]  # the other one may still be being written
+            _capture_shard(engine, texts, lo, hi, settings, batch_size, buffer, bar, writer)
+            writer.submit({"shard": k, "file": shard_name(k), "start": lo, "stop": hi, "rows": buffer.rows},
+                          buffer.tensors(settings["layers"]))
     index["complete"] = True
     _write_index(out, index)
     return index
@@ -117,29 +125,92 @@ def _open_index(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, 
     return index
 
 
-def _capture_shard(llm: Any, texts: Sequence[Any], lo: int, hi: int, settings: dict[str, Any], batch_size: int,
-                   bar: tqdm) -> dict[str, torch.Tensor]:
-    """One shard's tensors: rows of every example in [lo, hi), in example then position order."""
-    per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in settings["layers"]}
-    labels: dict[str, list[torch.Tensor]] = {name: [] for name in LABELS}
-    first = settings["layers"][0]
-    for start in range(lo, hi, batch_size):
-        batch = list(texts[start:min(start + batch_size, hi)])
-        result = capture(llm, batch, layers=settings["layers"], stream=HIDDEN_STATES,
-                         select=SelectSpec.from_wire(settings["select"]), hook=settings["hook"],
-                         dtype=settings["dtype"])
-        for i in range(len(result)):
-            sample = result.sample(i)
-            for layer in settings["layers"]:
-                per_layer[layer].append(sample[layer])
-            meta = result.outputs[i].capture_meta[HIDDEN_STATES][first]
-            labels["example"].append(torch.full((len(meta),), start + i, dtype=torch.int64))
-            labels["position"].append(meta.positions.to(torch.int64))
-            labels["token_id"].append(meta.token_ids.to(torch.int64))
-        bar.update(len(batch))
-    tensors = {f"layer.{layer}": torch.cat(rows).contiguous() for layer, rows in per_layer.items()}
-    tensors.update({name: torch.cat(parts) for name, parts in labels.items()})
-    return tensors
+def _capture_shard(engine: Any, texts: Sequence[Any], lo: int, hi: int, settings: dict[str, Any], batch_size: int,
+                   buffer: ShardBuffer, bar: tqdm, writer: "_ShardWriter") -> None:
+    """Fill ``buffer`` with the rows of every example in [lo, hi)."""
+    select = SelectSpec.from_wire(settings["select"])
+    prompts = [engine.tokenize(text) for text in texts[lo:hi]]
+    buffer.reset(lo, [len(select.prompt_positions_selected(prompt)) for prompt in prompts])
+    engine.start_capture(HIDDEN_STATES, settings["layers"], settings["dtype"], "all", select, None, settings["hook"],
+                         sink=buffer)
+    try:
+        for start in range(0, hi - lo, batch_size):
+            batch = prompts[start:start + batch_size]
+            _prefill(engine, batch, lo + start, buffer)
+            bar.update(len(batch))
+            writer.check()
+    finally:
+        engine.stop_capture(HIDDEN_STATES)
+    buffer.check_complete()
+
+
+def _prefill(engine: Any, prompts: list[list[int]], first: int, buffer: ShardBuffer) -> None:
+    """Run examples ``first, first + 1, ...`` to their first token (never fed back: only prompt rows
+    are computed), as ``LLM.generate`` does, telling ``buffer`` which engine request is which."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    pending: set[str] = set()
+    try:
+        for i, prompt in enumerate(prompts):
+            group = engine.add_request(f"corpus-{first + i}", prompt, params)
+            pending.add(group.client_id)
+            buffer.expect(group.children[0].request_id, first + i)
+        while pending:
+            for output in engine.step():
+                if output.finished:
+                    pending.discard(output.request_id)
+        engine.finish_inflight()
+    except BaseException:
+        engine.abort_request(list(pending))
+        raise
+
+
+class _ShardWriter:
+    """Writes one shard at a time in a background thread (file writes release the GIL), so a shard's
+    file is written while the next one is captured. A shard is listed in the index (by the calling
+    thread) only once its file is in place; a failed write is raised in the caller at the next
+    ``check``, ``submit`` or exit. On exit every write has ended: one in flight when the caller
+    failed is still listed if it succeeded (a resumed run then skips it)."""
+
+    def __init__(self, out: Path, index: dict[str, Any], bar: tqdm):
+        self.out, self.index, self.bar = out, index, bar
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="corpus-writer")
+        self.pending: tuple[Future, dict[str, Any]] | None = None
+        self.start_time, self.rows_written = time.perf_counter(), 0
+
+    def submit(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.wait()
+        write = lambda path: write_safetensors(path, tensors, metadata={"format": FORMAT})  # noqa: E731
+        self.pending = (self.pool.submit(_write_atomic, self.out / entry["file"], write), entry)
+
+    def check(self) -> None:
+        """Raise a failed write's error now rather than after the next shard."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Let the write in flight finish and list its shard."""
+        if self.pending is None:
+            return
+        (future, entry), self.pending = self.pending, None
+        future.result()
+        self.index["shards"].append(entry)
+        self.index["shards"].sort(key=lambda e: e["shard"])
+        _write_index(self.out, self.index)
+        self.rows_written += entry["rows"]
+        self.bar.set_postfix(rows_per_s=f"{self.rows_written / (time.perf_counter() - self.start_time):.0f}")
+
+    def __enter__(self) -> "_ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                self.wait()
+            else:
+                with contextlib.suppress(Exception):  # the caller's own error is the one raised
+                    self.wait()
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 def _write_index(out: Path, index: dict[str, Any]) -> None:

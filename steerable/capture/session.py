@@ -101,27 +101,36 @@ class CaptureSession:
     # ------------------------------------------------------------ streams (control plane)
 
     def start(self, stream: str, layers: Sequence[int] | None = None, dtype: str | None = None, reduce: str = "all",
-              select: Any = None, budget_rows: int | None = None, hook: str = POST_MLP) -> None:
-        """Enable a stream with a fresh store (replacing any earlier one of the same name)."""
+              select: Any = None, budget_rows: int | None = None, hook: str = POST_MLP, sink: Any = None) -> None:
+        """Enable a stream with a fresh store (replacing any earlier one of the same name).
+
+        ``sink`` (in-process callers): an object whose ``append(StreamRows)`` takes each step's rows
+        instead of a store, while they are delivered (the block is valid only then), so a caller
+        that knows where every row belongs copies it there once (corpus capture). Such a stream
+        keeps nothing to fetch; a stopped store of the same name stays fetchable meanwhile."""
         component = self._component(stream)
         hook = self._hook(component, hook, "hook")
         layer_list = self._layers(component, layers, "layers")
         config = StreamConfig(layer_list, dtype, reduce, select, budget_rows)  # errors name their field
-        store = StreamStore(config, layer_list, self.layouts.get(component, {}), self.pin_memory)
+        if sink is not None and (reduce != "all" or budget_rows is not None):
+            raise InvalidRequestError("sink: takes every selected row as it arrives (reduce='all', no budget_rows)")
+        store = sink if sink is not None else StreamStore(config, layer_list, self.layouts.get(component, {}),
+                                                          self.pin_memory)
         # reduce="last" keeps each request's final input row: the last prompt row or a generated one,
         # neither of which a prefix-cache hit can skip, so it must not disable the cache.
         row_select = SelectSpec(prompt_positions=[-1], generation="all") if reduce == "last" else config.select
         self._serial += 1
         self.streams[stream] = Destination(("stream", stream, self._serial), component, hook, layer_list,
                                             config.dtype, row_select, store)
-        self.stopped.pop(stream, None)
+        if sink is None:
+            self.stopped.pop(stream, None)
 
     def stop(self, stream: str) -> None:
         """Stop recording; stored rows (and reductions of running requests) stay fetchable."""
         self._component(stream)
         destination = self.streams.pop(stream, None)
         self._serial += 1
-        if destination is not None:
+        if destination is not None and isinstance(destination.sink, StreamStore):
             store = destination.sink
             for request_id in store.pending_requests():
                 store.finish_request(request_id)
@@ -129,8 +138,9 @@ class CaptureSession:
 
     def _store(self, stream: str) -> StreamStore | None:
         self._component(stream)
-        if stream in self.streams:
-            return self.streams[stream].sink
+        destination = self.streams.get(stream)
+        if destination is not None and isinstance(destination.sink, StreamStore):
+            return destination.sink
         return self.stopped.get(stream)
 
     def fetch(self, stream: str, clear: bool = True, layers: Sequence[int] | None = None,
@@ -270,7 +280,7 @@ class CaptureSession:
                 if request.finished or request.paused:
                     continue
                 self.rows_delivered += len(where) * block.shape[0]  # rows of every layer of the group
-                if isinstance(destination.sink, StreamStore):
+                if not isinstance(destination.sink, RequestCapture):  # a stream's store or sink
                     streams.setdefault(id(destination), (destination, []))[1].append((request, where))
                 else:
                     destination.sink.add(destination.component, block.index_select(1, torch.from_numpy(where)),
@@ -288,9 +298,9 @@ class CaptureSession:
         ({stream: {layer: Tensor}}, {stream: {layer: CaptureMeta}}) and passed to consumers."""
         for destination in self.streams.values():
             store = destination.sink
-            if aborted:
+            if isinstance(store, StreamStore) and aborted:
                 store.abort_request(request.request_id)
-            else:
+            elif isinstance(store, StreamStore):
                 store.finish_request(request.request_id)
         state = request.capture
         request.capture = None

@@ -110,6 +110,11 @@ class LLMEngine(ResumableRequests):
             self._check_open()
             return self._add_request(client_id, prompt, params, stream, resumable)
 
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids ``add_request`` would run for ``prompt`` (errors name ``prompt``)."""
+        with self.lock.hold():
+            return self._tokenize(prompt)[1]
+
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort by client id (every completion) or engine id; everything held is freed now."""
         with self.lock.hold():
@@ -191,9 +196,10 @@ class LLMEngine(ResumableRequests):
             return self.steering.status()
 
     def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
-                      budget_rows: int | None, hook: str) -> None:
+                      budget_rows: int | None, hook: str, sink: Any = None) -> None:
+        """``sink``: see ``CaptureSession.start`` (in-process callers only)."""
         with self.lock.hold():
-            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook)
+            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook, sink)
 
     def stop_capture(self, stream: str) -> None:
         with self.lock.hold():
@@ -349,6 +355,8 @@ class LLMEngine(ResumableRequests):
         """Schedule and launch a step; False when there was nothing to run."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            for request in sched.preempted:  # nothing runs, but its worker row must be rewritten on resume
+                self.builder.release(request.request_id)
             return False
         step = self.builder.build(self.num_steps, sched)
         step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
