@@ -272,3 +272,13 @@ def test_gemv_takes_one_row_only():
     assert not gemv.eligible(torch.randn(1, 16, device=DEVICE, dtype=torch.float64), w)
     x = torch.randn(3, 16, device=DEVICE)
     assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_programmatic_dependent_launch_only_on_hopper_cuda():
+    """Kernels that wait on their predecessor launch with PDL on Hopper and later GPUs only; the
+    interpreter and older GPUs get the plain kernel (no griddepcontrol instructions)."""
+    x = torch.zeros(1, 8, device=DEVICE)
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    expected = {"PDL": True, "launch_pdl": True} if hopper and fused._PDL_ALLOWED else {"PDL": False}
+    assert fused.pdl_args(x) == expected
+    assert fused.pdl_args(torch.zeros(1, 8)) == {"PDL": False}

@@ -88,7 +88,8 @@ def _steps() -> list[RequestOutput]:
                 tokens[index].append(100 * index + step)
                 texts[index] = texts[index][:-3] if index == 1 and step == 5 else texts[index] + f" w{step}"
                 logprobs[index].append(_lp(100 * index + step, -0.1 * step))
-            completions.append(CompletionOutput(index, texts[index], list(tokens[index]), "length" if finished else None,
+            reason = "length" if finished else None
+            completions.append(CompletionOutput(index, texts[index], list(tokens[index]), reason,
                                                 list(logprobs[index]), None, -1.0 * step))
         outs.append(RequestOutput("r", "p", [1, 2, 3], completions, False))
     return outs

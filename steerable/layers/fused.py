@@ -53,9 +53,10 @@ def pdl(x: torch.Tensor) -> bool:
     return _PDL_ALLOWED and x.is_cuda and _hopper_or_later(x.device.index or 0)
 
 
-def launch_options(pdl_on: bool) -> dict[str, bool]:
-    """The launch keyword of a kernel that calls ``pdl_enter`` (its ``PDL`` argument set)."""
-    return {"launch_pdl": True} if pdl_on else {}
+def pdl_args(x: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel that calls ``pdl_enter``: its ``PDL`` constexpr and, when set,
+    the launch option that goes with it."""
+    return {"PDL": True, "launch_pdl": True} if pdl(x) else {"PDL": False}
 
 
 if triton is not None:
@@ -258,7 +259,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
                                          BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
-                                         PDL=pdl(x2), num_warps=_num_warps(shape[-1]), **launch_options(pdl(x2)))
+                                         num_warps=_num_warps(shape[-1]), **pdl_args(x2))
     return y.view(shape)
 
 
@@ -314,8 +315,8 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Seq
             residual, delta if delta is not None else residual, weight, out, y, residual.stride(0),
             delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps, *args1, *args2,
             HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
-            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, PDL=pdl(residual),
-            num_warps=_num_warps(width), **launch_options(pdl(residual)))
+            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset,
+            num_warps=_num_warps(width), **pdl_args(residual))
     return out, y
 
 
@@ -373,8 +374,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             NUM_Q=num_heads, NUM_QK=num_heads + num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
             HEAD_D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, STORE_KV=store,
             KV_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, UNIT_OFFSET=unit_offset, PDL=pdl(qkv),
-            num_warps=4, **launch_options(pdl(qkv)))
+            KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, UNIT_OFFSET=unit_offset,
+            num_warps=4, **pdl_args(qkv))
     return q, k, v
 
 

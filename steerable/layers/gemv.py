@@ -70,13 +70,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n = 2 if n <= 2048 else 8
-    pdl = fused.pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, k,
                                              weight.stride(0), HAS_BIAS=bias is not None, GATED=gated is not None,
-                                             GELU_TANH=gated == "gelu_tanh", PDL=pdl, BLOCK_N=block_n,
+                                             GELU_TANH=gated == "gelu_tanh", BLOCK_N=block_n,
                                              BLOCK_K=min(4096 if block_n == 2 else 1024, triton.next_power_of_2(k)),
-                                             num_warps=4,
-                                             num_stages=3, **fused.launch_options(pdl))
+                                             num_warps=4, num_stages=3, **fused.pdl_args(x))
     return y
 
 

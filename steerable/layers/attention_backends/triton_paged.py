@@ -530,7 +530,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         if workspace.num_q_heads != num_q_heads or workspace.head_size_padded < d_pad:
             raise ValueError("DecodeWorkspace was allocated for a different head layout")
         nseg = workspace.num_segments
-        pdl = fused.pdl(q)  # batch-1 decode is a chain of short kernels: each launches before the last ends
+        pdl_launch = fused.pdl_args(q)  # batch-1 decode is a chain of short kernels: each launches before the last ends
         _split_kv_decode_kernel[(B, num_kv_heads, nseg)](
             q, k_cache, v_cache, workspace.acc, workspace.max, workspace.sum,
             query_start_loc, seq_lens, block_table,
@@ -544,8 +544,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad),
             HEAD_D=head_d, D_PAD=d_pad,
             BLOCK_SIZE=block_size, TILE_N=cfg.split_tile_n, NUM_SEGMENTS=nseg,
-            USE_WINDOW=use_window, DOT_PREC=dot_prec, PDL=pdl,
-            num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **fused.launch_options(pdl),
+            USE_WINDOW=use_window, DOT_PREC=dot_prec,
+            num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **pdl_launch,
         )
         _split_kv_reduce_kernel[(B, num_q_heads)](
             out, workspace.acc, workspace.max, workspace.sum, query_start_loc, float(v_scale),
@@ -553,8 +553,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
             workspace.max.stride(0), workspace.max.stride(1),
             HEAD_D=head_d, D_PAD=d_pad,
-            NUM_SEGMENTS=nseg, SEG_PAD=triton.next_power_of_2(nseg), PDL=pdl,
-            num_warps=4, **fused.launch_options(pdl),
+            NUM_SEGMENTS=nseg, SEG_PAD=triton.next_power_of_2(nseg),
+            num_warps=4, **pdl_launch,
         )
         return
 
