@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from steerable.capture.shard_buffer import ShardBuffer
 from steerable.capture.shard_file import write_safetensors
 from steerable.capture.store import resolve_storage_dtype
+from steerable.entrypoints.llm import run_to_completion
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS
 from steerable.sampling_params import SamplingParams
@@ -148,20 +149,16 @@ def _prefill(engine: Any, prompts: list[list[int]], first: int, buffer: ShardBuf
     """Run examples ``first, first + 1, ...`` to their first token (never fed back: only prompt rows
     are computed), as ``LLM.generate`` does, telling ``buffer`` which engine request is which."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    pending: set[str] = set()
+    added: list[str] = []
     try:
         for i, prompt in enumerate(prompts):
             group = engine.add_request(f"corpus-{first + i}", prompt, params)
-            pending.add(group.client_id)
+            added.append(group.client_id)
             buffer.expect(group.children[0].request_id, first + i)
-        while pending:
-            for output in engine.step():
-                if output.finished:
-                    pending.discard(output.request_id)
-        engine.finish_inflight()
     except BaseException:
-        engine.abort_request(list(pending))
+        engine.abort_request(added)
         raise
+    run_to_completion(engine, added)
 
 
 class _ShardWriter:

@@ -133,27 +133,33 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 added.append(engine.add_request(str(next(self._ids)), prompt, p))
-        except Exception:
+        except BaseException:
             engine.abort_request([g.client_id for g in added])
             raise
-        order = {g.client_id: i for i, g in enumerate(added)}
-        results: list[RequestOutput | None] = [None] * len(added)
-        pending = set(order)
-        bar = tqdm(total=len(added), desc="Generating", disable=not use_tqdm, unit="req")
-        try:
-            while pending:
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        results[order[out.request_id]] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
-            engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
-        except BaseException:
-            engine.abort_request(list(pending))
-            raise
-        finally:
-            bar.close()
-        return results
+        return run_to_completion(engine, [g.client_id for g in added], use_tqdm)
+
+
+def run_to_completion(engine: LLMEngine, client_ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
+    """Step ``engine`` until the requests ``client_ids`` have finished; their final outputs in that
+    order. On any error (or an interrupt) the unfinished ones are aborted, freeing what they hold."""
+    order = {client_id: i for i, client_id in enumerate(client_ids)}
+    results: list[RequestOutput | None] = [None] * len(client_ids)
+    pending = set(order)
+    bar = tqdm(total=len(client_ids), desc="Generating", disable=not use_tqdm, unit="req")
+    try:
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    results[order[out.request_id]] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
+    except BaseException:
+        engine.abort_request(list(pending))
+        raise
+    finally:
+        bar.close()
+    return results
 
 
 def _as_prompt_list(prompts: Any) -> list[Prompt]:
