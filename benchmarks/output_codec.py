@@ -1,7 +1,8 @@
 """The engine pipe's cost per step (``steerable serve``'s engine process): a step's streamed outputs
-for ``--num-requests`` requests of growing length, pickled whole against encoded as increments
-(``steerable.entrypoints.output_codec``), engine side (encode + pickle) and server side (unpickle +
-rebuild), in the same run; checks that the rebuilt outputs equal the engine's. CPU only: no model.
+for ``--num-requests`` requests of growing length, built and pickled whole (``OutputProcessor.output``)
+against built as increments (``OutputProcessor.increment``), engine side (build + pickle) and
+server side (unpickle, and rebuild for increments: ``steerable.entrypoints.output_codec``), in the
+same run; checks that the rebuilt outputs equal the engine's. CPU only: no model.
 
     PYTHONPATH=. python benchmarks/output_codec.py [--num-requests 256] [--max-len 550]
 """
@@ -15,8 +16,20 @@ import common
 import numpy as np
 from common import emit
 
-from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder
-from steerable.outputs import CompletionOutput, RequestOutput
+from steerable.engine.output_processor import OutputProcessor, RequestGroup
+from steerable.entrypoints.output_codec import OutputDecoder
+from steerable.request import Request
+from steerable.sampling_params import SamplingParams
+
+
+def _groups(prompt: list[int], n: int) -> list[RequestGroup]:
+    """Streamed requests as the engine holds them, one completion each."""
+    groups = []
+    for i in range(n):
+        request = Request(f"r{i}-0", f"r{i}", None, prompt, SamplingParams(max_tokens=10**6), i, [])
+        request.group = RequestGroup(f"r{i}", [request], stream=True, increments=True)
+        groups.append(request.group)
+    return groups
 
 
 def main() -> None:
@@ -25,18 +38,21 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, 150_000, args.min_len).tolist()  # --min-len: the prompt length here
     tokens = [rng.integers(0, 150_000, args.max_len).tolist() for _ in range(args.num_requests)]
-    encoder, decoder = OutputEncoder(), OutputDecoder()
+    groups, decoder = _groups(prompt, args.num_requests), OutputDecoder()
     samples = {"whole": [], "increments": []}
     checkpoints = {max(1, args.max_len // 10), args.max_len // 2, args.max_len}
     for k in range(1, args.max_len + 1):  # step k: every request has k generated tokens
-        outs = [RequestOutput(f"r{i}", None, prompt, [CompletionOutput(0, "abcde" * k, t[:k])], False)
-                for i, t in enumerate(tokens)]
+        for group, t in zip(groups, tokens):
+            request = group.children[0]
+            request.all_token_ids.append(t[k - 1])
+            request.output_text += "abcde"
         t0 = time.perf_counter()
+        outs = [OutputProcessor.output(g) for g in groups]
         whole = pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
         t1 = time.perf_counter()
         pickle.loads(whole)
         t2 = time.perf_counter()
-        sent = pickle.dumps([encoder.encode(o) for o in outs], protocol=pickle.HIGHEST_PROTOCOL)
+        sent = pickle.dumps([OutputProcessor.increment(g) for g in groups], protocol=pickle.HIGHEST_PROTOCOL)
         t3 = time.perf_counter()
         rebuilt = [decoder.decode(e) for e in pickle.loads(sent)]
         t4 = time.perf_counter()

@@ -59,6 +59,9 @@ class Request:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.detokenizer: Any = None
+        # (tokens, characters, logprobs) of the output already sent as increments; None before the
+        # first (``OutputProcessor.increment``).
+        self.reported: tuple[int, int, int] | None = None
         # Prefix-cache identity beyond the tokens: (first position affected, key). A block's hash
         # includes every key whose position falls inside or before it (cache salt from 0, steering
         # from the first steered position), so unaffected leading blocks stay shareable.
@@ -130,6 +133,7 @@ class Request:
         self.output_text = ""
         self.logprobs = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.reported = None  # the completion starts over, and the prompt has grown
         self.hash_keys.append((keep, b"resume@%d" % keep))  # its KV from here on is the session's own
         self.status = RequestStatus.WAITING
         return keep

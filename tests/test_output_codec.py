@@ -1,113 +1,147 @@
-"""The engine pipe's output codec: increments decode to outputs equal to the engine's cumulative
-ones at every step (growth, a stop string cut off the text, n=2 with logprobs, a streaming-input
-restart sent whole, captures at the end), and nothing is held once a request has finished; folded
-increments decode like their sequence, and the engine's sender folds what queues behind a slow
-reader."""
+"""The engine pipe: the engine's increments, pickled and decoded, equal its cumulative outputs at
+every step (n=2 with logprobs, a stop string cutting the text back, captures at the end, a
+streaming-input restart, an abort), an increment carries only what is new, nothing is held once a
+request has finished, folded increments decode like their sequence, and the engine's sender folds
+what queues behind a slow reader."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import threading
 
+import pytest
 import torch
+from conftest import PROMPTS
 
+from steerable import LLM, CaptureSpec, SamplingParams
+from steerable.engine.output_processor import OutputProcessor
 from steerable.entrypoints.engine_process import _Sender
-from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder, merge_increments
-from steerable.outputs import CompletionOutput, Logprob, RequestOutput
+from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
+from steerable.outputs import RequestOutput
 
 
-def _through_pipe(encoder: OutputEncoder, decoder: OutputDecoder, out: RequestOutput, whole: bool = False):
-    sent = pickle.loads(pickle.dumps(encoder.encode(out, whole)))
-    return decoder.decode(sent)
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    return LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=4096).engine
 
 
-def _lp(token: int, value: float) -> dict:
-    return {token: Logprob(value, 1, f"t{token}"), token + 1: Logprob(value - 1, 2, f"t{token + 1}")}
+def _same(decoded: RequestOutput, expected: RequestOutput) -> None:
+    """Equal outputs; capture tensors compared by value."""
+    def bare(out: RequestOutput) -> RequestOutput:
+        from dataclasses import replace
+        return replace(out, captures={}, capture_meta={}, outputs=[replace(c, captures={}, capture_meta={})
+                                                                   for c in out.outputs])
+
+    assert bare(decoded) == bare(expected)
+    for got, want in [(decoded, expected)] + list(zip(decoded.outputs, expected.outputs)):
+        assert got.captures.keys() == want.captures.keys() and got.capture_meta == want.capture_meta
+        for stream in want.captures:
+            for layer, rows in want.captures[stream].items():
+                assert torch.equal(got.captures[stream][layer], rows)
 
 
-def test_increments_rebuild_every_cumulative_output():
-    encoder, decoder = OutputEncoder(), OutputDecoder()
-    prompt = [5, 6, 7]
-    tokens: list[list[int]] = [[], []]
-    texts = ["", ""]
-    logprobs: list[list[dict]] = [[], []]
-    for step in range(12):
-        completions = []
-        for index in range(2):
-            finished = index == 0 and step >= 6  # the first completion stops early and keeps being reported
-            if not finished:
-                tokens[index].append(100 * index + step)
-                texts[index] += f" w{step}"
-                logprobs[index].append(_lp(100 * index + step, -0.1 * step))
-            reason = "length" if finished else None
-            completions.append(CompletionOutput(index, texts[index], list(tokens[index]), reason,
-                                                list(logprobs[index]), None, -1.0 * step))
-        out = RequestOutput("r", "a prompt", prompt, completions, False)
-        assert _through_pipe(encoder, decoder, out) == out
-    texts[1] = texts[1][:-4]  # a stop string cut off the end: the text shrinks
-    captures = {"hidden_states": {0: torch.ones(3, 4)}}
-    final = RequestOutput("r", "a prompt", prompt, [
-        CompletionOutput(0, texts[0], list(tokens[0]), "length", list(logprobs[0]), None, -5.0),
-        CompletionOutput(1, texts[1], list(tokens[1]), "stop", list(logprobs[1]), "w11", -11.0, captures, {})],
-        True, captures, {})
-    decoded = _through_pipe(encoder, decoder, final)
-    assert decoded.outputs[1].text == texts[1] and decoded.outputs[1].stop_reason == "w11"
-    assert torch.equal(decoded.captures["hidden_states"][0], captures["hidden_states"][0])
-    assert decoded.outputs[0] == final.outputs[0] and decoded.finished
-    assert not encoder._sent and not encoder._prompt_lens and not decoder._held and not decoder._prompts
+def _run(engine, admit) -> list[tuple[tuple, RequestOutput]]:
+    """Step until done; each report as (increment through pickle, a copy of the cumulative output
+    then: the engine's outputs share their logprobs lists with the request)."""
+    groups = admit()
+    reports = []
+    while engine.has_unfinished_requests():
+        for increment in engine.step():
+            group = groups[increment[0]]
+            reports.append((pickle.loads(pickle.dumps(increment)), copy.deepcopy(OutputProcessor.output(group))))
+    return reports
 
 
-def test_a_restarted_completion_goes_whole():
-    """Streaming input: the next chunk restarts the completion and grows the prompt."""
-    encoder, decoder = OutputEncoder(), OutputDecoder()
-    first = RequestOutput("s", None, [1, 2], [CompletionOutput(0, "ab", [10, 11], "length")], False)
-    assert _through_pipe(encoder, decoder, first, whole=True) == first
-    second = RequestOutput("s", None, [1, 2, 10, 3], [CompletionOutput(0, "c", [12])], False)
-    assert _through_pipe(encoder, decoder, second, whole=True) == second
+def _stop_string(engine) -> str:
+    """Three characters from the middle of the greedy text, so the text is cut back when they appear."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request("probe", PROMPTS[0], greedy)
+    text = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+    return text[3:6]
 
 
-def test_sends_only_what_is_new():
-    encoder = OutputEncoder()
-    prompt = list(range(1000))
-    first = encoder.encode(RequestOutput("r", "p", prompt, [CompletionOutput(0, "x" * 50, list(range(50)))], False))
-    later = encoder.encode(RequestOutput("r", "p", prompt, [CompletionOutput(0, "x" * 51, list(range(51)))], False))
-    assert first[2] == ("p", prompt) and later[2] is None  # the prompt once
-    assert later[3][0][2] == [50] and later[3][0][4] == "x"  # one token, one character
+def _mixed(engine) -> list[tuple[tuple, RequestOutput]]:
+    stop = _stop_string(engine)
+    params = {"n2": SamplingParams(n=2, max_tokens=9, temperature=0.8, seed=3, logprobs=2, ignore_eos=True),
+              "stopped": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop),
+              "captured": SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                         capture=CaptureSpec(layers=[0, 1], select="all"))}
+
+    def admit():  # "stopped" on the probe's prompt
+        return {rid: engine.add_request(rid, PROMPTS[i], p, stream=True, increments=True)
+                for i, (rid, p) in zip((1, 0, 2), params.items())}
+    return _run(engine, admit)
+
+
+def test_increments_rebuild_every_cumulative_output(engine):
+    reports = _mixed(engine)
+    decoder = OutputDecoder()
+    for increment, expected in reports:
+        _same(decoder.decode(increment), expected)
+    finals = {inc[0]: out for inc, out in reports if out.finished}
+    assert finals.keys() == {"n2", "stopped", "captured"}
+    assert finals["stopped"].outputs[0].finish_reason == "stop"  # the text was cut back (effect check)
+    assert finals["captured"].captures["hidden_states"][1].shape[0] > 5
+    assert len(finals["n2"].outputs) == 2 and len(finals["n2"].outputs[1].logprobs) == 9
+    assert not decoder._held and not decoder._prompts
+
+
+def test_an_increment_carries_only_what_is_new(engine):
+    prompt = [3 + i % 300 for i in range(400)]
+    reports = _run(engine, lambda: {"long": engine.add_request(
+        "long", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), stream=True,
+        increments=True)})
+    first, later = reports[0][0], reports[2][0]
+    assert first[2] == (None, prompt) and later[2] is None  # the prompt once
+    assert len(later[3][0][2]) == 1 and later[3][0][1] == 2  # one token, written after the two before it
     assert len(pickle.dumps(later)) < 200
 
 
-def _steps() -> list[RequestOutput]:
-    """A request's cumulative outputs: n=2 with logprobs, the second completion's text cut back by a
-    stop string at step 5, the first finishing at step 7 and then reported unchanged."""
-    outs, tokens, texts, logprobs = [], [[], []], ["", ""], [[], []]
-    for step in range(9):
-        completions = []
-        for index in range(2):
-            finished = index == 0 and step >= 7
-            if not finished:
-                tokens[index].append(100 * index + step)
-                texts[index] = texts[index][:-3] if index == 1 and step == 5 else texts[index] + f" w{step}"
-                logprobs[index].append(_lp(100 * index + step, -0.1 * step))
-            reason = "length" if finished else None
-            completions.append(CompletionOutput(index, texts[index], list(tokens[index]), reason,
-                                                list(logprobs[index]), None, -1.0 * step))
-        outs.append(RequestOutput("r", "p", [1, 2, 3], completions, False))
-    return outs
+def test_a_streaming_input_restart_and_an_abort(engine):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    groups = {"s": engine.add_request("s", PROMPTS[1], params, stream=True, resumable=True, increments=True),
+              "v": engine.add_request("v", PROMPTS[2], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                                      stream=True, increments=True)}
+    decoder = OutputDecoder()
+    sent = []
+
+    def take(increments):
+        for increment in increments:
+            sent.append(increment)
+            expected = OutputProcessor.output(groups[increment[0]])
+            _same(decoder.decode(pickle.loads(pickle.dumps(increment))), expected)
+
+    engine.extend_request("s", " and then", params)
+    take(engine.close_request_input("s"))
+    take(engine.step())
+    take(engine.abort_request("v"))
+    while engine.has_unfinished_requests():
+        take(engine.step())
+    assert groups["s"].finished and groups["v"].children[0].finish_reason == "abort"
+    session = [inc for inc in sent if inc[0] == "s"]
+    prompts = [i for i, inc in enumerate(session) if inc[2] is not None]
+    assert len(prompts) == 2 and session[prompts[1]][3][0][1] == 0  # the second chunk restarts the completion
+    assert not decoder._held and not decoder._prompts
 
 
-def test_merged_increments_decode_as_their_sequence():
+def test_folded_increments_decode_as_their_sequence(engine):
     """However a run of increments is folded (any prefix sent alone, the rest merged), the decoder
     ends with the engine's output, text cut back by a stop string included."""
-    outs = _steps()
-    for split in range(len(outs)):
-        encoder, decoder = OutputEncoder(), OutputDecoder()
-        encoded = [encoder.encode(out) for out in outs]
-        for head in encoded[:split]:
-            decoder.decode(head)
-        merged = encoded[split]
-        for later in encoded[split + 1:]:
-            merged = merge_increments(merged, later)
-        assert decoder.decode(pickle.loads(pickle.dumps(merged))) == outs[-1]
+    reports = _mixed(engine)
+    for rid in ("n2", "stopped"):
+        run = [(inc, out) for inc, out in reports if inc[0] == rid]
+        for split in range(len(run)):
+            decoder = OutputDecoder()
+            for head, _ in run[:split]:
+                decoder.decode(head)
+            merged = run[split][0]
+            for later, _ in run[split + 1:]:
+                merged = merge_increments(merged, later)
+            _same(decoder.decode(pickle.loads(pickle.dumps(merged))), run[-1][1])
 
 
 class _SlowPipe:
@@ -124,24 +158,24 @@ class _SlowPipe:
         self.sent.append(pickle.loads(pickle.dumps(message)))
 
 
-def test_sender_folds_outputs_queued_behind_a_slow_reader():
+def test_sender_folds_outputs_queued_behind_a_slow_reader(engine):
     """Steps never wait for the pipe: what queues behind a send leaves as one message, one increment
     per mergeable request, a call's result keeps its place, and nothing is lost on close."""
-    outs = _steps()
-    encoder, pipe = OutputEncoder(), _SlowPipe()
+    run = [(inc, out) for inc, out in _mixed(engine) if inc[0] == "n2"]
+    assert len(run) >= 7
+    pipe = _SlowPipe()
     sender = _Sender(pipe)
-    sender.send_outputs([(encoder.encode(outs[0]), True)])  # in flight while the rest queues
+    sender.send_outputs([(run[0][0], True)])  # in flight while the rest queues
     assert pipe.sending.wait(10)
-    for out in outs[1:5]:
-        sender.send_outputs([(encoder.encode(out), True)])
+    for increment, _ in run[1:5]:
+        sender.send_outputs([(increment, True)])
     sender.send(("result", 7, "value", None))
-    for out in outs[5:]:
-        sender.send_outputs([(encoder.encode(out), True)])
-    whole = OutputEncoder()
-    sender.send_outputs([(whole.encode(RequestOutput("s", None, [1], [CompletionOutput(0, "a", [4])], False), True),
-                          False)])
-    sender.send_outputs([(whole.encode(RequestOutput("s", None, [1], [CompletionOutput(0, "b", [5])], False), True),
-                          False)])
+    for increment, _ in run[5:]:
+        sender.send_outputs([(increment, True)])
+    apart = [(("s", False, (None, [1]), ((0, at, [4 + at], at, "ab"[at], 0, None, None, None, None, None, None),),
+               None, None), False) for at in (0, 1)]
+    sender.send_outputs(apart[:1])
+    sender.send_outputs(apart[1:])
     pipe.release.set()
     sender.close()
     assert not sender.thread.is_alive()
@@ -149,6 +183,8 @@ def test_sender_folds_outputs_queued_behind_a_slow_reader():
     assert kinds == ["outputs", "outputs", "result", "outputs"], kinds
     assert [len(message[1]) for message in pipe.sent if message[0] == "outputs"] == [1, 1, 3]
     decoder = OutputDecoder()
-    decoded = [decoder.decode(encoded) for message in pipe.sent if message[0] == "outputs" for encoded in message[1]]
-    assert decoded[1] == outs[4] and decoded[2] == outs[-1]
-    assert [d.outputs[0].text for d in decoded[3:]] == ["a", "b"]  # a streaming-input request's outputs stay apart
+    decoded = [decoder.decode(increment) for message in pipe.sent if message[0] == "outputs"
+               for increment in message[1]]
+    _same(decoded[1], run[4][1])
+    _same(decoded[2], run[-1][1])
+    assert [d.outputs[0].text for d in decoded[3:]] == ["a", "ab"]  # a streaming-input request's outputs stay apart

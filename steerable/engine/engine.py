@@ -101,14 +101,16 @@ class LLMEngine(ResumableRequests):
     # ---------------------------------------------------------------- public, thread-safe
 
     def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False, resumable: bool = False) -> RequestGroup:
+                    stream: bool = False, resumable: bool = False, increments: bool = False) -> RequestGroup:
         """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token.
         ``resumable`` (streaming input, n=1) pauses the request when a chunk's generation ends
-        instead of finishing it: see ``extend_request`` and ``close_request_input``. Raises
-        ``InvalidRequestError`` (naming the field) and keeps nothing."""
+        instead of finishing it: see ``extend_request`` and ``close_request_input``. ``increments``:
+        each report is what is new since the last (``OutputProcessor.increment``), not a cumulative
+        ``RequestOutput``, for a consumer across a process boundary. Raises ``InvalidRequestError``
+        (naming the field) and keeps nothing."""
         with self.lock.hold():
             self._check_open()
-            return self._add_request(client_id, prompt, params, stream, resumable)
+            return self._add_request(client_id, prompt, params, stream, resumable, increments)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """The token ids ``add_request`` would run for ``prompt`` (errors name ``prompt``)."""
@@ -124,7 +126,7 @@ class LLMEngine(ResumableRequests):
                 group = self.groups.get(rid) or getattr(self.requests.get(rid), "group", None)
                 if group is not None:
                     self._finish_group(group, "abort")
-                    outputs.append(self.outputs.output(group))
+                    outputs.append(self.outputs.report(group))
             return outputs
 
     def step(self) -> list[RequestOutput]:
@@ -244,7 +246,7 @@ class LLMEngine(ResumableRequests):
     # ---------------------------------------------------------------- admission
 
     def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
-                     stream: bool, resumable: bool) -> RequestGroup:
+                     stream: bool, resumable: bool, increments: bool) -> RequestGroup:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -267,7 +269,7 @@ class LLMEngine(ResumableRequests):
                 self.steering.release(child)
                 self.capture.finish(child, aborted=True)
             raise
-        group = RequestGroup(client_id, children, stream)
+        group = RequestGroup(client_id, children, stream, increments)
         self.groups[client_id] = group
         for child in children:
             child.group = group
@@ -406,8 +408,9 @@ class LLMEngine(ResumableRequests):
         return inflight, result
 
     def _emit(self, inflight: _InFlight, result: StepOutput) -> list[RequestOutput]:
-        """Stop checks, text and outputs for a collected step's tokens."""
-        outputs = []
+        """Stop checks, text and outputs for a collected step's tokens: one report per group, once
+        all its completions have taken theirs."""
+        reports: dict[str, RequestGroup] = {}
         sampled = iter(zip(result.sampled, result.logprobs))
         for item in inflight.sched.scheduled:
             if not item.samples:
@@ -420,16 +423,13 @@ class LLMEngine(ResumableRequests):
             group = request.group
             if request.finish_reason is not None and request.more_input:  # a chunk ended: wait for the next
                 self._pause(request)
-                outputs.append(self.outputs.output(group))
+                reports[group.client_id] = group
                 continue
             if request.finish_reason is not None:
                 self._finish(request)
-                if group.finished:
-                    outputs.append(self.outputs.output(group))
-                    continue
-            if group.stream:
-                outputs.append(self.outputs.output(group))
-        return outputs
+            if group.stream or group.finished:
+                reports[group.client_id] = group
+        return [self.outputs.report(group) for group in reports.values()]
 
     def _finish(self, request: Request, aborted: bool = False) -> None:
         request.drop_pending()  # tokens of steps still in flight will be discarded

@@ -1,5 +1,6 @@
 """From sampled tokens to what the caller sees: incremental text, stop checks, logprobs, and one
-``RequestOutput`` per client request (``n`` completions, captures once all have finished)."""
+``RequestOutput`` per client request (``n`` completions, captures once all have finished), or, for
+requests streamed across a process boundary, one increment of it (``OutputProcessor.increment``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ class RequestGroup:
     """What a caller submitted under one client id: ``n`` sibling requests sharing the prompt,
     reported together as one ``RequestOutput`` with ``n`` completions."""
 
-    def __init__(self, client_id: str, children: list[Request], stream: bool):
+    def __init__(self, client_id: str, children: list[Request], stream: bool, increments: bool = False):
         self.client_id = client_id
         self.children = children
         self.stream = stream
+        self.increments = increments  # report increments (``OutputProcessor.increment``), not RequestOutputs
 
     @property
     def request_ids(self) -> list[str]:
@@ -28,6 +30,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
+        if len(self.children) == 1:  # asked for every output of every step: keep it cheap
+            return self.children[0].finished
         return all(child.finished for child in self.children)
 
 
@@ -68,6 +72,10 @@ class OutputProcessor:
                 return True
         return False
 
+    def report(self, group: RequestGroup) -> RequestOutput | tuple:
+        """What the group's caller gets now: its increment or its cumulative output."""
+        return self.increment(group) if group.increments else self.output(group)
+
     @staticmethod
     def output(group: RequestGroup) -> RequestOutput:
         """The group's cumulative state; captures (of every completion, by index) once all finished."""
@@ -80,6 +88,42 @@ class OutputProcessor:
         captures, capture_meta = _merge_captures(group.children) if finished else ({}, {})
         return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
                              capture_meta)
+
+
+    @staticmethod
+    def increment(group: RequestGroup) -> tuple:
+        """What ``output(group)`` gained since the group's last increment, as plain tuples (the
+        format ``steerable.entrypoints.output_codec`` decodes and folds). ``output`` copies every
+        token and character so far, O(length) per request per step; this costs O(new) and pickles
+        at C speed.
+
+        ``(client_id, finished, prompt, completions, captures, capture_meta)``: ``prompt`` is
+        ``(text, token_ids)`` in a completion's first increment (after a streaming-input chunk
+        restarted it, too), else None; each completion is ``(index, tokens_at, tokens, text_at,
+        text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative_logprob, captures,
+        capture_meta)``, each part written from its ``*_at`` on. Tokens and logprobs only grow, text
+        too except where a stop string cuts it back, hence the positions.
+        """
+        children = group.children
+        first = children[0]
+        prompt = (first.prompt, first.prompt_token_ids) if first.reported is None else None
+        completions = tuple(_completion_increment(r) for r in children)
+        finished = group.finished
+        captures, capture_meta = _merge_captures(children) if finished else ({}, {})
+        return group.client_id, finished, prompt, completions, captures or None, capture_meta or None
+
+
+def _completion_increment(r: Request) -> tuple:
+    tokens_at, text_at, logprobs_at = r.reported or (0, 0, 0)
+    start = len(r.prompt_token_ids)
+    known = len(r.all_token_ids) - r.num_pending
+    text = r.output_text
+    text_at = min(text_at, len(text))  # a stop string cut the text back to here
+    logprobs = r.logprobs
+    r.reported = (known - start, len(text), 0 if logprobs is None else len(logprobs))
+    return (r.index, tokens_at, r.all_token_ids[start + tokens_at:known], text_at, text[text_at:], logprobs_at,
+            None if logprobs is None else logprobs[logprobs_at:], r.finish_reason, r.stop_reason,
+            None if logprobs is None else r.cumulative_logprob, r.captures or None, r.capture_meta or None)
 
 
 def _merge_captures(children: list[Request]) -> tuple[dict, dict]:

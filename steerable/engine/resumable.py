@@ -39,7 +39,7 @@ class ResumableRequests:
             request.input_closed = True
             if request.paused and not request.chunks:
                 self._finish(request)
-                return [self.outputs.output(request.group)]
+                return [self.outputs.report(request.group)]
             return []
 
     def _pause(self, request: Request) -> None:
@@ -63,7 +63,7 @@ class ResumableRequests:
             if request.num_tokens - 1 + len(chunk) >= self.max_model_len:
                 request.finish_reason, request.stop_reason = "length", None  # the session no longer fits
                 self._finish(request)
-                outputs.append(self.outputs.output(request.group))
+                outputs.append(self.outputs.report(request.group))
                 continue
             del self._paused[request.request_id]
             keep = request.grow(chunk, params)

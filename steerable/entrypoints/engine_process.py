@@ -13,8 +13,8 @@ results), never a client's bytes:
 
 - to the engine: ``("call", id, op, args)``, answered by ``("result", id, value, error)`` unless
   ``id`` is None, and ``("shutdown",)``;
-- from the engine: ``("outputs", [encoded])``, each output what is new since the last
-  (``output_codec``; cumulative outputs pickled whole cost more per step than the step), and
+- from the engine: ``("outputs", [increment])``, each output what is new since the last (the
+  engine builds them: ``OutputProcessor.increment``; ``output_codec`` decodes them here), and
   ``("dead", message)`` when a step failed. A thread of the engine process sends them, so a step
   never waits for this process to read: outputs of steps that queued meanwhile leave together, one
   increment per request.
@@ -36,7 +36,7 @@ import threading
 from typing import Any
 
 from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _resolve, capture_layouts
-from steerable.entrypoints.output_codec import OutputDecoder, OutputEncoder, merge_increments
+from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
 from steerable.errors import EngineDeadError
 from steerable.sampling_params import SamplingParams
 
@@ -173,7 +173,7 @@ class ProcessAsyncLLM(AsyncLLM):
             while True:
                 message = self._conn.recv()
                 if message[0] == "outputs":
-                    self._deliver([self._decoder.decode(encoded) for encoded in message[1]])
+                    self._deliver([self._decoder.decode(increment) for increment in message[1]])
                 elif message[0] == "result":
                     self._finish_call(*message[1:])
                 else:  # "dead"
@@ -270,7 +270,7 @@ class _Sender:
         self.queue.put(message)
 
     def send_outputs(self, outputs: list[tuple[tuple, bool]]) -> None:
-        """``(encoded, mergeable)`` pairs of one step."""
+        """``(increment, mergeable)`` pairs of one step."""
         self.queue.put(("outputs", outputs))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -288,13 +288,14 @@ class _Sender:
                 where: dict[str, int] = {}
                 for message in messages:
                     if message is not self._CLOSE and message[0] == "outputs":
-                        for encoded, mergeable in message[1]:
-                            if encoded[0] in where:
-                                outputs[where[encoded[0]]] = merge_increments(outputs[where[encoded[0]]], encoded)
+                        for increment, mergeable in message[1]:
+                            rid = increment[0]
+                            if rid in where:
+                                outputs[where[rid]] = merge_increments(outputs[where[rid]], increment)
                                 continue
                             if mergeable:
-                                where[encoded[0]] = len(outputs)
-                            outputs.append(encoded)
+                                where[rid] = len(outputs)
+                            outputs.append(increment)
                         continue
                     if outputs:
                         self.conn.send(("outputs", outputs))
@@ -318,7 +319,6 @@ class _EngineCore:
         self.sender = sender
         self.streams: dict[str, int] = {}  # running request id -> the parent stream's key
         self.resumable: set[str] = set()
-        self.encoder = OutputEncoder()
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine
@@ -370,7 +370,7 @@ class _EngineCore:
 
     def op_admit(self, request_id: str, key: int, prompt: Any, params: SamplingParams | None,
                  resumable: bool) -> None:
-        self.engine.add_request(request_id, prompt, params, stream=True, resumable=resumable)
+        self.engine.add_request(request_id, prompt, params, stream=True, resumable=resumable, increments=True)
         self.streams[request_id] = key
         if resumable:
             self.resumable.add(request_id)
@@ -394,16 +394,16 @@ class _EngineCore:
 
     # ------------------------------------------------------------ outputs
 
-    def send_outputs(self, outputs: list[Any]) -> None:
-        """The parent's requests' outputs, as increments."""
+    def send_outputs(self, increments: list[tuple]) -> None:
+        """The parent's requests' increments (a streaming-input request's never fold: each may end
+        a chunk)."""
         sent = []
-        for out in outputs:
-            rid = out.request_id
+        for increment in increments:
+            rid, finished = increment[0], increment[1]
             if rid not in self.streams:
                 continue
-            whole = rid in self.resumable
-            sent.append((self.encoder.encode(out, whole=whole), not whole))
-            if out.finished:
+            sent.append((increment, rid not in self.resumable))
+            if finished:
                 del self.streams[rid]
                 self.resumable.discard(rid)
         if sent:

@@ -1,17 +1,13 @@
-"""Cumulative ``RequestOutput``s across a process boundary, as increments of plain tuples.
+"""Cumulative ``RequestOutput``s rebuilt from the engine's increments, across a process boundary.
 
-The engine process reports every streamed request every step, each output holding everything the
-request has produced so far. For 256 requests at 550 tokens, pickling such a step took 3.5-4.3 ms
-and unpickling it 9-10 ms on a 2-core CPU (``benchmarks/output_codec.py``), about what an H200
-decode step of that batch takes. So ``OutputEncoder`` (engine side) keeps what it has sent per
-completion and sends only the rest, as tuples of built-in types, which pickle at C speed (1.2-1.4
-ms per step there), and ``OutputDecoder`` (server side) keeps the other half and rebuilds each
-output as a fresh cumulative snapshot, equal to the engine's (3.2 ms).
-
-Tokens and logprobs only grow; text may shrink, when a stop string is cut off its end. An
-increment therefore says where its part starts: ``(tokens_at, text_at, logprobs_at)``. Outputs of
-streaming-input requests go whole (``whole=True``): each chunk restarts their completion, which an
-increment could not tell from growth.
+The engine process reports every streamed request every step. Each output holding everything the
+request has produced so far, pickling a step of 256 requests at 550 tokens took 3.5-4.3 ms and
+unpickling it 9-10 ms on a 2-core CPU (``benchmarks/output_codec.py``), about what an H200 decode
+step of that batch takes; building those outputs took the engine a fifth of its host time on the
+H200. So the engine reports such requests as increments (``OutputProcessor.increment``: what is
+new, as tuples of built-in types, which pickle at C speed), and ``OutputDecoder`` (server side)
+keeps what came before and rebuilds each output as a fresh cumulative snapshot, equal to the
+engine's own ``RequestOutput``.
 
 Two increments of a request in a row fold into one (``merge_increments``): an engine whose reader
 fell behind sends each request once for all the steps it waited, so the reader catches up.
@@ -23,54 +19,16 @@ from typing import Any
 
 from steerable.outputs import CompletionOutput, RequestOutput
 
-_Sent = tuple[int, str, int]  # tokens, text, logprobs the other side holds
-
-
-class OutputEncoder:
-    """Engine side: ``encode`` a step's outputs; ``forget`` a request that will send no more."""
-
-    def __init__(self) -> None:
-        self._prompt_lens: dict[str, int] = {}
-        self._sent: dict[tuple[str, int], _Sent] = {}
-
-    def encode(self, out: RequestOutput, whole: bool = False) -> tuple:
-        rid = out.request_id
-        prompt_ids = out.prompt_token_ids
-        if self._prompt_lens.get(rid) == len(prompt_ids):  # a prompt only grows: same length, same prompt
-            prompt = None
-        else:
-            self._prompt_lens[rid] = len(prompt_ids)
-            prompt = (out.prompt, prompt_ids)
-        completions = tuple(self._completion(rid, c, whole) for c in out.outputs)
-        if out.finished:
-            self.forget(rid, [c.index for c in out.outputs])
-        return rid, out.finished, prompt, completions, out.captures or None, out.capture_meta or None
-
-    def forget(self, rid: str, indices: list[int]) -> None:
-        self._prompt_lens.pop(rid, None)
-        for index in indices:
-            self._sent.pop((rid, index), None)
-
-    def _completion(self, rid: str, c: CompletionOutput, whole: bool) -> tuple:
-        tokens, text, logprobs = c.token_ids, c.text, c.logprobs
-        tokens_at, sent_text, logprobs_at = (0, "", 0) if whole else self._sent.get((rid, c.index), (0, "", 0))
-        text_at = len(sent_text) if text.startswith(sent_text) else 0
-        num_logprobs = len(logprobs) if logprobs is not None else 0
-        self._sent[(rid, c.index)] = (len(tokens), text, num_logprobs)
-        return (c.index, tokens_at, tokens[tokens_at:], text_at, text[text_at:], logprobs_at,
-                None if logprobs is None else logprobs[logprobs_at:], c.finish_reason,
-                c.stop_reason, c.cumulative_logprob, c.captures or None, c.capture_meta or None)
-
 
 class OutputDecoder:
-    """Server side: ``decode`` an encoded output into a cumulative ``RequestOutput``."""
+    """Server side: ``decode`` an increment into a cumulative ``RequestOutput``."""
 
     def __init__(self) -> None:
         self._prompts: dict[str, tuple[Any, list[int]]] = {}
         self._held: dict[tuple[str, int], tuple[list[int], str, list | None]] = {}
 
-    def decode(self, encoded: tuple) -> RequestOutput:
-        rid, finished, prompt, completions, captures, capture_meta = encoded
+    def decode(self, increment: tuple) -> RequestOutput:
+        rid, finished, prompt, completions, captures, capture_meta = increment
         if prompt is None:
             prompt = self._prompts[rid]
         else:
@@ -82,9 +40,9 @@ class OutputDecoder:
                 self._held.pop((rid, c.index), None)
         return RequestOutput(rid, prompt[0], prompt[1], outputs, finished, captures or {}, capture_meta or {})
 
-    def _completion(self, rid: str, encoded: tuple) -> CompletionOutput:
+    def _completion(self, rid: str, increment: tuple) -> CompletionOutput:
         (index, tokens_at, tokens, text_at, text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative,
-         captures, capture_meta) = encoded
+         captures, capture_meta) = increment
         held_tokens, held_text, held_logprobs = self._held.get((rid, index), ([], "", None))
         tokens = _joined(held_tokens, tokens_at, tokens)
         text = held_text + text if text_at == len(held_text) else held_text[:text_at] + text
