@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
+import queue
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -79,6 +81,7 @@ class Result:
     prompt_len: int
     start: float
     times: list[float] = field(default_factory=list)  # arrival of each generated token
+    chunks: int = 0  # server-sent events received
     error: str | None = None
 
 
@@ -90,23 +93,28 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
         if r.status_code != 200:
             result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             return result
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"]["message"]
-                continue
+        pending = b""
+        async for data in r.aiter_bytes():  # whole network reads: per-line iteration costs the client more
             now = time.perf_counter()
-            for choice in chunk["choices"]:
-                result.times.extend([now] * len(choice.get("token_ids", ())))
+            *events, pending = (pending + data).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                chunk = json.loads(event[6:])
+                result.chunks += 1
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    continue
+                for choice in chunk["choices"]:
+                    result.times.extend([now] * len(choice.get("token_ids", ())))
     return result
 
 
 async def run_load(url: str, w: common.Workload, salt: str, max_concurrency: int | None,
-                   request_rate: float | None, seed: int) -> tuple[list[Result], float]:
+                   request_rate: float | None, seed: int) -> tuple[list[Result], float, float]:
     """Every request of ``w``: at most ``max_concurrency`` in flight, arriving as a Poisson process
-    of ``request_rate`` per second when given."""
+    of ``request_rate`` per second when given. Returns the results, the seconds it took and the CPU
+    seconds this client spent meanwhile (near the former, the client is the bottleneck)."""
     limit = asyncio.Semaphore(max_concurrency or len(w))
     rng = np.random.default_rng(seed)
     connections = httpx.Limits(max_connections=max_concurrency or len(w), max_keepalive_connections=None)
@@ -116,17 +124,66 @@ async def run_load(url: str, w: common.Workload, salt: str, max_concurrency: int
             return await one_request(client, w.prompts[i], w.output_lens[i], f"{salt}-{i}")
 
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=connections) as client:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         tasks = []
         for i in range(len(w)):
             tasks.append(asyncio.ensure_future(limited(i)))
             if request_rate:
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - cpu
 
 
-def summarize(results: list[Result], seconds: float, args) -> dict:
+def run_load_processes(url: str, w: common.Workload, salt: str, max_concurrency: int | None,
+                       request_rate: float | None, seed: int, processes: int,
+                       timeout: float = 600.0) -> tuple[list[Result], float, float]:
+    """``run_load`` spread over ``processes`` client processes, so the load generator's own Python
+    (an SSE event costs an httpx client tens of microseconds) is not what gets measured: request i
+    goes to process i mod P, the concurrency limit and the arrival rate are split between them (P
+    Poisson processes of rate r/P make one of rate r). All start together; the run ends with the
+    last response. CPU seconds are summed over the clients."""
+    processes = min(processes, max_concurrency or processes, len(w))
+    context = multiprocessing.get_context("spawn")
+    go, results = context.Event(), context.Queue()
+    clients = []
+    for k in range(processes):
+        part = common.Workload(w.prompts[k::processes], w.input_lens[k::processes], w.output_lens[k::processes])
+        limit = None if max_concurrency is None else max_concurrency // processes + (k < max_concurrency % processes)
+        rate = None if request_rate is None else request_rate / processes
+        clients.append(context.Process(target=_client, args=(k, url, part, f"{salt}-p{k}", limit, rate, seed + k,
+                                                              go, results), daemon=True))
+    try:
+        for client in clients:
+            client.start()
+        ready = [results.get(timeout=timeout) for _ in clients]  # started (not part of the run), waiting on go
+        assert all(r == "ready" for r in ready), ready
+        start = time.perf_counter()
+        go.set()
+        parts = [results.get(timeout=timeout) for _ in clients]
+    except queue.Empty:
+        raise SystemExit("a client process did not answer in time") from None
+    finally:
+        for client in clients:
+            client.join(30)
+            if client.is_alive():
+                client.kill()
+                client.join(30)
+    merged: list[Result | None] = [None] * len(w)
+    for k, part_results, _, _ in parts:
+        merged[k::processes] = part_results
+    return merged, max(end for _, _, end, _ in parts) - start, sum(cpu for _, _, _, cpu in parts)
+
+
+def _client(k: int, url: str, w: common.Workload, salt: str, max_concurrency: int | None,
+            request_rate: float | None, seed: int, go, results) -> None:
+    """One client process of ``run_load_processes``."""
+    results.put("ready")
+    go.wait()
+    part, _, cpu = asyncio.run(run_load(url, w, salt, max_concurrency, request_rate, seed))
+    results.put((k, part, time.perf_counter(), cpu))
+
+
+def summarize(results: list[Result], seconds: float, client_cpu: float, args) -> dict:
     done = [r for r in results if r.error is None and r.times]
     ttft = [(r.times[0] - r.start) * 1e3 for r in done]
     itl = np.concatenate([_gaps_ms(r.times) for r in done]) if done else np.zeros(0)
@@ -136,10 +193,12 @@ def summarize(results: list[Result], seconds: float, args) -> dict:
         return float(np.percentile(values, q)) if len(values) else None
 
     return {"record": "serve", "requests": len(results), "failed": len(results) - len(done),
-            "max_concurrency": args.max_concurrency, "request_rate": args.request_rate, "seconds": seconds,
+            "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+            "client_processes": getattr(args, "client_processes", 1), "seconds": seconds,
             "output_tokens": output, "input_tokens": sum(r.prompt_len for r in done), "output_tok_s": output / seconds,
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
             "itl_ms_p99": pct(itl, 99), "itl_ms_mean": float(np.mean(itl)) if len(itl) else None,
+            "chunks": sum(r.chunks for r in results), "client_cpu_s": client_cpu,
             "errors": sorted({r.error for r in results if r.error})[:5]}
 
 
@@ -157,6 +216,8 @@ def main() -> None:
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds the server may take to start")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes sharing the load (more when one client's Python cannot keep up)")
     args = p.parse_args()
     path = common.setup("serve", args)
     llm = common.make_llm(args, path)
@@ -167,9 +228,13 @@ def main() -> None:
         warm = w.head(min(len(w), args.warmup_requests or args.max_num_seqs))
         warm = common.Workload(warm.prompts, warm.input_lens, [min(n, 32) for n in warm.output_lens])
         asyncio.run(run_load(server.url, warm, "serve-warmup", args.max_concurrency, None, args.seed))
-        results, seconds = asyncio.run(run_load(server.url, w, "serve-timed", args.max_concurrency, args.request_rate,
-                                                args.seed))
-    serve = summarize(results, seconds, args)
+        if args.client_processes > 1:
+            results, seconds, client_cpu = run_load_processes(server.url, w, "serve-timed", args.max_concurrency,
+                                                              args.request_rate, args.seed, args.client_processes)
+        else:
+            results, seconds, client_cpu = asyncio.run(run_load(server.url, w, "serve-timed", args.max_concurrency,
+                                                                args.request_rate, args.seed))
+    serve = summarize(results, seconds, client_cpu, args)
     emit(serve)
     ratio = {"record": "ratio", "output_tok_s_ratio": serve["output_tok_s"] / offline["output_tok_s"]}
     if "decode_ms_per_token" in offline and serve["itl_ms_p50"] is not None:

@@ -120,6 +120,15 @@ def test_serve(cache_dir):
     positive(ratio, "output_tok_s_ratio", "itl_p50_over_offline_ms_per_token")
 
 
+def test_serve_with_client_processes(cache_dir):
+    """At saturation, the load spread over two client processes: every request answered once, in full."""
+    r = run("serve", cache_dir, "--client-processes", "2")
+    offline, serve = r["offline"][0], r["serve"][0]
+    positive(serve, "seconds", "output_tok_s", "ttft_ms_p50", "chunks", "client_cpu_s")
+    assert serve["client_processes"] == 2 and serve["failed"] == 0
+    assert serve["requests"] == offline["requests"] and serve["output_tokens"] == offline["output_tokens"]
+
+
 def test_capture_corpus_with_hf_baseline(cache_dir):
     r = run("capture_corpus", cache_dir)
     runs = {x["mode"]: x for x in r["run"]}
