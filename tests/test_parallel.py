@@ -30,7 +30,7 @@ from test_qwen3_moe import build_qwen3_moe
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
 from steerable.capture import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, match_capture_request_id
 from steerable.distributed.launch import START_METHOD_ENV
-from steerable.distributed.placement import PARTITION_ENV
+from steerable.distributed.placement import MICRO_BATCHES_ENV, PARTITION_ENV
 from steerable.errors import EngineDeadError
 from steerable.models import registry
 
@@ -111,9 +111,11 @@ def single(models) -> dict[str, LLM]:
 def parallel(request, models):
     layout, family = request.param
     tp, pp = LAYOUTS[layout]
-    # One layout takes the layers the other way round from the default [2, 1] (leftovers go first).
+    # One layout takes the layers the other way round from the default [2, 1] (leftovers go first);
+    # one keeps a micro-batch per stage in flight instead of the default one more.
     partition = "1,2" if (layout, family) == ("pp2", "qwen3") else None
-    with deadline(), _env(PARTITION_ENV, partition):
+    micro_batches = "2" if (layout, family) == ("pp2", "llama") else None
+    with deadline(), _env(PARTITION_ENV, partition), _env(MICRO_BATCHES_ENV, micro_batches):
         llm = _engine(models[family], tensor_parallel_size=tp, pipeline_parallel_size=pp)
     yield family, llm
     with deadline(30):

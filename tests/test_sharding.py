@@ -12,7 +12,13 @@ from safetensors.torch import load_file
 from steerable import LLM
 from steerable.distributed.codec import decode, encode
 from steerable.distributed.groups import ParallelContext, TPGroup, building
-from steerable.distributed.placement import PARTITION_ENV, Placement, layer_partition
+from steerable.distributed.placement import (
+    MICRO_BATCHES_ENV,
+    PARTITION_ENV,
+    Placement,
+    layer_partition,
+    pipeline_micro_batches,
+)
 from steerable.hook_points import HookPoints
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.checkpoint import CheckpointTensor
@@ -47,6 +53,17 @@ def test_layer_partition_default_and_override(monkeypatch):
     monkeypatch.delenv(PARTITION_ENV)
     with pytest.raises(ValueError, match="exceeds the model's 3 layers"):
         layer_partition(3, 4)
+
+
+def test_pipeline_micro_batches_default_and_override(monkeypatch):
+    monkeypatch.delenv(MICRO_BATCHES_ENV, raising=False)
+    assert [pipeline_micro_batches(p) for p in (1, 2, 4)] == [1, 3, 5]  # one more than the stages
+    monkeypatch.setenv(MICRO_BATCHES_ENV, "2")
+    assert pipeline_micro_batches(2) == 2 and pipeline_micro_batches(1) == 1
+    for bad in ("1", "x"):
+        monkeypatch.setenv(MICRO_BATCHES_ENV, bad)
+        with pytest.raises(ValueError, match=MICRO_BATCHES_ENV):
+            pipeline_micro_batches(2)
 
 
 def test_sites_belong_to_the_stage_that_runs_them():

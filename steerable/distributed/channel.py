@@ -23,6 +23,7 @@ class Kind(enum.IntEnum):
     STEP = 1
     SHUTDOWN = 2
     REPORT = 3
+    FLUSH = 4  # report the step in flight now: the driver waits for it before sending another
 
 
 def _frame(kind: Kind, payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,7 +3,9 @@
 The driver is rank 0: tensor-parallel rank 0 of the first pipeline stage, running its shard in
 this process. ``launch`` broadcasts the step's encoding to every rank, then runs the local shard;
 ``finish`` collects the local result and the reports of later stages (the last stage's samples,
-each stage's captured rows) and merges them into one ``StepOutput``.
+each stage's captured rows) and merges them into one ``StepOutput``. A rank reports a step when
+the next message arrives (``worker.serve``), so finishing the last step published first sends a
+FLUSH.
 
 A rank that dies or raises ends the engine with an ``EngineDeadError`` naming it: its connections
 close, so the driver's next collective or receive fails at once, and on CUDA the waits for the
@@ -116,6 +118,7 @@ class ParallelExecutor:
                                       context)
         except BaseException as err:
             raise self._fail(err) from err
+        self._latest: ParallelLaunched | None = None  # the last step published, its reports still held
         self.num_blocks = self.runner.num_blocks
         self.max_blocks_per_seq = self.runner.max_blocks_per_seq
         self._started = True
@@ -129,10 +132,16 @@ class ParallelExecutor:
             local = self.runner.launch(step)
         except Exception as err:
             raise self._fail(err) from err
-        return ParallelLaunched(local, [p.rank for p in self.stages if p.reports(step)], step.capture)
+        launched = ParallelLaunched(local, [p.rank for p in self.stages if p.reports(step)], step.capture)
+        self._latest = launched  # the ranks report it with the next message
+        return launched
 
     def finish(self, launched: ParallelLaunched) -> StepOutput:
         try:
+            if launched is self._latest:
+                self._latest = None
+                if launched.reporters:
+                    self.channel.publish(Kind.FLUSH)
             self._await_device(launched.local)
             output = self.runner.finish(launched.local)
             captured = list(output.captured)

@@ -1,6 +1,7 @@
 """Where a rank sits: its tensor-parallel rank, its pipeline stage and that stage's layers, and
-which hook-point sites it runs. Pure arithmetic on the sizes (and ``STEERABLE_PP_LAYER_PARTITION``),
-so the driver, every worker and the tests all compute the same answer without talking.
+which hook-point sites it runs, and how many micro-batches a pipeline keeps in flight. Pure
+arithmetic on the sizes (and ``STEERABLE_PP_LAYER_PARTITION``, ``STEERABLE_PP_MICRO_BATCHES``), so
+the driver, every worker and the tests all compute the same answer without talking.
 
 Ranks are numbered stage-major: ``rank = stage * tp_size + tp_rank``. Rank 0 is the driver.
 """
@@ -14,6 +15,26 @@ from steerable.hook_points import POST_MLP
 from steerable.step import Site, StepInput
 
 PARTITION_ENV = "STEERABLE_PP_LAYER_PARTITION"
+MICRO_BATCHES_ENV = "STEERABLE_PP_MICRO_BATCHES"
+
+
+def pipeline_micro_batches(pp_size: int) -> int:
+    """Batches in flight on a pipeline of ``pp_size`` stages (1: no pipeline). One per stage keeps
+    every stage busy only if a batch's sampled tokens come back and its next step is scheduled
+    and launched while the other stages run; one more batch covers that round trip.
+    ``STEERABLE_PP_MICRO_BATCHES`` sets the number (at least ``pp_size``)."""
+    if pp_size == 1:
+        return 1
+    text = os.environ.get(MICRO_BATCHES_ENV)
+    if not text:
+        return pp_size + 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{MICRO_BATCHES_ENV}={text!r}: expected an integer") from None
+    if value < pp_size:
+        raise ValueError(f"{MICRO_BATCHES_ENV}={value}: a pipeline of {pp_size} stages needs at least {pp_size}")
+    return value
 
 
 def layer_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:

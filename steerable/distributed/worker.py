@@ -79,25 +79,27 @@ def serve(args: WorkerArgs, local_rank: int, store: dist.Store | None) -> None:
     try:
         runner = ModelRunner(config, args.model_config, args.source, device, args.dtype, args.max_model_len, context)
         control, reports = ControlChannel(context.control), ReportChannel(context.reports)
-        # A step the driver needs no report of stays in flight while the next one is received and
-        # launched, as the driver's own loop keeps one: the device never idles on this rank's host
-        # work. A step to report is finished at once (the driver may wait for it before sending more).
+        # One step stays in flight while the next message is received and the next step launched,
+        # as the driver's own loop keeps one: the device never idles on this rank's host work, and
+        # a pipeline's last stage takes the next batch's activations while it still computes the
+        # previous batch. A step's report therefore leaves with the next message: the next step, or
+        # a FLUSH when the driver waits for that report before it can schedule more.
         in_flight = None
         while True:
             kind, payload = control.receive()
             if kind is Kind.SHUTDOWN:
                 break
-            step = decode(payload)
-            launched = runner.launch(step)
+            launched = None
+            if kind is Kind.STEP:
+                step = decode(payload)
+                launched = (runner.launch(step), placement.reports(step))
             if in_flight is not None:
-                runner.finish(in_flight)
-                in_flight = None
-            if placement.reports(step):
-                reports.send(encode(runner.finish(launched)))
-            else:
-                in_flight = launched
+                output = runner.finish(in_flight[0])
+                if in_flight[1]:
+                    reports.send(encode(output))
+            in_flight = launched
         if in_flight is not None:
-            runner.finish(in_flight)
+            runner.finish(in_flight[0])
         reports.flush()
         runner.shutdown()
     finally:

@@ -20,6 +20,7 @@ from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
 from steerable.distributed.executor import create_worker
+from steerable.distributed.placement import pipeline_micro_batches
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
@@ -80,9 +81,9 @@ class LLMEngine(ResumableRequests):
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
         self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda")
-        stages = config.pipeline_parallel_size
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                   cache_limit=self.capture.cache_limit, pipeline_stages=stages)
+                                   cache_limit=self.capture.cache_limit,
+                                   micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
                                    kv_groups.num_groups)
         self.outputs = OutputProcessor(self.tokenizer, max_len)
@@ -90,7 +91,7 @@ class LLMEngine(ResumableRequests):
         self.groups: dict[str, RequestGroup] = {}  # by client id
         self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
         # Launched, not finished, oldest first: one on a single stage (host work overlaps the
-        # device), one per stage on a pipeline.
+        # device), each micro-batch on a pipeline.
         self._inflight: deque[_InFlight] = deque()
         self._dead: str | None = None
         self._rng = random.Random(config.seed)
@@ -327,7 +328,7 @@ class LLMEngine(ResumableRequests):
         sampled token has one extra row computed and discarded. Returns finished requests and
         progress of streaming ones.
         """
-        if self.scheduler.pipeline_stages > 1:
+        if self.scheduler.micro_batches > 1:
             return self._step_pipelined()
         outputs = []
         if self._inflight and self._must_sync():
@@ -340,13 +341,14 @@ class LLMEngine(ResumableRequests):
         return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:
-        """A pipeline of P stages keeps P steps in flight, one batch of requests per stage; only the
-        last stage samples, so a request waits for its token before it runs again. When all P are
-        in flight the oldest's tokens are taken first, so its requests can join the step launched
-        next; the rest of its processing (detokenization, stop checks, outputs) then overlaps the
-        devices. As on one stage, a request that stops has one extra step computed and discarded."""
+        """A pipeline keeps M steps in flight, each its own micro-batch of requests, at least one per
+        stage (``pipeline_micro_batches``); only the last stage samples, so a request waits for its
+        token before it runs again. When all M are in flight the oldest's tokens are taken first,
+        so its requests can join the step launched next; the rest of its processing
+        (detokenization, stop checks, outputs) then overlaps the devices. As on one stage, a
+        request that stops has one extra step computed and discarded."""
         ready = None
-        if len(self._inflight) >= self.scheduler.pipeline_stages:
+        if len(self._inflight) >= self.scheduler.micro_batches:
             ready = self._collect(self._inflight.popleft())
         launched = self._launch_next()
         if ready is None and self._inflight and not launched:

@@ -5,10 +5,11 @@ decode, a chunk for a prefill), running requests first, then waiting ones, until
 or the sequence cap is spent. When blocks run out the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
 
-On a pipeline of P stages P steps are in flight at once, and a request whose sampled token is
-still on its way (from the last stage) cannot run again yet. The running requests are therefore
-split into batches of at most ``ceil(running / P)``: every stage gets a similar share, and a
-batch that happens to hold most requests is split up instead of leaving the other stages idle.
+On a pipeline, M micro-batches are in flight at once (at least one per stage), and a request
+whose sampled token is still on its way (from the last stage) cannot run again yet. The running
+requests are therefore split into batches of at most ``ceil(running / M)``: every micro-batch gets
+a similar share, and a batch that happens to hold most requests is split up instead of leaving
+the stages idle.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from steerable.request import Request, RequestStatus, ScheduledRequest, Schedule
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 cache_limit: Callable[[Request], int] | None = None, pipeline_stages: int = 1):
+                 cache_limit: Callable[[Request], int] | None = None, micro_batches: int = 1):
         """``cache_limit(request)`` caps how many leading tokens a prefix-cache hit may cover
-        (capture asks to recompute prompt rows it must see)."""
+        (capture asks to recompute prompt rows it must see). ``micro_batches`` > 1: a pipeline's
+        batches in flight."""
         self.kv = kv
-        self.pipeline_stages = pipeline_stages
+        self.micro_batches = micro_batches
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -47,8 +49,8 @@ class Scheduler:
         scheduled_ids: set[str] = set()
 
         block_size = self.kv.block_size
-        pipelined = self.pipeline_stages > 1
-        batch = -(-len(self.running) // self.pipeline_stages)
+        pipelined = self.micro_batches > 1
+        batch = -(-len(self.running) // self.micro_batches)
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < batch:
             request = self.running[i]
