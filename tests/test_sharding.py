@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from steerable import LLM
+from steerable.distributed.channel import FRAME_BYTES, Kind, _frame, _join, _parse
 from steerable.distributed.codec import decode, encode
 from steerable.distributed.groups import ParallelContext, TPGroup, building
 from steerable.distributed.placement import (
@@ -53,6 +54,18 @@ def test_layer_partition_default_and_override(monkeypatch):
     monkeypatch.delenv(PARTITION_ENV)
     with pytest.raises(ValueError, match="exceeds the model's 3 layers"):
         layer_partition(3, 4)
+
+
+@pytest.mark.parametrize("size", [0, 100, FRAME_BYTES - 16, FRAME_BYTES - 15, 3 * FRAME_BYTES])
+def test_a_message_survives_its_frames(size):
+    """A payload split into a frame and the rest (as a channel sends it) joins back byte for byte,
+    into a buffer of its own."""
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    frame, rest = _frame(Kind.REPORT, payload)
+    assert frame.shape == (FRAME_BYTES,) and (rest is None) == (size <= FRAME_BYTES - 16)
+    kind, length, first = _parse(frame.clone())  # as received: a tensor of its own
+    joined = _join(first, None if rest is None else rest.clone())
+    assert kind is Kind.REPORT and length == size and bytes(joined) == payload and not joined.readonly
 
 
 def test_pipeline_micro_batches_default_and_override(monkeypatch):

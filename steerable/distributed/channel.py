@@ -27,24 +27,25 @@ class Kind(enum.IntEnum):
 
 
 def _frame(kind: Kind, payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
-    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    frame[:8 * _HEAD].view(torch.int64).copy_(torch.tensor([int(kind), len(payload)]))
+    """The frame and the rest of ``payload``, built with plain memory copies: torch's CPU ops would
+    take its thread pool, which on a busy GPU host cost milliseconds per step on the critical path."""
+    frame = bytearray(FRAME_BYTES)
     first = min(len(payload), FRAME_BYTES - 8 * _HEAD)
-    data = np.frombuffer(payload, dtype=np.uint8)
-    frame[8 * _HEAD:8 * _HEAD + first] = torch.from_numpy(data[:first].copy())
-    rest = torch.from_numpy(data[first:].copy()) if len(payload) > first else None
-    return frame, rest
+    frame[:8 * _HEAD] = np.array([int(kind), len(payload)], dtype=np.int64).tobytes()
+    frame[8 * _HEAD:8 * _HEAD + first] = memoryview(payload)[:first]
+    rest = torch.frombuffer(bytearray(memoryview(payload)[first:]), dtype=torch.uint8) if len(payload) > first else None
+    return torch.frombuffer(frame, dtype=torch.uint8), rest
 
 
-def _parse(frame: torch.Tensor) -> tuple[Kind, int, torch.Tensor]:
-    kind, length = frame[:8 * _HEAD].view(torch.int64).tolist()
-    return Kind(kind), length, frame[8 * _HEAD:8 * _HEAD + min(length, FRAME_BYTES - 8 * _HEAD)]
+def _parse(frame: torch.Tensor) -> tuple[Kind, int, memoryview]:
+    data = memoryview(frame.numpy())
+    kind, length = np.frombuffer(data[:8 * _HEAD], dtype=np.int64).tolist()
+    return Kind(kind), length, data[8 * _HEAD:8 * _HEAD + min(length, FRAME_BYTES - 8 * _HEAD)]
 
 
-def _join(first: torch.Tensor, rest: torch.Tensor | None) -> memoryview:
-    """The payload as one writable buffer (decoded arrays are views of it)."""
-    payload = first.clone() if rest is None else torch.cat([first, rest])
-    return memoryview(payload.numpy())
+def _join(first: memoryview, rest: torch.Tensor | None) -> memoryview:
+    """The payload as one writable buffer of its own (decoded arrays are views of it)."""
+    return memoryview(bytearray(first) if rest is None else bytearray(first) + memoryview(rest.numpy()))
 
 
 class ControlChannel:

@@ -58,6 +58,8 @@ def run_spawned(args: WorkerArgs, errors: Connection) -> None:
     try:
         if config.resolve_device().type == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        else:  # a rank only feeds its GPU: a pool of CPU threads would contend with the others' (as vLLM)
+            torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", args.store_port, world, is_master=False, timeout=DATA_TIMEOUT)
         store.set(JOINED_KEY.format(rank=args.rank), "1")
         serve(args, args.rank, store)
