@@ -112,9 +112,9 @@ def parallel(request, models):
     layout, family = request.param
     tp, pp = LAYOUTS[layout]
     # One layout takes the layers the other way round from the default [2, 1] (leftovers go first);
-    # one keeps a micro-batch per stage in flight instead of the default one more.
+    # one keeps a micro-batch more than stages in flight.
     partition = "1,2" if (layout, family) == ("pp2", "qwen3") else None
-    micro_batches = "2" if (layout, family) == ("pp2", "llama") else None
+    micro_batches = "3" if (layout, family) == ("pp2", "llama") else None
     with deadline(), _env(PARTITION_ENV, partition), _env(MICRO_BATCHES_ENV, micro_batches):
         llm = _engine(models[family], tensor_parallel_size=tp, pipeline_parallel_size=pp)
     yield family, llm

@@ -70,9 +70,9 @@ def test_a_message_survives_its_frames(size):
 
 def test_pipeline_micro_batches_default_and_override(monkeypatch):
     monkeypatch.delenv(MICRO_BATCHES_ENV, raising=False)
-    assert [pipeline_micro_batches(p) for p in (1, 2, 4)] == [1, 3, 5]  # one more than the stages
-    monkeypatch.setenv(MICRO_BATCHES_ENV, "2")
-    assert pipeline_micro_batches(2) == 2 and pipeline_micro_batches(1) == 1
+    assert [pipeline_micro_batches(p) for p in (1, 2, 4)] == [1, 2, 4]  # one per stage
+    monkeypatch.setenv(MICRO_BATCHES_ENV, "3")
+    assert pipeline_micro_batches(2) == 3 and pipeline_micro_batches(1) == 1
     for bad in ("1", "x"):
         monkeypatch.setenv(MICRO_BATCHES_ENV, bad)
         with pytest.raises(ValueError, match=MICRO_BATCHES_ENV):

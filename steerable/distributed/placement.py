@@ -19,15 +19,16 @@ MICRO_BATCHES_ENV = "STEERABLE_PP_MICRO_BATCHES"
 
 
 def pipeline_micro_batches(pp_size: int) -> int:
-    """Batches in flight on a pipeline of ``pp_size`` stages (1: no pipeline). One per stage keeps
-    every stage busy only if a batch's sampled tokens come back and its next step is scheduled
-    and launched while the other stages run; one more batch covers that round trip.
-    ``STEERABLE_PP_MICRO_BATCHES`` sets the number (at least ``pp_size``)."""
+    """Batches in flight on a pipeline of ``pp_size`` stages (1: no pipeline): one per stage. More
+    would cover a batch's round trip (its tokens back, its next step scheduled and launched) with
+    the others' work, but each is smaller: on two H200s with the Qwen3-8B shape, 3 batches ran at
+    0.92x and 4 at 0.54x the rate of 2 (docs/benchmarks.md). ``STEERABLE_PP_MICRO_BATCHES`` sets
+    the number (at least ``pp_size``)."""
     if pp_size == 1:
         return 1
     text = os.environ.get(MICRO_BATCHES_ENV)
     if not text:
-        return pp_size + 1
+        return pp_size
     try:
         value = int(text)
     except ValueError:
