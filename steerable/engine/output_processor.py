@@ -89,7 +89,6 @@ class OutputProcessor:
         return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
                              capture_meta)
 
-
     @staticmethod
     def increment(group: RequestGroup) -> tuple:
         """What ``output(group)`` gained since the group's last increment, as plain tuples (the
