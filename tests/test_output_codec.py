@@ -47,7 +47,9 @@ def _run(engine, admit) -> list[tuple[tuple, RequestOutput]]:
     groups = admit()
     reports = []
     while engine.has_unfinished_requests():
-        for increment in engine.step():
+        step = engine.step()
+        assert len({increment[0] for increment in step}) == len(step)  # a group once per step, n=2 too
+        for increment in step:
             group = groups[increment[0]]
             reports.append((pickle.loads(pickle.dumps(increment)), copy.deepcopy(OutputProcessor.output(group))))
     return reports
