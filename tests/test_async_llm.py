@@ -69,6 +69,35 @@ def test_concurrent_generates_batch_and_match_offline(llm, offline):
     assert steps < 3 * 8  # 96 tokens in a few batched steps, not one request after another
 
 
+def test_a_slow_consumer_takes_whole_snapshots_and_ends_with_the_offline_result(llm, offline):
+    """A consumer that falls behind skips intermediate outputs (the process variant folds the
+    engine's increments until it takes one); every output it takes is a whole cumulative snapshot
+    that later ones do not change, and the last equals offline (n=2, logprobs)."""
+    prompt = [11, 22, 33, 44, 55]
+    params = SamplingParams(n=2, max_tokens=24, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)
+
+    async def main():
+        taken = []
+        async for out in llm.generate(prompt, params):
+            taken.append((out, [(list(c.token_ids), c.text, len(c.logprobs)) for c in out.outputs]))
+            await asyncio.sleep(0.05)
+        return taken
+
+    taken = asyncio.run(main())
+    ref = offline.generate([prompt], params, use_tqdm=False)[0]
+    final = taken[-1][0]
+    assert [(c.token_ids, c.text) for c in final.outputs] == [(c.token_ids, c.text) for c in ref.outputs]
+    for c, whole in zip(final.outputs, ref.outputs):
+        assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == \
+            pytest.approx([lp[t].logprob for t, lp in zip(whole.token_ids, whole.logprobs)], abs=1e-5)
+    assert len(taken) < 24  # it skipped outputs
+    for out, when_taken in taken:
+        assert [(list(c.token_ids), c.text, len(c.logprobs)) for c in out.outputs] == when_taken  # not changed since
+        for c, whole in zip(out.outputs, ref.outputs):
+            assert len(c.logprobs) == len(c.token_ids) and c.token_ids == whole.token_ids[:len(c.token_ids)]
+            assert whole.text.startswith(c.text)
+
+
 def test_cancelling_the_consumer_aborts_within_one_step(llm):
     async def main():
         seen = []

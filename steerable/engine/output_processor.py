@@ -78,9 +78,11 @@ class OutputProcessor:
 
     @staticmethod
     def output(group: RequestGroup) -> RequestOutput:
-        """The group's cumulative state; captures (of every completion, by index) once all finished."""
-        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason, r.logprobs,
-                                        r.stop_reason, r.cumulative_logprob if r.logprobs is not None else None,
+        """The group's cumulative state, a snapshot that later steps leave alone (its lists are
+        copies); captures (of every completion, by index) once all finished."""
+        completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason,
+                                        None if r.logprobs is None else list(r.logprobs), r.stop_reason,
+                                        r.cumulative_logprob if r.logprobs is not None else None,
                                         r.captures, r.capture_meta)
                        for r in group.children]
         first = group.children[0]

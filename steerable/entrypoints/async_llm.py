@@ -75,9 +75,10 @@ class RequestStream:
         if self._error is not None:
             self._done = True
             raise self._error
-        if self._latest.finished:
+        latest = self._newest()
+        if latest.finished:
             self._done = True
-        return self._latest
+        return latest
 
     def close(self) -> None:
         """Stop consuming; an unfinished request is aborted before the engine's next step."""
@@ -93,9 +94,15 @@ class RequestStream:
         self._latest = self._session.merge(out) if self._session is not None else out
         self._ready.set()
 
+    def _newest(self) -> RequestOutput:
+        return self._latest
+
+    def _has_finished(self) -> bool:
+        """Whether the finished output has arrived (a later failure no longer concerns it)."""
+        return self._latest is not None and self._latest.finished
+
     def _fail(self, error: BaseException) -> None:
-        finished = self._latest is not None and self._latest.finished
-        if not (self._done or finished or self._error is not None):
+        if not (self._done or self._has_finished() or self._error is not None):
             self._error = error
             self._ready.set()
 
@@ -177,7 +184,7 @@ class AsyncLLM:
         before any output, so a server can answer 400 before it starts streaming."""
         if hasattr(prompt, "__aiter__"):
             return await self._add_session(request_id, prompt, sampling_params)
-        stream = RequestStream(self, request_id)
+        stream = self._stream(request_id)
         await self._admit_soon(stream, parse_prompt(prompt), sampling_params, resumable=False)
         return stream
 
@@ -257,7 +264,7 @@ class AsyncLLM:
             first = _as_chunk(await iterator.__anext__())
         except StopAsyncIteration:
             raise InvalidRequestError("prompt: the streaming input ended before its first chunk") from None
-        stream = RequestStream(self, request_id, session=True)
+        stream = self._stream(request_id, session=True)
         await self._admit_soon(stream, first.prompt, first.sampling_params or params, resumable=True)
         stream._feeder = asyncio.ensure_future(self._feed(stream, iterator, params))
         return stream
@@ -274,6 +281,10 @@ class AsyncLLM:
         except Exception as err:  # a bad chunk, or the iterator raised: the request ends with it
             self._abort_soon(rid, stream)
             stream._fail(err)
+
+    def _stream(self, request_id: str, session: bool = False) -> RequestStream:
+        """A new request's stream (from the event loop that will consume it)."""
+        return RequestStream(self, request_id, session)
 
     async def _extend(self, request_id: str, prompt: Any, params: SamplingParams | None) -> None:
         await self._call(functools.partial(self.engine.extend_request, request_id, prompt, params))

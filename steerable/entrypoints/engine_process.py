@@ -35,9 +35,10 @@ import signal
 import threading
 from typing import Any
 
-from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _resolve, capture_layouts
+from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _put_all, _resolve, capture_layouts
 from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
 from steerable.errors import EngineDeadError
+from steerable.outputs import RequestOutput
 from steerable.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ class ProcessAsyncLLM(AsyncLLM):
         self._routes_lock = threading.Lock()
         self._routes: dict[str, RequestStream] = {}  # guarded by _routes_lock
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}  # guarded by _send_lock
-        self._decoder = OutputDecoder()  # reader thread only
         self._call_ids = itertools.count()
         self._stream_keys = itertools.count(1)
         self._closing = False
@@ -173,7 +173,7 @@ class ProcessAsyncLLM(AsyncLLM):
             while True:
                 message = self._conn.recv()
                 if message[0] == "outputs":
-                    self._deliver([self._decoder.decode(increment) for increment in message[1]])
+                    self._deliver(message[1])
                 elif message[0] == "result":
                     self._finish_call(*message[1:])
                 else:  # "dead"
@@ -191,9 +191,23 @@ class ProcessAsyncLLM(AsyncLLM):
             on_ok()
         _post(future.get_loop(), _resolve, future, value, error)
 
-    def _deliver(self, outputs: list[Any]) -> None:
+    def _deliver(self, increments: list[tuple]) -> None:
+        """Route increments to their streams, one hand-off per event loop; the streams rebuild them."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, tuple]]] = {}
         with self._routes_lock:
-            super()._deliver(outputs)
+            for increment in increments:
+                rid, finished = increment[0], increment[1]
+                stream = self._routes.get(rid)
+                if stream is None:
+                    continue
+                if finished:
+                    del self._routes[rid]
+                batches.setdefault(stream._loop, []).append((stream, increment))
+        for loop, batch in batches.items():
+            _post(loop, _put_all, batch)
+
+    def _stream(self, request_id: str, session: bool = False) -> RequestStream:
+        return _IncrementStream(self, request_id, session)
 
     def _stop(self, error: EngineDeadError) -> None:
         with self._send_lock:
@@ -227,6 +241,38 @@ class ProcessAsyncLLM(AsyncLLM):
         if threading.current_thread() is not self._reader:
             self._reader.join(30)
         self._conn.close()
+
+
+class _IncrementStream(RequestStream):
+    """A stream fed the engine's increments. They fold as they come (O(new tokens)), and become a
+    cumulative output (O(length)) only when the consumer takes one, so a consumer that falls
+    behind the engine pays once for the steps it skipped: for 256 requests generating 550 tokens
+    on a 2-core CPU, 2.4 ms per step rebuilt on arrival, 1.9 ms taken every other step, 1.5 ms
+    every third. A streaming-input request's increments are rebuilt as they come: each chunk's
+    end must reach its session."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, session: bool = False):
+        super().__init__(llm, request_id, session)
+        self._decoder = OutputDecoder()
+        self._folded: tuple | None = None  # increments not yet rebuilt
+
+    def _put(self, increment: tuple) -> None:
+        if self._done:
+            return
+        if self._session is not None:
+            super()._put(self._decoder.decode(increment))
+            return
+        self._folded = increment if self._folded is None else merge_increments(self._folded, increment)
+        self._ready.set()
+
+    def _newest(self) -> RequestOutput:
+        if self._folded is not None:
+            self._latest = self._decoder.decode(self._folded)
+            self._folded = None
+        return self._latest
+
+    def _has_finished(self) -> bool:
+        return (self._folded is not None and self._folded[1]) or super()._has_finished()
 
 
 # ---------------------------------------------------------------- the engine process
