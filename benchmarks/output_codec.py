@@ -2,7 +2,9 @@
 for ``--num-requests`` requests of growing length, built and pickled whole (``OutputProcessor.output``)
 against built as increments (``OutputProcessor.increment``), engine side (build + pickle) and
 server side (unpickle, and rebuild for increments: ``steerable.entrypoints.output_codec``), in the
-same run; checks that the rebuilt outputs equal the engine's. CPU only: no model.
+same run; checks that the rebuilt outputs equal the engine's. Then the server side of a stream
+whose consumer takes an output every 1, 2 or 3 steps (``ProcessAsyncLLM``'s streams fold the
+increments in between and rebuild once), per step over the whole generation. CPU only: no model.
 
     PYTHONPATH=. python benchmarks/output_codec.py [--num-requests 256] [--max-len 550]
 """
@@ -17,7 +19,7 @@ import numpy as np
 from common import emit
 
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
-from steerable.entrypoints.output_codec import OutputDecoder
+from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
 from steerable.request import Request
 from steerable.sampling_params import SamplingParams
 
@@ -41,6 +43,7 @@ def main() -> None:
     groups, decoder = _groups(prompt, args.num_requests), OutputDecoder()
     samples = {"whole": [], "increments": []}
     checkpoints = {max(1, args.max_len // 10), args.max_len // 2, args.max_len}
+    takes = {every: ([OutputDecoder() for _ in groups], [None] * len(groups), [0.0]) for every in (1, 2, 3)}
     for k in range(1, args.max_len + 1):  # step k: every request has k generated tokens
         for group, t in zip(groups, tokens):
             request = group.children[0]
@@ -58,6 +61,16 @@ def main() -> None:
         t4 = time.perf_counter()
         if rebuilt != outs:
             raise SystemExit(f"step {k}: the rebuilt outputs differ from the engine's")
+        for every, (decoders, folded, spent) in takes.items():
+            t5 = time.perf_counter()
+            for i, increment in enumerate(pickle.loads(sent)):
+                folded[i] = increment if folded[i] is None else merge_increments(folded[i], increment)
+                if k % every == 0 or k == args.max_len:
+                    rebuilt[i] = decoders[i].decode(folded[i])
+                    folded[i] = None
+            spent[0] += time.perf_counter() - t5
+            if (k % every == 0 or k == args.max_len) and rebuilt != outs:
+                raise SystemExit(f"step {k}: outputs rebuilt from folded increments differ from the engine's")
         if k in checkpoints:
             samples["whole"].append((k, t1 - t0, t2 - t1, len(whole)))
             samples["increments"].append((k, t3 - t2, t4 - t3, len(sent)))
@@ -65,6 +78,9 @@ def main() -> None:
         for k, engine_s, server_s, size in rows:
             emit({"record": "step", "mode": mode, "requests": args.num_requests, "tokens": k,
                   "engine_ms": engine_s * 1e3, "server_ms": server_s * 1e3, "bytes": size})
+    for every, (_, _, spent) in takes.items():
+        emit({"record": "fold", "requests": args.num_requests, "tokens": args.max_len, "taken_every": every,
+              "server_ms_per_step": spent[0] / args.max_len * 1e3})
     totals = {mode: [sum(r[i] for r in rows) for i in (1, 2)] for mode, rows in samples.items()}
     emit({"record": "ratio", "engine_side": totals["whole"][0] / totals["increments"][0],
           "server_side": totals["whole"][1] / totals["increments"][1]})

@@ -220,6 +220,8 @@ def main() -> None:
                    help="client processes sharing the load: on an H200 one httpx client spent 5.9 CPU seconds of a "
                         "6.9 s run at saturation, measuring itself (1: one client in this process)")
     args = p.parse_args()
+    if args.client_processes < 1:
+        p.error(f"--client-processes: at least 1, got {args.client_processes}")
     path = common.setup("serve", args)
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))

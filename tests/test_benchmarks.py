@@ -205,6 +205,9 @@ def test_output_codec(cache_dir):
     r = run("output_codec", cache_dir, model=False)
     steps = r["step"]
     assert {s["mode"] for s in steps} == {"whole", "increments"}
+    assert sorted(f["taken_every"] for f in r["fold"]) == [1, 2, 3]
+    for f in r["fold"]:
+        positive(f, "server_ms_per_step")
     for s in steps:
         positive(s, "engine_ms", "server_ms", "bytes")
     last = {s["mode"]: s for s in steps if s["tokens"] == max(t["tokens"] for t in steps)}
