@@ -247,7 +247,8 @@ class _IncrementStream(RequestStream):
     """A stream fed the engine's increments. They fold as they come (O(new tokens)), and become a
     cumulative output (O(length)) only when the consumer takes one, so a consumer that falls
     behind the engine pays once for the steps it skipped (``benchmarks/output_codec.py``'s fold
-    records: about 30 % less per step when outputs are taken every other step). A streaming-input
+    records on a 2-core CPU, 256 requests: 2.9 ms per step rebuilt every step, 2.1 ms taken every
+    other step). A streaming-input
     request's increments are rebuilt as they come: each chunk's end must reach its session."""
 
     def __init__(self, llm: AsyncLLM, request_id: str, session: bool = False):
