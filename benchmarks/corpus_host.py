@@ -1,11 +1,12 @@
 """Corpus capture's host side on its own (CPU, no model): a shard's fabricated step blocks through
-the capture session's planning and delivery into a ``ShardBuffer`` (the copy ``capture_corpus``
-makes of every row), the shard written by ``write_safetensors`` against ``save_file``, and shards
-run as ``capture_corpus`` runs them (shard k written in the background while shard k + 1 is
-delivered). Default sizes are the GPU benchmark's: Qwen3-0.6B's 28 layers x 1024, bf16, shards
-of 64 prompts of 100-1024 tokens, every prompt row, steps of 8192 tokens.
+the capture session's planning and delivery into a ``ShardBuffer`` over the shard's mapped file
+(``ShardFile``: the one copy ``capture_corpus`` makes of every row, and all of its writing),
+against delivery into plain memory followed by ``save_file`` (what writing the file at the end
+costs). Default sizes are the GPU benchmark's: Qwen3-0.6B's 28 layers x 1024, bf16, shards of 64
+prompts of 100-1024 tokens, every prompt row, steps of 8192 tokens. The two files' tensors must
+be equal (exit non-zero otherwise).
 
-    PYTHONPATH=. python benchmarks/corpus_host.py [--shards 4] [--out-dir /dev/shm] [--repeats 3]
+    PYTHONPATH=. python benchmarks/corpus_host.py [--out-dir /dev/shm] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import common
 import numpy as np
 import torch
 from common import emit
+from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
-from steerable.capture.corpus import _ShardWriter
 from steerable.capture.session import CaptureSession
 from steerable.capture.shard_buffer import ShardBuffer
-from steerable.capture.shard_file import write_safetensors
+from steerable.capture.shard_file import LABELS, ShardFile
 from steerable.hook_points import HIDDEN_STATES, HookLayout
 from steerable.request import Request, ScheduledRequest
 from steerable.sampling_params import SamplingParams
@@ -39,7 +39,6 @@ def deliver_shard(session: CaptureSession, buffer: ShardBuffer, lens: list[int],
     """Seconds spent in ``session.deliver`` for one shard whose prompts are prefilled first come,
     first served in steps of ``budget`` tokens; ``block`` stands for a step's host block."""
     prompts = [np.arange(n).tolist() for n in lens]
-    buffer.reset(first, lens)
     session.start(HIDDEN_STATES, layers, "bfloat16", "all", "all_prompt", None, sink=buffer)
     queue = []
     for i, prompt in enumerate(prompts):
@@ -80,61 +79,62 @@ def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--shards", type=int, default=None, help="shards in the pipelined run")
-    p.add_argument("--repeats", type=int, default=None, help="single-shard measurements (fastest reported too)")
+    p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="where shards are written (default: /dev/shm if present)")
     args = p.parse_args()
     common.setup("corpus_host", args, {"num_requests": (64, 4), "layers": (28, 2), "width": (1024, 64),
-                                       "shards": (4, 2), "repeats": (3, 1)}, model=False)
+                                       "repeats": (3, 1)}, model=False)
     torch.set_num_threads(os.cpu_count() or 1)  # as an engine process on a GPU host runs
     base = args.out_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     root = Path(tempfile.mkdtemp(prefix="steerable-corpus-host-", dir=base))
-    rng = np.random.default_rng(args.seed)
     layers = list(range(args.layers))
     session = CaptureSession(HookLayout.build(args.layers, args.width, 1, args.width), torch.bfloat16)
     block = torch.randn(args.layers, args.max_num_batched_tokens, args.width).to(torch.bfloat16)
-    buffers = [ShardBuffer(args.layers, args.width, torch.bfloat16) for _ in range(2)]
-    shard_lens = [rng.integers(args.min_len, args.max_len + 1, args.num_requests).tolist()
-                  for _ in range(max(args.shards, 1))]
-    gb = sum(shard_lens[0]) * args.layers * args.width * 2 / 1e9
+    lens = np.random.default_rng(args.seed).integers(args.min_len, args.max_len + 1, args.num_requests).tolist()
+    rows = sum(lens)
+    gb = rows * args.layers * args.width * 2 / 1e9
+    deliver = lambda buffer: deliver_shard(session, buffer, lens, block, layers,  # noqa: E731
+                                           args.max_num_batched_tokens, 0)
     try:
         for repeat in range(args.repeats):
-            seconds = deliver_shard(session, buffers[0], shard_lens[0], block, layers, args.max_num_batched_tokens, 0)
-            emit({"record": "deliver", "repeat": repeat, "rows": sum(shard_lens[0]), "gb": gb, "seconds": seconds,
-                  "gb_s": gb / seconds})
-            tensors = buffers[0].tensors(layers)
-            modes = ("write_safetensors", "save_file")
+            modes = ("mapped", "memory_then_save_file")
             for mode in modes if repeat % 2 == 0 else modes[::-1]:  # neither always writes into a fuller tmpfs
                 path = root / f"{mode}.safetensors"
                 t0 = time.perf_counter()
-                if mode == "save_file":
-                    save_file(tensors, path, metadata=METADATA)
+                if mode == "mapped":
+                    shard = ShardFile(path, layers, rows, args.width, torch.bfloat16, METADATA)
+                    allocate_s = time.perf_counter() - t0
+                    deliver_s = deliver(ShardBuffer(0, lens, shard.data, shard.labels))
+                    del shard
+                    write_s = 0.0
                 else:
-                    write_safetensors(path, tensors, metadata=METADATA)
+                    data, labels = torch.empty(args.layers, rows, args.width, dtype=torch.bfloat16), \
+                        np.empty((3, rows), np.int64)
+                    allocate_s = time.perf_counter() - t0
+                    deliver_s = deliver(ShardBuffer(0, lens, data, labels))
+                    t1 = time.perf_counter()
+                    tensors = {f"layer.{layer}": data[i] for i, layer in enumerate(layers)}
+                    tensors.update({name: torch.from_numpy(labels[j]) for j, name in enumerate(LABELS)})
+                    save_file(tensors, path, metadata=METADATA)
+                    write_s = time.perf_counter() - t1
+                    del data, labels, tensors
                 seconds = time.perf_counter() - t0
-                emit({"record": "write", "mode": mode, "repeat": repeat, "gb": gb, "seconds": seconds,
+                emit({"record": "shard", "mode": mode, "repeat": repeat, "rows": rows, "gb": gb, "seconds": seconds,
+                      "allocate_seconds": allocate_s, "deliver_seconds": deliver_s, "write_seconds": write_s,
                       "gb_s": gb / seconds})
-            same = (root / "write_safetensors.safetensors").read_bytes() == (root / "save_file.safetensors").read_bytes()
+            same = same_tensors(root / "mapped.safetensors", root / "memory_then_save_file.safetensors")
             for path in root.iterdir():
                 path.unlink()
             if not same:
-                raise SystemExit("write_safetensors wrote other bytes than save_file")
-        index = {"shards": []}
-        total_gb = sum(sum(lens) for lens in shard_lens) * args.layers * args.width * 2 / 1e9
-        t0 = time.perf_counter()
-        deliver_s = 0.0
-        with _ShardWriter(root, index, tqdm(disable=True)) as writer:
-            for k, lens in enumerate(shard_lens):
-                buffer = buffers[k % 2]
-                deliver_s += deliver_shard(session, buffer, lens, block, layers, args.max_num_batched_tokens,
-                                           k * args.num_requests)
-                writer.submit({"shard": k, "file": f"shard-{k:05d}.safetensors", "rows": buffer.rows},
-                              buffer.tensors(layers))
-        seconds = time.perf_counter() - t0
-        emit({"record": "pipeline", "shards": len(shard_lens), "gb": total_gb, "seconds": seconds,
-              "deliver_seconds": deliver_s, "gb_s": total_gb / seconds})
+                raise SystemExit("the mapped shard differs from save_file's")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    with safe_open(a, "pt") as x, safe_open(b, "pt") as y:
+        return x.metadata() == y.metadata() and set(x.keys()) == set(y.keys()) and \
+            all(torch.equal(x.get_tensor(k), y.get_tensor(k)) for k in x.keys())
 
 
 if __name__ == "__main__":

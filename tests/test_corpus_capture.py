@@ -119,25 +119,25 @@ def shard_bytes(out) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
 
-def test_resume_after_a_failed_write(llm, tmp_path, monkeypatch):
+def test_resume_after_a_shard_file_fails(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[0, 1, 2], select="all_prompt", shard_size=2, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
-    real_write, calls = corpus.write_safetensors, []
+    real_file, calls = corpus.ShardFile, []
 
-    def failing(path, tensors, metadata=None):
+    def failing(path, *args):
         calls.append(path)
         if len(calls) == 3:
             raise OSError("disk full")
-        real_write(path, tensors, metadata=metadata)
+        return real_file(path, *args)
 
-    monkeypatch.setattr(corpus, "write_safetensors", failing)
-    with pytest.raises(OSError, match="disk full"):  # raised in the writer thread, surfaces here
+    monkeypatch.setattr(corpus, "ShardFile", failing)
+    with pytest.raises(OSError, match="disk full"):  # raised in the preparing thread, surfaces here
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     index = json.loads((tmp_path / "cut" / "index.json").read_text())
     assert len(index["shards"]) == 2 and not index["complete"]
     assert not [n for n in os.listdir(tmp_path / "cut") if n.endswith(".part")]
-    assert not [t for t in threading.enumerate() if t.name.startswith("corpus-writer")]
-    monkeypatch.setattr(corpus, "write_safetensors", real_write)
+    assert not [t for t in threading.enumerate() if t.name.startswith("corpus-files")]
+    monkeypatch.setattr(corpus, "ShardFile", real_file)
     with pytest.raises(ValueError, match="resume"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     with pytest.raises(ValueError, match="resume: layers differs"):
@@ -146,15 +146,17 @@ def test_resume_after_a_failed_write(llm, tmp_path, monkeypatch):
     assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
 
 
-def test_resume_after_a_failure_mid_shard_while_a_write_is_in_flight(llm, tmp_path, monkeypatch):
+def test_resume_after_a_failure_mid_shard_while_the_next_file_is_prepared(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[1, 2], select="all_prompt", shard_size=4, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
-    real_write, real_step, events = corpus.write_safetensors, llm.engine.step, []
+    real_file, real_step, events = corpus.ShardFile, llm.engine.step, []
 
-    def slow_write(path, tensors, metadata=None):
-        time.sleep(0.5)  # still writing shard 0 when shard 1 fails
-        real_write(path, tensors, metadata=metadata)
-        events.append("written")
+    def slow_file(path, *args):
+        if events:  # every file after the first is slow: shard 2's is still being prepared when shard 1 fails
+            time.sleep(0.5)
+        shard = real_file(path, *args)
+        events.append("prepared")
+        return shard
 
     def failing_step():
         events.append("step")
@@ -163,14 +165,14 @@ def test_resume_after_a_failure_mid_shard_while_a_write_is_in_flight(llm, tmp_pa
             raise RuntimeError("device lost")
         return real_step()
 
-    monkeypatch.setattr(corpus, "write_safetensors", slow_write)
+    monkeypatch.setattr(corpus, "ShardFile", slow_file)
     monkeypatch.setattr(llm.engine, "step", failing_step)
     with pytest.raises(RuntimeError, match="device lost"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
-    assert events[-2:] == ["failed", "written"]  # the write was in flight when the capture failed
+    assert events[-2:] == ["failed", "prepared"]  # the preparation was in flight when the capture failed
     index = json.loads((tmp_path / "cut" / "index.json").read_text())
-    assert [e["shard"] for e in index["shards"]] == [0] and not index["complete"]  # listed once written
-    assert sorted(os.listdir(tmp_path / "cut")) == ["index.json", "shard-00000.safetensors"]
+    assert [e["shard"] for e in index["shards"]] == [0] and not index["complete"]
+    assert sorted(os.listdir(tmp_path / "cut")) == ["index.json", "shard-00000.safetensors"]  # no .part left
     assert llm.engine.stats()["num_requests"] == 0 and not llm.capture_status()["enabled"]  # aborted, stopped
     monkeypatch.undo()
     capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs, resume=True)

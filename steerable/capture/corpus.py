@@ -9,10 +9,10 @@ file and renamed, then listed in the index (itself replaced atomically), so a ru
 point resumes (``resume=True``) by recomputing only the shards the index does not list; the result
 is the same as an uninterrupted run.
 
-Speed: the rows go through a capture stream whose sink is the shard itself (``ShardBuffer``), so
-each row is copied once, from the step's host block to its place in the shard, and the file is
-written from that memory (``write_safetensors``) by a background thread while the next shard is
-captured into a second buffer.
+Speed: the rows go through a capture stream whose sink is the shard file itself (``ShardBuffer``
+over a ``ShardFile``'s mapped pages), so each row is copied once, from the step's host block to
+its place in the file, and nothing is written afterwards. The next shard's file is created and
+its pages allocated by a background thread while the current one is captured.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from steerable.capture.shard_buffer import ShardBuffer
-from steerable.capture.shard_file import write_safetensors
+from steerable.capture.shard_file import ShardFile
 from steerable.capture.store import resolve_storage_dtype
 from steerable.entrypoints.llm import run_to_completion
 from steerable.errors import InvalidRequestError
@@ -55,8 +56,8 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
     """Capture ``hook`` at ``layers`` (default: all) on the rows ``select`` picks, for every text,
     into shards under ``out``; returns the index. ``resume=True`` continues a run with the same
     settings (anything else differing fails naming it); without it, ``out`` must hold no capture.
-    Holds two shards' rows in memory; records through the ``hidden_states`` stream, which must not
-    be running."""
+    Two shard files are mapped at a time; records through the ``hidden_states`` stream, which must
+    not be running."""
     engine = llm.llm_engine
     cfg = engine.model_config
     settings = _settings(texts, cfg.num_layers, layers, hook, select, dtype, shard_size, batch_size,
@@ -71,15 +72,28 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
     todo = [k for k in range(-(-len(texts) // shard_size)) if k not in done]
     finished = sum(entry["stop"] - entry["start"] for entry in index["shards"])
     storage = resolve_storage_dtype(dtype) or engine.dtype
-    buffers = [ShardBuffer(len(settings["layers"]), cfg.hidden_size, storage) for _ in range(min(2, len(todo)))]
+    select_spec = SelectSpec.from_wire(settings["select"])
+    upcoming = iter(todo)
+
     with tqdm(total=len(texts), initial=finished, desc="Capturing", unit="example", disable=not use_tqdm) as bar, \
-            _ShardWriter(out, index, bar) as writer:
-        for i, k in enumerate(todo):
-            lo, hi = k * shard_size, min((k + 1) * shard_size, len(texts))
-            buffer = buffers[i % 2]  # the other one may still be being written
-            _capture_shard(engine, texts, lo, hi, settings, batch_size, buffer, bar, writer)
-            writer.submit({"shard": k, "file": shard_name(k), "start": lo, "stop": hi, "rows": buffer.rows},
-                          buffer.tensors(settings["layers"]))
+            _ShardFiles(out, index, settings["layers"], cfg.hidden_size, storage, bar) as files:
+
+        def prepare_next() -> None:
+            k = next(upcoming, None)
+            if k is not None:
+                prompts = [engine.tokenize(text) for text in texts[k * shard_size:(k + 1) * shard_size]]
+                files.prepare(k, prompts, [len(select_spec.prompt_positions_selected(p)) for p in prompts])
+
+        prepare_next()
+        for _ in todo:
+            job = files.take()
+            prepare_next()  # its file is allocated while this shard is captured
+            lo = job.shard * shard_size
+            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels)
+            job.file = None  # the mapping goes with the buffer
+            _capture_shard(engine, job.prompts, lo, settings, batch_size, buffer, bar)
+            files.finish(job, {"shard": job.shard, "file": shard_name(job.shard), "start": lo,
+                               "stop": lo + len(job.prompts), "rows": buffer.rows})
     index["complete"] = True
     _write_index(out, index)
     return index
@@ -117,7 +131,7 @@ def _open_index(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, 
             if index.get(key) != value:
                 raise InvalidRequestError(f"resume: {key} differs from the interrupted run ({index.get(key)!r} there, "
                                           f"{value!r} now)")
-        for stale in out.glob(".shard-*.part"):  # a shard being written when the run was killed
+        for stale in [*out.glob(".shard-*.part"), *out.glob(".index-*.part")]:  # left by a killed run
             stale.unlink()
         return index
     out.mkdir(parents=True, exist_ok=True)
@@ -126,20 +140,17 @@ def _open_index(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, 
     return index
 
 
-def _capture_shard(engine: Any, texts: Sequence[Any], lo: int, hi: int, settings: dict[str, Any], batch_size: int,
-                   buffer: ShardBuffer, bar: tqdm, writer: "_ShardWriter") -> None:
-    """Fill ``buffer`` with the rows of every example in [lo, hi)."""
+def _capture_shard(engine: Any, prompts: list[list[int]], lo: int, settings: dict[str, Any], batch_size: int,
+                   buffer: ShardBuffer, bar: tqdm) -> None:
+    """Fill ``buffer`` with the rows of examples ``lo, lo + 1, ...`` (``prompts``)."""
     select = SelectSpec.from_wire(settings["select"])
-    prompts = [engine.tokenize(text) for text in texts[lo:hi]]
-    buffer.reset(lo, [len(select.prompt_positions_selected(prompt)) for prompt in prompts])
     engine.start_capture(HIDDEN_STATES, settings["layers"], settings["dtype"], "all", select, None, settings["hook"],
                          sink=buffer)
     try:
-        for start in range(0, hi - lo, batch_size):
+        for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
             _prefill(engine, batch, lo + start, buffer)
             bar.update(len(batch))
-            writer.check()
     finally:
         engine.stop_capture(HIDDEN_STATES)
     buffer.check_complete()
@@ -161,66 +172,73 @@ def _prefill(engine: Any, prompts: list[list[int]], first: int, buffer: ShardBuf
     run_to_completion(engine, added)
 
 
-class _ShardWriter:
-    """Writes one shard at a time in a background thread (file writes release the GIL), so a shard's
-    file is written while the next one is captured. A shard is listed in the index (by the calling
-    thread) only once its file is in place; a failed write is raised in the caller at the next
-    ``check``, ``submit`` or exit. On exit every write has ended: one in flight when the caller
-    failed is still listed if it succeeded (a resumed run then skips it)."""
+@dataclass
+class _Job:
+    shard: int
+    prompts: list[list[int]]
+    counts: list[int]  # selected rows per example
+    part: Path  # the file while it is filled
+    file: Any = None  # its ShardFile, once allocated
 
-    def __init__(self, out: Path, index: dict[str, Any], bar: tqdm):
-        self.out, self.index, self.bar = out, index, bar
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="corpus-writer")
-        self.pending: tuple[Future, dict[str, Any]] | None = None
+
+class _ShardFiles:
+    """Shard files in the making: ``prepare`` creates the next one (a ``.part`` file) and allocates
+    its pages in a background thread, ``take`` waits for it, ``finish`` renames a filled one into
+    place and only then lists it in the index, so the index (and a resumed run) never sees half a
+    shard. On exit every preparation has ended and the ``.part`` files not finished are removed;
+    a failed preparation is raised by ``take``."""
+
+    def __init__(self, out: Path, index: dict[str, Any], layers: list[int], width: int, dtype: torch.dtype,
+                 bar: tqdm):
+        self.out, self.index, self.layers, self.width, self.dtype, self.bar = out, index, layers, width, dtype, bar
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="corpus-files")
+        self.pending: tuple[_Job, Future] | None = None
+        self.parts: set[Path] = set()  # created, not yet renamed
         self.start_time, self.rows_written = time.perf_counter(), 0
 
-    def submit(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        self.wait()
-        write = lambda path: write_safetensors(path, tensors, metadata={"format": FORMAT})  # noqa: E731
-        self.pending = (self.pool.submit(_write_atomic, self.out / entry["file"], write), entry)
+    def prepare(self, shard: int, prompts: list[list[int]], counts: list[int]) -> None:
+        fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".part", dir=self.out)
+        os.close(fd)
+        job = _Job(shard, prompts, counts, Path(name))
+        self.parts.add(job.part)
+        self.pending = (job, self.pool.submit(ShardFile, job.part, self.layers, sum(counts), self.width, self.dtype,
+                                              {"format": FORMAT}))
 
-    def check(self) -> None:
-        """Raise a failed write's error now rather than after the next shard."""
-        if self.pending is not None and self.pending[0].done():
-            self.wait()
+    def take(self) -> _Job:
+        (job, future), self.pending = self.pending, None
+        job.file = future.result()
+        return job
 
-    def wait(self) -> None:
-        """Let the write in flight finish and list its shard."""
-        if self.pending is None:
-            return
-        (future, entry), self.pending = self.pending, None
-        future.result()
+    def finish(self, job: _Job, entry: dict[str, Any]) -> None:
+        os.replace(job.part, self.out / entry["file"])
+        self.parts.discard(job.part)
         self.index["shards"].append(entry)
         self.index["shards"].sort(key=lambda e: e["shard"])
         _write_index(self.out, self.index)
         self.rows_written += entry["rows"]
         self.bar.set_postfix(rows_per_s=f"{self.rows_written / (time.perf_counter() - self.start_time):.0f}")
 
-    def __enter__(self) -> "_ShardWriter":
+    def __enter__(self) -> "_ShardFiles":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if exc_type is None:
-                self.wait()
-            else:
+            if self.pending is not None:
                 with contextlib.suppress(Exception):  # the caller's own error is the one raised
-                    self.wait()
+                    self.pending[1].result()
         finally:
             self.pool.shutdown(wait=True)
+            for part in self.parts:
+                part.unlink(missing_ok=True)
 
 
 def _write_index(out: Path, index: dict[str, Any]) -> None:
-    _write_atomic(out / INDEX, lambda path: Path(path).write_text(json.dumps(index, indent=1)))
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    """``write(tmp)`` then rename over ``path``: a reader (or a resumed run) never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".part", dir=path.parent)
-    os.close(fd)
+    """Replaced atomically: a reader (or a resumed run) never sees half an index."""
+    fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".part", dir=out)
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(index, indent=1))
+        os.replace(tmp, out / INDEX)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

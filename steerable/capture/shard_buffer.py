@@ -1,5 +1,5 @@
 """One corpus shard assembled in place: each captured row is copied once, from the step's host
-block straight to where the shard file wants it.
+block straight to its place in the shard file (``ShardFile``'s mapped pages).
 
 A shard holds examples ``[first, first + len(counts))`` in example-then-position order, and each
 example's row count is known before it runs (its selected prompt positions: one token is generated
@@ -7,8 +7,7 @@ and never fed back), so example e's rows have a fixed place, ``data[:, offset[e]
 The engine hands a step's rows of a stream over as one block ``[layers, rows, width]``
 (``CaptureSession.start(sink=...)``); a request's rows come in position order and consecutive
 requests are usually consecutive examples, so a step usually lands with one strided copy of every
-layer at once. ``data[i, :rows]`` is contiguous, so the writer takes each layer as it is, and the
-storage is reused by the next shard (no fresh pages to fault in after the first).
+layer at once.
 """
 
 from __future__ import annotations
@@ -18,39 +17,29 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from steerable.capture.shard_file import LABELS
 from steerable.capture.store import StreamRows
-
-LABELS = ("example", "position", "token_id")
 
 
 class ShardBuffer:
-    def __init__(self, num_layers: int, width: int, dtype: torch.dtype):
-        self.data = torch.empty(num_layers, 0, width, dtype=dtype)
-        self.labels = np.empty((len(LABELS), 0), np.int64)  # per row: example, position, token id
-        self.first = 0
-        self.counts = np.zeros(0, np.int64)  # rows each example must get
-        self.offsets = np.zeros(1, np.int64)  # where each example's rows start
-        self.filled = np.zeros(0, np.int64)  # rows each example got so far
+    """Places each step's rows of examples ``[first, first + len(counts))`` (``counts[i]`` rows
+    each) into ``data`` (``[layers, rows, width]``) and ``labels`` (``[3, rows]``: example,
+    position, token id), usually a ``ShardFile``'s views."""
+
+    def __init__(self, first: int, counts: Sequence[int], data: torch.Tensor, labels: np.ndarray):
+        self.first, self.counts = first, np.asarray(counts, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)])  # where each example's rows start
+        self.filled = np.zeros(len(self.counts), np.int64)  # rows each example got so far
         self.example_of: dict[str, int] = {}  # engine request id -> example index in the shard
+        if data.shape[1] != self.rows or labels.shape != (len(LABELS), self.rows):
+            raise ValueError(f"shard storage: {self.rows} rows needed, data has {data.shape[1]}, "
+                             f"labels {labels.shape[1]}")
+        self.data, self.labels = data, labels
+        self.labels[0] = np.repeat(np.arange(first, first + len(self.counts)), self.counts)
 
     @property
     def rows(self) -> int:
         return int(self.offsets[-1])
-
-    def reset(self, first: int, counts: Sequence[int]) -> None:
-        """Hold examples ``first, first + 1, ...`` with ``counts[i]`` rows each (earlier contents
-        are dropped; storage grows only when it must)."""
-        self.first, self.counts = first, np.asarray(counts, np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
-        self.filled = np.zeros(len(self.counts), np.int64)
-        self.example_of = {}
-        if self.rows > self.data.shape[1]:
-            layers, _, width = self.data.shape
-            dtype = self.data.dtype
-            self.data = self.labels = None  # the old storage goes before the new one is taken
-            self.data = torch.empty(layers, self.rows, width, dtype=dtype)
-            self.labels = np.empty((len(LABELS), self.rows), np.int64)
-        self.labels[0, :self.rows] = np.repeat(np.arange(first, first + len(self.counts)), self.counts)
 
     def expect(self, request_id: str, example: int) -> None:
         """Rows of engine request ``request_id`` belong to corpus example ``example``."""
@@ -83,12 +72,6 @@ class ShardBuffer:
             e = short[0]
             raise RuntimeError(f"corpus capture: example {self.first + e} got {self.filled[e]} of its "
                                f"{self.counts[e]} selected prompt rows")
-
-    def tensors(self, layers: Sequence[int]) -> dict[str, torch.Tensor]:
-        """The shard's tensors (views of the buffer): ``layer.L`` and the int64 labels."""
-        out = {f"layer.{layer}": self.data[i, :self.rows] for i, layer in enumerate(layers)}
-        out.update({name: torch.from_numpy(self.labels[j, :self.rows]) for j, name in enumerate(LABELS)})
-        return out
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> Iterable[tuple[int, int, int]]:

@@ -1,72 +1,74 @@
-"""Write a safetensors file straight from the tensors' memory, several threads at once.
+"""A corpus shard's safetensors file, laid out before it is filled: the header is written first
+and the tensors are views of the file's own mapped pages, so copying rows into them is writing
+the file. Nothing is written afterwards.
+
+Why not write the file from memory at the end: on tmpfs (and the page cache) one file takes
+``write``/``pwrite`` calls one at a time (the inode lock), about 3 GB/s on the H200 host whatever
+the thread count, and that was most of a corpus run. Pages of a shared mapping are filled by
+plain memory copies (no lock, several threads) and are allocated and mapped up front
+(``MAP_POPULATE``), which ``ShardFile`` can do in a background thread while the previous shard
+is captured.
 
 The format is an 8-byte little-endian header length, a JSON header (per tensor its dtype, shape
 and byte range; ``__metadata__``) padded with spaces to a multiple of 8, then the raw bytes.
-``safetensors.torch.save_file`` writes the same bytes (tested), but releases up to at least 0.5
-first copy every tensor into a Python ``bytes`` object (a second copy of a multi-gigabyte corpus
-shard; safetensors issue 564), and every release writes from one thread, while filling a file's
-pages (tmpfs or the page cache) is a kernel memcpy plus page allocation that one thread runs well
-below memory speed (about 2 GB/s on tmpfs where a warm memcpy runs at 13). Here each tensor's
-memory goes to ``os.pwrite`` as it is, in slices spread over up to half the cores (``pwrite``
-releases the GIL; the other half keep the engine's own copies going).
+Here the label tensors come first and the layers follow in ascending order, so all layers are one
+``[layers, rows, width]`` block and all labels one ``[3, rows]`` block; readers go by the byte
+ranges, not by the order (``save_file`` would sort by dtype and name).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-# In the order of safetensors' ``Dtype`` enum: a file lists its tensors by that order, last first.
-_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
-           torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64",
-           torch.int64: "I64"}
-_RANK = {dtype: i for i, dtype in enumerate(_DTYPES)}
-WRITE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-SLICE_BYTES = 64 << 20  # a thread's unit of work
+LABELS = ("example", "position", "token_id")  # int64, one value per row
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: allocate and map every page now
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write contiguous CPU ``tensors`` to ``path`` as ``save_file(tensors, path, metadata)`` would
-    (the same order: by dtype, then by name)."""
-    names = sorted(tensors, key=lambda name: (-_RANK.get(tensors[name].dtype, -1), name))
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    parts, offset = [], 0  # (data offset, bytes of a tensor)
-    for name in names:
-        tensor = tensors[name]
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype not in _DTYPES:
-            raise ValueError(f"{name}: expected a contiguous CPU tensor of a safetensors dtype, got "
-                             f"{tensor.dtype} on {tensor.device} (contiguous: {tensor.is_contiguous()})")
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        parts.append((offset, data))
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
-    start = 8 + len(text)
-    slices = [(start + at + i, data[i:i + SLICE_BYTES]) for at, data in parts for i in range(0, len(data), SLICE_BYTES)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _pwrite(fd, struct.pack("<Q", len(text)) + text, 0)
-        workers = min(WRITE_THREADS, len(slices))
-        if workers > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(lambda item: _pwrite(fd, item[1], item[0]), slices))
-        else:  # a small file: threads would cost more than they save
-            for at, data in slices:
-                _pwrite(fd, data, at)
-    finally:
-        os.close(fd)
+class ShardFile:
+    """The file at ``path`` (created or truncated) holding ``layer.L`` ``[rows, width]`` for each
+    of ``layers`` and the int64 labels. ``data`` (``[layers, rows, width]``) and ``labels``
+    (``[3, rows]``: example, position, token id) are views of its pages: what is copied into them
+    is in the file, visible to readers as soon as it is copied. The mapping goes away with the
+    last view."""
 
-
-def _pwrite(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """All of ``data`` at ``offset`` (a write may take only part of it)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    def __init__(self, path: str | os.PathLike, layers: Sequence[int], rows: int, width: int, dtype: torch.dtype,
+                 metadata: dict[str, str] | None = None):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: a shard stores {sorted(str(d) for d in _DTYPES)}, not {dtype}")
+        header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        for name in LABELS:
+            header[name] = {"dtype": "I64", "shape": [rows], "data_offsets": [offset, offset + rows * 8]}
+            offset += rows * 8
+        layer_bytes = rows * width * dtype.itemsize
+        for layer in layers:
+            header[f"layer.{layer}"] = {"dtype": _DTYPES[dtype], "shape": [rows, width],
+                                        "data_offsets": [offset, offset + layer_bytes]}
+            offset += layer_bytes
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        start = 8 + len(text)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, start + offset)
+            head = struct.pack("<Q", len(text)) + text
+            if os.pwrite(fd, head, 0) != len(head):
+                raise OSError(f"{path}: short write of the safetensors header")
+            pages = mmap.mmap(fd, start + offset, flags=mmap.MAP_SHARED | _POPULATE) if offset else None
+        finally:
+            os.close(fd)  # the mapping keeps the file open
+        if pages is None:
+            self.labels = np.empty((len(LABELS), 0), np.int64)
+            self.data = torch.empty(len(layers), 0, width, dtype=dtype)
+            return
+        self.labels = np.frombuffer(pages, np.int64, len(LABELS) * rows, start).reshape(len(LABELS), rows)
+        self.data = torch.frombuffer(pages, dtype=dtype, count=len(layers) * rows * width,
+                                     offset=start + len(LABELS) * rows * 8).view(len(layers), rows, width)
