@@ -564,6 +564,8 @@ class SelectSpec:
         P = len(prompt_token_ids)
         if P == 0:
             return []
+        if self.selects_all_from(P) <= 0:  # e.g. "all_prompt": no mask to build
+            return list(range(P))
         positions = torch.arange(P, dtype=torch.int64)
         tokens = torch.as_tensor(prompt_token_ids, dtype=torch.int64).reshape(-1) if self._uses_tokens else None
         return torch.nonzero(self.mask(positions, P, tokens)).flatten().tolist()

@@ -664,6 +664,8 @@ def test_prompt_helpers():
     assert SelectSpec.parse("all_generated").prompt_positions_selected([1, 2, 3]) == []
     assert not SelectSpec.parse("all_generated").selects_prompt([1, 2, 3])
     assert SelectSpec.parse("last_prompt").prompt_positions_selected(list(range(40))) == [39]
+    for everything in ("all_prompt", "all", {"exclude_generation": "all"}):  # no mask is built for these
+        assert SelectSpec.parse(everything).prompt_positions_selected(list(range(40))) == list(range(40))
     assert SelectSpec().prompt_positions_selected([]) == []
     assert not SelectSpec().selects_prompt([])
 

@@ -5,9 +5,9 @@ the file. Nothing is written afterwards.
 Why not write the file from memory at the end: on tmpfs (and the page cache) one file takes
 ``write``/``pwrite`` calls one at a time (the inode lock), about 3 GB/s on the H200 host whatever
 the thread count, and that was most of a corpus run. Pages of a shared mapping are filled by
-plain memory copies (no lock, several threads) and are allocated and mapped up front
-(``MAP_POPULATE``), which ``ShardFile`` can do in a background thread while the previous shard
-is captured.
+plain memory copies (no lock, several threads) and are allocated in bulk (``posix_fallocate``)
+and mapped up front (``MAP_POPULATE``), which ``ShardFile`` can do in a background thread while
+the previous shard is captured.
 
 The format is an 8-byte little-endian header length, a JSON header (per tensor its dtype, shape
 and byte range; ``__metadata__``) padded with spaces to a multiple of 8, then the raw bytes.
@@ -18,6 +18,7 @@ ranges, not by the order (``save_file`` would sort by dtype and name).
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -29,7 +30,7 @@ import torch
 
 LABELS = ("example", "position", "token_id")  # int64, one value per row
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: allocate and map every page now
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page now (no fault per page later)
 
 
 class ShardFile:
@@ -59,6 +60,7 @@ class ShardFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, start + offset)
+            _allocate(fd, start + offset)
             head = struct.pack("<Q", len(text)) + text
             if os.pwrite(fd, head, 0) != len(head):
                 raise OSError(f"{path}: short write of the safetensors header")
@@ -72,3 +74,15 @@ class ShardFile:
         self.labels = np.frombuffer(pages, np.int64, len(LABELS) * rows, start).reshape(len(LABELS), rows)
         self.data = torch.frombuffer(pages, dtype=dtype, count=len(layers) * rows * width,
                                      offset=start + len(LABELS) * rows * 8).view(len(layers), rows, width)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve the file's space now: a full disk fails here with ``OSError`` rather than later as a
+    ``SIGBUS`` on a mapped page, and tmpfs allocates pages far faster in bulk than one fault each."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # a filesystem without it: pages on touch
+            raise

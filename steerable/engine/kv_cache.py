@@ -16,6 +16,7 @@ its own block under that hash.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -27,7 +28,7 @@ NULL_BLOCK = -1  # a logical block a sliding-window group does not hold (before 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b",".join(str(t).encode() for t in token_ids))
+    h.update(array("q", token_ids).tobytes())  # fixed-width ids: no separators needed
     for key in extra_keys:
         h.update(b"|")
         h.update(key)
