@@ -149,11 +149,12 @@ def test_resume_after_a_shard_file_fails(llm, tmp_path, monkeypatch):
 def test_resume_after_a_failure_mid_shard_while_the_next_file_is_prepared(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[1, 2], select="all_prompt", shard_size=4, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
-    real_file, real_step, events = corpus.ShardFile, llm.engine.step, []
+    real_file, real_step, events, calls = corpus.ShardFile, llm.engine.step, [], []
 
     def slow_file(path, *args):
-        if events:  # every file after the first is slow: shard 2's is still being prepared when shard 1 fails
-            time.sleep(0.5)
+        calls.append(path)
+        if len(calls) == 3:  # shard 2's file: still being prepared when shard 1 fails
+            time.sleep(1.0)
         shard = real_file(path, *args)
         events.append("prepared")
         return shard

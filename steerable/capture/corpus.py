@@ -11,8 +11,8 @@ is the same as an uninterrupted run.
 
 Speed: the rows go through a capture stream whose sink is the shard file itself (``ShardBuffer``
 over a ``ShardFile``'s mapped pages), so each row is copied once, from the step's host block to
-its place in the file, and nothing is written afterwards. The next shard's file is created and
-its pages allocated by a background thread while the current one is captured.
+its place in the file, and nothing is written afterwards. The next shards' files are created
+and their pages allocated by background threads while the current one is captured.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ from steerable.selection import SelectSpec
 
 FORMAT = "steerable-corpus-v1"
 INDEX = "index.json"
+# Shard files allocated ahead, each by its own thread: allocating a file (a kernel memset of its
+# pages) takes about as long as capturing into it, so one thread alone would fall behind.
+FILES_AHEAD = 2
 
 
 def shard_name(k: int) -> str:
@@ -84,10 +88,11 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
                 prompts = [engine.tokenize(text) for text in texts[k * shard_size:(k + 1) * shard_size]]
                 files.prepare(k, prompts, [len(select_spec.prompt_positions_selected(p)) for p in prompts])
 
-        prepare_next()
+        for _ in range(FILES_AHEAD):
+            prepare_next()
         for _ in todo:
             job = files.take()
-            prepare_next()  # its file is allocated while this shard is captured
+            prepare_next()  # allocated while this shard is captured
             lo = job.shard * shard_size
             buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels)
             job.file = None  # the mapping goes with the buffer
@@ -183,16 +188,16 @@ class _Job:
 
 class _ShardFiles:
     """Shard files in the making: ``prepare`` creates the next one (a ``.part`` file) and allocates
-    its pages in a background thread, ``take`` waits for it, ``finish`` renames a filled one into
-    place and only then lists it in the index, so the index (and a resumed run) never sees half a
-    shard. On exit every preparation has ended and the ``.part`` files not finished are removed;
-    a failed preparation is raised by ``take``."""
+    its pages in a background thread, ``take`` waits for the oldest, ``finish`` renames a filled
+    one into place and only then lists it in the index, so the index (and a resumed run) never
+    sees half a shard. On exit every preparation has ended and the ``.part`` files not finished
+    are removed; a failed preparation is raised by ``take``."""
 
     def __init__(self, out: Path, index: dict[str, Any], layers: list[int], width: int, dtype: torch.dtype,
                  bar: tqdm):
         self.out, self.index, self.layers, self.width, self.dtype, self.bar = out, index, layers, width, dtype, bar
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="corpus-files")
-        self.pending: tuple[_Job, Future] | None = None
+        self.pool = ThreadPoolExecutor(FILES_AHEAD, thread_name_prefix="corpus-files")
+        self.pending: deque[tuple[_Job, Future]] = deque()
         self.parts: set[Path] = set()  # created, not yet renamed
         self.start_time, self.rows_written = time.perf_counter(), 0
 
@@ -201,11 +206,11 @@ class _ShardFiles:
         os.close(fd)
         job = _Job(shard, prompts, counts, Path(name))
         self.parts.add(job.part)
-        self.pending = (job, self.pool.submit(ShardFile, job.part, self.layers, sum(counts), self.width, self.dtype,
-                                              {"format": FORMAT}))
+        self.pending.append((job, self.pool.submit(ShardFile, job.part, self.layers, sum(counts), self.width,
+                                                   self.dtype, {"format": FORMAT})))
 
     def take(self) -> _Job:
-        (job, future), self.pending = self.pending, None
+        job, future = self.pending.popleft()
         job.file = future.result()
         return job
 
@@ -223,9 +228,9 @@ class _ShardFiles:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if self.pending is not None:
+            for _, future in self.pending:
                 with contextlib.suppress(Exception):  # the caller's own error is the one raised
-                    self.pending[1].result()
+                    future.result()
         finally:
             self.pool.shutdown(wait=True)
             for part in self.parts:
