@@ -103,8 +103,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if mode == "mapped":
                     shard = ShardFile(path, layers, rows, args.width, torch.bfloat16, METADATA)
+                    shard.allocate()  # capture_corpus does this in a background thread, ahead of the rows
                     allocate_s = time.perf_counter() - t0
-                    deliver_s = deliver(ShardBuffer(0, lens, shard.data, shard.labels))
+                    deliver_s = deliver(ShardBuffer(0, lens, shard.data, shard.labels, shard.wait_rows))
                     del shard
                     write_s = 0.0
                 else:

@@ -2,6 +2,7 @@
 safetensors; a run interrupted (an injected failure, or a process killed after its first shard)
 and resumed writes the same shards as an uninterrupted one."""
 
+import errno
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 import steerable
 from steerable import LLM
 from steerable.capture import corpus
+from steerable.capture import shard_file as corpus_files
 from steerable.capture.corpus import capture_corpus
 from steerable.entrypoints.cli import main
 
@@ -119,25 +121,46 @@ def shard_bytes(out) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
 
-def test_resume_after_a_shard_file_fails(llm, tmp_path, monkeypatch):
+class ShortOfSpace(corpus.ShardFile):
+    """The third shard's file runs out of space after its first chunk of rows."""
+    made = 0
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        ShortOfSpace.made += 1
+        self.fails = ShortOfSpace.made == 3
+
+    def allocate(self, chunk_rows=4096):
+        if self.fails:
+            real, calls = corpus_files.os.posix_fallocate, []
+
+            def fallocate(fd, offset, length):
+                calls.append(offset)
+                if len(calls) > 1 + len(self.data):  # the labels and chunk 0 of every layer
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                real(fd, offset, length)
+
+            corpus_files.os.posix_fallocate = fallocate
+            try:
+                return super().allocate(chunk_rows=2)
+            finally:
+                corpus_files.os.posix_fallocate = real
+        return super().allocate(chunk_rows)
+
+
+def test_resume_after_a_shard_runs_out_of_space(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[0, 1, 2], select="all_prompt", shard_size=2, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
-    real_file, calls = corpus.ShardFile, []
-
-    def failing(path, *args):
-        calls.append(path)
-        if len(calls) == 3:
-            raise OSError("disk full")
-        return real_file(path, *args)
-
-    monkeypatch.setattr(corpus, "ShardFile", failing)
-    with pytest.raises(OSError, match="disk full"):  # raised in the preparing thread, surfaces here
+    ShortOfSpace.made = 0
+    monkeypatch.setattr(corpus, "ShardFile", ShortOfSpace)
+    with pytest.raises(OSError, match="could not be reserved"):  # reserved in a thread, raised where rows wait
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     index = json.loads((tmp_path / "cut" / "index.json").read_text())
     assert len(index["shards"]) == 2 and not index["complete"]
     assert not [n for n in os.listdir(tmp_path / "cut") if n.endswith(".part")]
     assert not [t for t in threading.enumerate() if t.name.startswith("corpus-files")]
-    monkeypatch.setattr(corpus, "ShardFile", real_file)
+    assert llm.engine.stats()["num_requests"] == 0 and not llm.capture_status()["enabled"]  # aborted, stopped
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="resume"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     with pytest.raises(ValueError, match="resume: layers differs"):
@@ -146,18 +169,20 @@ def test_resume_after_a_shard_file_fails(llm, tmp_path, monkeypatch):
     assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
 
 
-def test_resume_after_a_failure_mid_shard_while_the_next_file_is_prepared(llm, tmp_path, monkeypatch):
+def test_resume_after_a_failure_mid_shard_while_the_next_file_is_allocated(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[1, 2], select="all_prompt", shard_size=4, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
-    real_file, real_step, events, calls = corpus.ShardFile, llm.engine.step, [], []
+    real_step, events = llm.engine.step, []
 
-    def slow_file(path, *args):
-        calls.append(path)
-        if len(calls) == 3:  # shard 2's file: still being prepared when shard 1 fails
-            time.sleep(1.0)
-        shard = real_file(path, *args)
-        events.append("prepared")
-        return shard
+    class Slow(corpus.ShardFile):
+        made = 0
+
+        def allocate(self, chunk_rows=4096):
+            Slow.made += 1
+            if Slow.made == 3:  # shard 2's file: still being allocated when shard 1 fails
+                time.sleep(1.0)
+            super().allocate(chunk_rows)
+            events.append("allocated")
 
     def failing_step():
         events.append("step")
@@ -166,11 +191,11 @@ def test_resume_after_a_failure_mid_shard_while_the_next_file_is_prepared(llm, t
             raise RuntimeError("device lost")
         return real_step()
 
-    monkeypatch.setattr(corpus, "ShardFile", slow_file)
+    monkeypatch.setattr(corpus, "ShardFile", Slow)
     monkeypatch.setattr(llm.engine, "step", failing_step)
     with pytest.raises(RuntimeError, match="device lost"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
-    assert events[-2:] == ["failed", "prepared"]  # the preparation was in flight when the capture failed
+    assert events[-2:] == ["failed", "allocated"]  # the allocation was in flight when the capture failed
     index = json.loads((tmp_path / "cut" / "index.json").read_text())
     assert [e["shard"] for e in index["shards"]] == [0] and not index["complete"]
     assert sorted(os.listdir(tmp_path / "cut")) == ["index.json", "shard-00000.safetensors"]  # no .part left

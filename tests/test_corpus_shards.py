@@ -1,8 +1,10 @@
 """The pieces of corpus capture below the engine: the shard file filled through its mapped pages
 (read back by plain safetensors) and the shard buffer that places each step's rows."""
 
+import errno
 import json
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from steerable.capture import shard_file
 from steerable.capture.shard_buffer import ShardBuffer
 from steerable.capture.shard_file import LABELS, ShardFile
 from steerable.capture.store import StreamRows
@@ -22,6 +25,8 @@ def test_shard_file_is_what_was_copied_into_it(tmp_path, dtype):
     expected = {f"layer.{layer}": torch.randn(rows, width, generator=g).to(dtype) for layer in layers}
     expected.update({name: torch.randint(-5, 10**12, (rows,), generator=g) for name in LABELS})
     shard = ShardFile(tmp_path / "s.part", layers, rows, width, dtype, {"format": "x", "note": 'é "q"'})
+    shard.allocate(chunk_rows=3)  # several chunks, the last one short
+    shard.wait_rows(rows)
     for i, layer in enumerate(layers):
         shard.data[i].copy_(expected[f"layer.{layer}"])
     for j, name in enumerate(LABELS):
@@ -44,11 +49,45 @@ def test_shard_file_is_what_was_copied_into_it(tmp_path, dtype):
 
 def test_shard_file_of_no_rows_and_what_it_refuses(tmp_path):
     shard = ShardFile(tmp_path / "empty.safetensors", [0, 1], 0, 4, torch.bfloat16)
+    shard.wait_rows(0)  # nothing to reserve
+    shard.allocate()
     assert shard.data.shape == (2, 0, 4) and shard.labels.shape == (3, 0)
     loaded = load_file(tmp_path / "empty.safetensors")
     assert loaded["layer.1"].shape == (0, 4) and loaded["example"].shape == (0,)
     with pytest.raises(ValueError, match="dtype"):
         ShardFile(tmp_path / "x.safetensors", [0], 1, 4, torch.int8)
+
+
+def test_shard_file_releases_rows_as_they_are_reserved(tmp_path, monkeypatch):
+    reserved, released = [], []
+    real = shard_file.os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        reserved.append((offset, length))
+        if len(reserved) == 5:  # the labels, chunk 0 of both layers, then chunk 1 of layer 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(shard_file.os, "posix_fallocate", fallocate)
+    shard = ShardFile(tmp_path / "s.part", [0, 1], 10, 4, torch.float32)
+    def wait():
+        try:
+            for n in (0, 4, 8):
+                shard.wait_rows(n)
+                released.append(n)
+        except OSError:
+            released.append("refused")
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    with pytest.raises(OSError, match="No space"):
+        shard.allocate(chunk_rows=4)
+    waiter.join(timeout=10)
+    assert released == [0, 4, "refused"] and not waiter.is_alive()  # rows 4-7 were never granted
+    start = shard.start + 3 * 10 * 8
+    assert reserved == [(0, start), (start, 64), (start + 160, 64), (start + 64, 64), (start + 224, 64)]
+    with pytest.raises(OSError, match="rows up to 8 could not be reserved"):
+        shard.wait_rows(8)
 
 
 def buffer_over(first, counts, layers, width, dtype):
@@ -91,4 +130,23 @@ def test_buffer_refuses_rows_it_cannot_place():
         buffer.append(step([0, 1], [("a", [0, 1])]))
     buffer.append(step([0], [("b", [0])]))
     with pytest.raises(RuntimeError, match="example 0 got 0 of its 1"):
+        buffer.check_complete()
+
+
+def test_buffer_keeps_a_storage_failure_for_its_caller():
+    def wait_rows(n):
+        if n > 1:
+            raise OSError("no space for rows up to %d" % n)
+
+    rows = torch.zeros(2, 3, 3)
+    buffer = ShardBuffer(0, [1, 2], rows, np.empty((3, 3), np.int64), wait_rows)
+    buffer.expect("a", 0)
+    buffer.expect("b", 1)
+    buffer.append(step([0], [("a", [0])]))
+    buffer.check()
+    buffer.append(step([0, 1], [("b", [0, 1])]))  # not stored: the engine's step goes on
+    assert rows[:, 1:].abs().sum() == 0
+    with pytest.raises(OSError, match="rows up to 3"):
+        buffer.check()
+    with pytest.raises(OSError, match="rows up to 3"):
         buffer.check_complete()

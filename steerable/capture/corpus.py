@@ -91,13 +91,13 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
         for _ in range(FILES_AHEAD):
             prepare_next()
         for _ in todo:
-            job = files.take()
+            job, allocation = files.take()
             prepare_next()  # allocated while this shard is captured
             lo = job.shard * shard_size
-            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels)
+            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels, job.file.wait_rows)
             job.file = None  # the mapping goes with the buffer
             _capture_shard(engine, job.prompts, lo, settings, batch_size, buffer, bar)
-            files.finish(job, {"shard": job.shard, "file": shard_name(job.shard), "start": lo,
+            files.finish(job, allocation, {"shard": job.shard, "file": shard_name(job.shard), "start": lo,
                                "stop": lo + len(job.prompts), "rows": buffer.rows})
     index["complete"] = True
     _write_index(out, index)
@@ -155,6 +155,7 @@ def _capture_shard(engine: Any, prompts: list[list[int]], lo: int, settings: dic
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
             _prefill(engine, batch, lo + start, buffer)
+            buffer.check()
             bar.update(len(batch))
     finally:
         engine.stop_capture(HIDDEN_STATES)
@@ -183,15 +184,15 @@ class _Job:
     prompts: list[list[int]]
     counts: list[int]  # selected rows per example
     part: Path  # the file while it is filled
-    file: Any = None  # its ShardFile, once allocated
+    file: ShardFile | None = None
 
 
 class _ShardFiles:
-    """Shard files in the making: ``prepare`` creates the next one (a ``.part`` file) and allocates
-    its pages in a background thread, ``take`` waits for the oldest, ``finish`` renames a filled
+    """Shard files in the making: ``prepare`` creates the next one (a ``.part`` file) and reserves
+    its space in a background thread, ``take`` hands out the oldest, ``finish`` renames a filled
     one into place and only then lists it in the index, so the index (and a resumed run) never
-    sees half a shard. On exit every preparation has ended and the ``.part`` files not finished
-    are removed; a failed preparation is raised by ``take``."""
+    sees half a shard. On exit every allocation has ended and the ``.part`` files not finished
+    are removed. A failed allocation is raised where the capture waits for its rows."""
 
     def __init__(self, out: Path, index: dict[str, Any], layers: list[int], width: int, dtype: torch.dtype,
                  bar: tqdm):
@@ -206,15 +207,15 @@ class _ShardFiles:
         os.close(fd)
         job = _Job(shard, prompts, counts, Path(name))
         self.parts.add(job.part)
-        self.pending.append((job, self.pool.submit(ShardFile, job.part, self.layers, sum(counts), self.width,
-                                                   self.dtype, {"format": FORMAT})))
+        job.file = ShardFile(job.part, self.layers, sum(counts), self.width, self.dtype, {"format": FORMAT})
+        self.pending.append((job, self.pool.submit(job.file.allocate)))
 
-    def take(self) -> _Job:
-        job, future = self.pending.popleft()
-        job.file = future.result()
-        return job
+    def take(self) -> tuple[_Job, Future]:
+        """The oldest shard prepared, and its allocation (writers wait on the file for their rows)."""
+        return self.pending.popleft()
 
-    def finish(self, job: _Job, entry: dict[str, Any]) -> None:
+    def finish(self, job: _Job, allocation: Future, entry: dict[str, Any]) -> None:
+        allocation.result()  # done by now (every row was written); raises if it failed
         os.replace(job.part, self.out / entry["file"])
         self.parts.discard(job.part)
         self.index["shards"].append(entry)

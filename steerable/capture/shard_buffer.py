@@ -12,7 +12,7 @@ layer at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -24,17 +24,22 @@ from steerable.capture.store import StreamRows
 class ShardBuffer:
     """Places each step's rows of examples ``[first, first + len(counts))`` (``counts[i]`` rows
     each) into ``data`` (``[layers, rows, width]``) and ``labels`` (``[3, rows]``: example,
-    position, token id), usually a ``ShardFile``'s views."""
+    position, token id), usually a ``ShardFile``'s views (then ``wait_rows`` is its own)."""
 
-    def __init__(self, first: int, counts: Sequence[int], data: torch.Tensor, labels: np.ndarray):
+    def __init__(self, first: int, counts: Sequence[int], data: torch.Tensor, labels: np.ndarray,
+                 wait_rows: Callable[[int], None] | None = None):
+        self.wait_rows = wait_rows  # called before writing below a row: the storage may still be reserving it
         self.first, self.counts = first, np.asarray(counts, np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])  # where each example's rows start
         self.filled = np.zeros(len(self.counts), np.int64)  # rows each example got so far
         self.example_of: dict[str, int] = {}  # engine request id -> example index in the shard
+        self.error: OSError | None = None  # the storage could not take rows
         if data.shape[1] != self.rows or labels.shape != (len(LABELS), self.rows):
             raise ValueError(f"shard storage: {self.rows} rows needed, data has {data.shape[1]}, "
                              f"labels {labels.shape[1]}")
         self.data, self.labels = data, labels
+        if wait_rows is not None:
+            wait_rows(0)
         self.labels[0] = np.repeat(np.arange(first, first + len(self.counts)), self.counts)
 
     @property
@@ -60,13 +65,25 @@ class ShardBuffer:
         self.filled[local] += rows.counts
         first_row = np.cumsum(rows.counts) - rows.counts  # each request's first row among the step's
         target = np.arange(len(rows.where)) + np.repeat(start - first_row, rows.counts)
+        if self.wait_rows is not None and len(target):
+            try:
+                self.wait_rows(int(target.max()) + 1)
+            except OSError as e:  # the caller's to raise (``check``): the engine's other requests go on
+                self.error = self.error or e
+                return
         self.labels[1, target] = rows.positions
         self.labels[2, target] = rows.token_ids
         for src, dst, n in _runs(rows.where, target):
             self.data[:, dst:dst + n].copy_(rows.block[:, src:src + n])
 
+    def check(self) -> None:
+        """Raise the storage's failure, if rows could not be stored."""
+        if self.error is not None:
+            raise self.error
+
     def check_complete(self) -> None:
         """Every example got all its rows (a shard is written only then)."""
+        self.check()
         short = np.flatnonzero(self.filled != self.counts)
         if len(short):
             e = short[0]
