@@ -167,6 +167,8 @@ class Worker(Protocol):
 
     num_blocks: int  # KV blocks every rank holds
     max_blocks_per_seq: int
+    # Later capture-copying launches a step's host rows outlive; None: only until the next finish.
+    host_block_lifetime: int | None
 
     def launch(self, step: StepInput) -> Any: ...
 

@@ -17,7 +17,7 @@ from conftest import CORPUS
 from safetensors.torch import load_file
 
 import steerable
-from steerable import LLM
+from steerable import LLM, SamplingParams
 from steerable.capture import corpus
 from steerable.capture import shard_file as corpus_files
 from steerable.capture.corpus import capture_corpus
@@ -93,28 +93,79 @@ def test_a_running_stream_is_refused_and_a_stopped_one_kept(llm, tmp_path):
     assert len(set(meta[1].req_ids)) == 1 and tensors[1].shape[0] == len(meta[1]) > 0
 
 
-def test_a_stream_sink_takes_the_rows_a_store_would(llm):
-    class Sink:
-        def __init__(self):
-            self.parts = []
+class Sink:
+    def __init__(self, threaded=False, delay=0.0, fail_at=None):
+        self.threaded, self.delay, self.fail_at = threaded, delay, fail_at
+        self.parts, self.threads = [], set()
 
-        def append(self, rows):
-            self.parts.append(rows.block.index_select(1, torch.from_numpy(rows.where)).clone())
+    def append(self, rows):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay)  # a slow sink: the engine runs ahead of it
+        if len(self.parts) == self.fail_at:
+            raise RuntimeError("sink broke")
+        self.parts.append(rows.block.index_select(1, torch.from_numpy(rows.where)).clone())
 
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_stream_sink_takes_the_rows_a_store_would(llm, threaded):
     with pytest.raises(ValueError, match="sink: takes every selected row"):
         llm.llm_engine.start_capture("hidden_states", [0], None, "last", None, None, "post_mlp", sink=Sink())
-    sink = Sink()
+    sink = Sink(threaded, delay=0.02 if threaded else 0.0)
     llm.llm_engine.start_capture("hidden_states", [0, 2], None, "all", "all_prompt", None, "post_mlp", sink=sink)
     llm.generate(TEXTS[:3], use_tqdm=False)
     assert llm.fetch_captured() == ({}, {}) and llm.capture_status()["enabled"]
-    llm.stop_capture()
+    llm.stop_capture()  # a threaded sink has taken every row when this returns
     assert llm.fetch_captured() == ({}, {}) and not llm.capture_status()["enabled"]  # no store left behind
+    assert sink.threads == ({"capture-sink_0"} if threaded else {threading.current_thread().name})
+    assert llm.llm_engine.capture.sink_thread is None
     llm.start_capture(layers=[0, 2], select="all_prompt")
     llm.generate(TEXTS[:3], use_tqdm=False)
     llm.stop_capture()
     stored, _ = llm.fetch_captured()
     received = torch.cat(sink.parts, dim=1)
     assert torch.equal(received[0], stored[0]) and torch.equal(received[1], stored[2])
+
+
+def test_a_threaded_sink_runs_behind_by_at_most_the_host_rows_lifetime(capture_dirs):
+    """Step k's rows are read on the sink thread while later steps launch, but always before the
+    launch that reuses their host block (the worker keeps them for two more copying launches)."""
+    llm = LLM(capture_dirs["llama"], device="cpu", kv_cache_tokens=2048, max_num_batched_tokens=16)
+    session = llm.llm_engine.capture
+    planned, appended, real_plan = [], [], session.plan
+
+    def plan(*args):
+        result = real_plan(*args)
+        if result is not None:
+            planned.append(time.perf_counter())
+        return result
+
+    class Slow(Sink):
+        def append(self, rows):
+            super().append(rows)
+            appended.append(time.perf_counter())
+
+    session.plan = plan
+    sink = Slow(threaded=True, delay=0.03)
+    llm.llm_engine.start_capture("hidden_states", [0], None, "all", "all_prompt", None, "post_mlp", sink=sink)
+    llm.generate(TEXTS[:4], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.stop_capture()
+    lifetime = llm.llm_engine.worker.host_block_lifetime
+    assert lifetime == 2 and len(appended) == len(planned) > 2 * lifetime
+    assert all(appended[k] < planned[k + lifetime + 1] for k in range(len(planned) - lifetime - 1))
+    assert any(appended[k] > planned[k + 1] for k in range(len(planned) - 1))  # the engine did run ahead
+
+
+def test_a_failing_threaded_sink_is_raised_and_the_engine_goes_on(llm):
+    sink = Sink(threaded=True, fail_at=0)
+    llm.llm_engine.start_capture("hidden_states", [1], None, "all", "all_prompt", None, "post_mlp", sink=sink)
+    with pytest.raises(Exception, match="sink broke"):
+        try:
+            llm.generate(TEXTS[:4], use_tqdm=False)  # raised where the engine waits for the sink
+        finally:
+            llm.stop_capture()  # or here, once every row was offered
+    assert llm.llm_engine.capture.sink_thread is None and not llm.capture_status()["enabled"]
+    assert llm.engine.stats()["num_requests"] == 0
+    assert [o.outputs[0].text for o in llm.generate(TEXTS[:2], use_tqdm=False)]  # still serving
 
 
 def shard_bytes(out) -> dict[str, bytes]:

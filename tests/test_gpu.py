@@ -220,3 +220,37 @@ def test_fp8_kv_cache_on_gpu(capture_dirs):
     bf16 = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192)
     prompt = bf16.get_tokenizer()(PROMPTS[3]).input_ids
     assert teacher_forced_agreement(bf16, llm, prompt, 64) >= 0.9
+
+
+def test_a_slow_threaded_sink_reads_rows_before_their_host_block_is_reused(capture_dirs):
+    """The device-to-host copies rotate over three host blocks; a sink that takes its rows on the
+    sink thread, slower than the engine steps, must still read every step's own rows (prefill
+    chunks eagerly, decode steps from CUDA graphs), equal to a stored stream's."""
+    import threading
+    import time
+
+    class SlowSink:
+        threaded = True
+
+        def __init__(self):
+            self.parts, self.threads = [], set()
+
+        def append(self, rows):
+            self.threads.add(threading.current_thread().name)
+            time.sleep(0.02)
+            self.parts.append(rows.block.index_select(1, torch.from_numpy(rows.where)).clone())
+
+    llm = LLM(capture_dirs["llama"], dtype="float32", device="cuda", kv_cache_tokens=8192, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sink = SlowSink()
+    llm.llm_engine.start_capture("hidden_states", [0, 2], None, "all", "all", None, "post_mlp", sink=sink)
+    llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    llm.stop_capture()
+    llm.start_capture(layers=[0, 2], select="all")
+    llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    llm.stop_capture()
+    stored, _ = llm.fetch_captured()
+    received = torch.cat(sink.parts, dim=1)
+    assert sink.threads == {"capture-sink_0"} and len(sink.parts) > 6
+    assert llm.llm_engine.stats()["graph_replays"] > 0
+    assert torch.equal(received[0], stored[0]) and torch.equal(received[1], stored[2])

@@ -16,8 +16,10 @@ group with none there has no block); the driver merges the stages' blocks.
 
 On CUDA the copy to the host must neither stall the next step nor race it: the blocks are copied
 (device to device, a few microseconds) into an outbox, and a side stream moves the outbox to pinned
-host memory while the compute stream runs on. Outboxes and host buffers come in two sets used by
-alternate copying steps: the driver finishes step N before it launches step N + 2.
+host memory while the compute stream runs on. Outboxes and host buffers come in ``OUTBOX_SETS``
+sets used by copying steps in turn, so a step's host rows stay valid until the third copying step
+after it is launched (``host_block_lifetime`` = 2 launches): the driver finishes step N before it
+launches step N + 2, and a threaded sink may read step N's rows until it launches step N + 3.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch
 from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
 from steerable.step import CapturePlan, Site
+
+OUTBOX_SETS = 3
 
 
 class CaptureBuffers:
@@ -41,7 +45,9 @@ class CaptureBuffers:
         self.tp = tp if tp is not None else TPGroup()
         self.sharded = sharded if self.tp.size > 1 else frozenset()
         self.index: list[torch.Tensor] = []
-        self._outboxes = [_Outbox(device), _Outbox(device)] if device.type == "cuda" else []
+        self._outboxes = [_Outbox(device) for _ in range(OUTBOX_SETS)] if device.type == "cuda" else []
+        # Later copying launches a step's host rows outlive (on a CPU they are the step's own blocks).
+        self.host_block_lifetime = OUTBOX_SETS - 1
         self._turn = 0
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -61,8 +67,8 @@ class CaptureBuffers:
                      ) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
         """Enqueue the copies of a step's gathered blocks to the host. Returns per group the host
         rows ``[layers, rows, width]`` (padding dropped; None where this rank recorded nothing)
-        and the event to wait on before reading them; the host rows stay valid until the second
-        copying step after this one."""
+        and the event to wait on before reading them; the host rows stay valid until the third
+        copying step after this one is launched."""
         counts = [len(group.rows) for group in plan.groups]
         if self._copy_stream is None:
             return [None if block is None else block[:, :n] for block, n in zip(blocks, counts)], None
@@ -71,7 +77,7 @@ class CaptureBuffers:
         if not present:
             return host, None
         outbox = self._outboxes[self._turn]
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self._outboxes)
         copied = outbox.copy([block for _, block in present], [counts[g] for g, _ in present], self._copy_stream)
         for (g, _), rows in zip(present, copied):
             host[g] = rows

@@ -121,6 +121,7 @@ class Delivery:
     """What the driver keeps of a planned step until its rows arrive."""
 
     groups: list[PlannedGroup]
+    copying_step: int = 0  # the session's count of steps with rows to record, at this one
 
 
 def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,

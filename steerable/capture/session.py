@@ -21,6 +21,7 @@ import torch
 
 from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
 from steerable.capture.serialization import CaptureMeta
+from steerable.capture.sink_thread import SinkThread
 from steerable.capture.store import (
     StreamConfig,
     StreamRows,
@@ -53,11 +54,17 @@ class CaptureSpec:
 
 
 class CaptureSession:
-    def __init__(self, layout: HookLayout, dtype: torch.dtype, pin_memory: bool = False):
+    def __init__(self, layout: HookLayout, dtype: torch.dtype, pin_memory: bool = False,
+                 host_block_lifetime: int | None = None):
         """``layout``: the components the model offers and where; ``dtype``: the model's, for rows
         stored without a dtype of their own; ``pin_memory``: streams keep rows in pinned host memory
-        (a CUDA machine: resident pages, no first-touch faults while a step's rows are stored)."""
+        (a CUDA machine: resident pages, no first-touch faults while a step's rows are stored);
+        ``host_block_lifetime``: how many later copying launches a step's host rows survive (the
+        worker's ``host_block_lifetime``; None: threaded sinks are fed on the engine's thread)."""
         self.pin_memory = pin_memory
+        self.host_block_lifetime = host_block_lifetime
+        self.sink_thread: SinkThread | None = None  # while a threaded sink is running
+        self._copying_steps = 0  # steps planned with rows to record
         self.available = {name: list(c.layers) for name, c in layout.components.items()}
         self.widths = {name: c.width for name, c in layout.components.items()}
         self.layouts = {name: c.describe() for name, c in layout.components.items()}
@@ -107,7 +114,9 @@ class CaptureSession:
         ``sink`` (in-process callers): an object whose ``append(StreamRows)`` takes each step's rows
         instead of a store, while they are delivered (the block is valid only then), so a caller
         that knows where every row belongs copies it there once (corpus capture). Such a stream
-        keeps nothing to fetch; a stopped store of the same name stays fetchable meanwhile."""
+        keeps nothing to fetch; a stopped store of the same name stays fetchable meanwhile. A sink
+        with ``threaded = True`` is fed on a background thread, in step order, where the worker's
+        host rows outlive later launches; ``stop`` returns once it has taken every row."""
         component = self._component(stream)
         hook = self._hook(component, hook, "hook")
         layer_list = self._layers(component, layers, "layers")
@@ -124,6 +133,8 @@ class CaptureSession:
                                             config.dtype, row_select, store)
         if sink is None:
             self.stopped.pop(stream, None)
+        if getattr(sink, "threaded", False) and self.host_block_lifetime is not None and self.sink_thread is None:
+            self.sink_thread = SinkThread()
 
     def stop(self, stream: str) -> None:
         """Stop recording; stored rows (and reductions of running requests) stay fetchable."""
@@ -135,6 +146,14 @@ class CaptureSession:
             for request_id in store.pending_requests():
                 store.finish_request(request_id)
             self.stopped[stream] = store
+        if self.sink_thread is not None and not any(getattr(d.sink, "threaded", False) for d in self.streams.values()):
+            self.close()  # a threaded sink is done once it has taken every row; its failure is raised here
+
+    def close(self) -> None:
+        """End the sink thread, once it has fed every row it was given."""
+        thread, self.sink_thread = self.sink_thread, None
+        if thread is not None:
+            thread.close()
 
     def _store(self, stream: str) -> StreamStore | None:
         self._component(stream)
@@ -255,8 +274,14 @@ class CaptureSession:
         if not self.streams and not any(s.request.capture is not None and s.request.capture.destinations
                                         for s in scheduled):
             return None
-        return plan_step(scheduled, positions, token_ids, query_start, self._destinations, self._selector,
-                         self._serial)
+        planned = plan_step(scheduled, positions, token_ids, query_start, self._destinations, self._selector,
+                            self._serial)
+        if planned is not None:
+            planned[1].copying_step = self._copying_steps
+            if self.sink_thread is not None:  # this launch's copy reuses the host rows of an older step
+                self.sink_thread.wait_before(self._copying_steps - self.host_block_lifetime)
+            self._copying_steps += 1
+        return planned
 
     def reads_generated_tokens(self) -> bool:
         """A destination selects generated rows by token id: planning needs sampled tokens on the host."""
@@ -288,8 +313,12 @@ class CaptureSession:
             for destination, takers in streams.values():
                 where = np.concatenate([w for _, w in takers]) if len(takers) > 1 else takers[0][1]
                 counts = np.fromiter((len(w) for _, w in takers), np.int64, len(takers))
-                destination.sink.append(StreamRows(block, where, [r.request_id for r, _ in takers], counts,
-                                                   group.positions[where], group.token_ids[where]))
+                rows = StreamRows(block, where, [r.request_id for r, _ in takers], counts, group.positions[where],
+                                  group.token_ids[where])
+                if self.sink_thread is not None and getattr(destination.sink, "threaded", False):
+                    self.sink_thread.submit(delivery.copying_step, destination.sink.append, rows)
+                else:
+                    destination.sink.append(rows)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -24,7 +24,11 @@ from steerable.capture.store import StreamRows
 class ShardBuffer:
     """Places each step's rows of examples ``[first, first + len(counts))`` (``counts[i]`` rows
     each) into ``data`` (``[layers, rows, width]``) and ``labels`` (``[3, rows]``: example,
-    position, token id), usually a ``ShardFile``'s views (then ``wait_rows`` is its own)."""
+    position, token id), usually a ``ShardFile``'s views (then ``wait_rows`` is its own).
+    ``append`` runs on the capture session's sink thread where it has one (``threaded``), in
+    step order; ``expect`` is called on the engine's thread before a request's first rows."""
+
+    threaded = True
 
     def __init__(self, first: int, counts: Sequence[int], data: torch.Tensor, labels: np.ndarray,
                  wait_rows: Callable[[int], None] | None = None):

@@ -121,6 +121,9 @@ class ParallelExecutor:
         self._latest: ParallelLaunched | None = None  # the last step published, its reports still held
         self.num_blocks = self.runner.num_blocks
         self.max_blocks_per_seq = self.runner.max_blocks_per_seq
+        # Other stages' rows are merged into the driver's blocks as they are collected, and several
+        # micro-batches run at once: sinks take a step's rows when it is finished, on this thread.
+        self.host_block_lifetime = None
         self._started = True
 
     # ------------------------------------------------------------ one step

@@ -80,7 +80,8 @@ class LLMEngine(ResumableRequests):
                                  kv_groups.windows)
         cfg = self.model_config
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
-        self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda")
+        self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda",
+                                      host_block_lifetime=self.worker.host_block_lifetime)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit,
                                    micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))
@@ -242,7 +243,10 @@ class LLMEngine(ResumableRequests):
             for consumer in self.capture.consumers:
                 consumer.close()
             self.capture.consumers.clear()
-            self.worker.shutdown()
+            try:
+                self.capture.close()
+            finally:
+                self.worker.shutdown()
 
     # ---------------------------------------------------------------- admission
 

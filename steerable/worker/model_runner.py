@@ -112,6 +112,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
         self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components)
+        self.host_block_lifetime = self.capture.host_block_lifetime
         self.parallel.tp.warm_up(device)
         self.num_blocks = self.parallel.agree_min(self._kv_cache_blocks())  # every rank holds the same blocks
         self._allocate_kv_cache(self.num_blocks)
