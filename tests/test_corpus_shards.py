@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from steerable.capture import shard_file
-from steerable.capture.shard_buffer import ShardBuffer
+from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import LABELS, ShardFile
 from steerable.capture.store import StreamRows
 
@@ -150,3 +150,19 @@ def test_buffer_keeps_a_storage_failure_for_its_caller():
         buffer.check()
     with pytest.raises(OSError, match="rows up to 3"):
         buffer.check_complete()
+
+
+def test_router_splits_a_step_between_shards():
+    router = ShardRouter()
+    first, second = buffer_over(0, [2, 1], 2, 3, torch.float32), buffer_over(3, [2], 2, 3, torch.float32)
+    router.expect("a", first, 0)
+    router.expect("b", first, 1)
+    router.expect("c", second, 3)
+    router.append(step([0, 1, 2, 3, 4], [("a", [0, 1]), ("c", [2]), ("b", [3])]))  # a shard's rows on both sides
+    router.append(step([0, 1], [("c", [1])]))
+    assert first.complete and second.complete
+    assert first.data[0, :, 0].tolist() == [0, 1, 3] and second.data[1, :, 0].tolist() == [102, 101]
+    assert first.labels[1].tolist() == [0, 10, 30] and second.labels[0].tolist() == [3, 3]
+    router.forget(first)
+    with pytest.raises(RuntimeError, match="request 'a', which is not one of this run's"):
+        router.append(step([0], [("a", [0])]))

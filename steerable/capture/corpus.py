@@ -9,10 +9,12 @@ file and renamed, then listed in the index (itself replaced atomically), so a ru
 point resumes (``resume=True``) by recomputing only the shards the index does not list; the result
 is the same as an uninterrupted run.
 
-Speed: the rows go through a capture stream whose sink is the shard file itself (``ShardBuffer``
-over a ``ShardFile``'s mapped pages), so each row is copied once, from the step's host block to
-its place in the file, and nothing is written afterwards. The next shards' files are created
-and their pages allocated by background threads while the current one is captured.
+Speed: the rows go through one capture stream whose sink places them in the shard files
+themselves (``ShardRouter`` -> ``ShardBuffer`` over a ``ShardFile``'s mapped pages), so each row
+is copied once, from the step's host block to its place in the file, on the capture session's
+sink thread while the engine runs the next steps, and nothing is written afterwards. The engine
+gets the examples without a pause between shards; the next shards' files are created and their
+space reserved by background threads while earlier ones are captured.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from steerable.capture.shard_buffer import ShardBuffer
+from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import ShardFile
 from steerable.capture.store import resolve_storage_dtype
-from steerable.entrypoints.llm import run_to_completion
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS
 from steerable.sampling_params import SamplingParams
@@ -60,8 +61,8 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
     """Capture ``hook`` at ``layers`` (default: all) on the rows ``select`` picks, for every text,
     into shards under ``out``; returns the index. ``resume=True`` continues a run with the same
     settings (anything else differing fails naming it); without it, ``out`` must hold no capture.
-    Two shard files are mapped at a time; records through the ``hidden_states`` stream, which must
-    not be running."""
+    ``batch_size`` texts are in the engine at a time; a few shard files are mapped at a time;
+    records through the ``hidden_states`` stream, which must not be running."""
     engine = llm.llm_engine
     cfg = engine.model_config
     settings = _settings(texts, cfg.num_layers, layers, hook, select, dtype, shard_size, batch_size,
@@ -76,29 +77,9 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
     todo = [k for k in range(-(-len(texts) // shard_size)) if k not in done]
     finished = sum(entry["stop"] - entry["start"] for entry in index["shards"])
     storage = resolve_storage_dtype(dtype) or engine.dtype
-    select_spec = SelectSpec.from_wire(settings["select"])
-    upcoming = iter(todo)
-
     with tqdm(total=len(texts), initial=finished, desc="Capturing", unit="example", disable=not use_tqdm) as bar, \
             _ShardFiles(out, index, settings["layers"], cfg.hidden_size, storage, bar) as files:
-
-        def prepare_next() -> None:
-            k = next(upcoming, None)
-            if k is not None:
-                prompts = [engine.tokenize(text) for text in texts[k * shard_size:(k + 1) * shard_size]]
-                files.prepare(k, prompts, [len(select_spec.prompt_positions_selected(p)) for p in prompts])
-
-        for _ in range(FILES_AHEAD):
-            prepare_next()
-        for _ in todo:
-            job, allocation = files.take()
-            prepare_next()  # allocated while this shard is captured
-            lo = job.shard * shard_size
-            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels, job.file.wait_rows)
-            job.file = None  # the mapping goes with the buffer
-            _capture_shard(engine, job.prompts, lo, settings, batch_size, buffer, bar)
-            files.finish(job, allocation, {"shard": job.shard, "file": shard_name(job.shard), "start": lo,
-                               "stop": lo + len(job.prompts), "rows": buffer.rows})
+        _CorpusRun(engine, texts, settings, batch_size, files, bar).run(todo)
     index["complete"] = True
     _write_index(out, index)
     return index
@@ -145,37 +126,102 @@ def _open_index(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, 
     return index
 
 
-def _capture_shard(engine: Any, prompts: list[list[int]], lo: int, settings: dict[str, Any], batch_size: int,
-                   buffer: ShardBuffer, bar: tqdm) -> None:
-    """Fill ``buffer`` with the rows of examples ``lo, lo + 1, ...`` (``prompts``)."""
-    select = SelectSpec.from_wire(settings["select"])
-    engine.start_capture(HIDDEN_STATES, settings["layers"], settings["dtype"], "all", select, None, settings["hook"],
-                         sink=buffer)
-    try:
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
-            _prefill(engine, batch, lo + start, buffer)
-            buffer.check()
-            bar.update(len(batch))
-    finally:
-        engine.stop_capture(HIDDEN_STATES)
-    buffer.check_complete()
+@dataclass
+class _OpenShard:
+    job: "_Job"
+    allocation: Future
+    buffer: ShardBuffer
+    unfinished: int  # its requests still in the engine or not yet added
 
 
-def _prefill(engine: Any, prompts: list[list[int]], first: int, buffer: ShardBuffer) -> None:
-    """Run examples ``first, first + 1, ...`` to their first token (never fed back: only prompt rows
-    are computed), as ``LLM.generate`` does, telling ``buffer`` which engine request is which."""
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    added: list[str] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            group = engine.add_request(f"corpus-{first + i}", prompt, params)
-            added.append(group.client_id)
-            buffer.expect(group.children[0].request_id, first + i)
-    except BaseException:
-        engine.abort_request(added)
-        raise
-    run_to_completion(engine, added)
+class _CorpusRun:
+    """The engine loop of one ``capture_corpus`` call. Examples go to the engine in order, at most
+    ``batch_size`` at a time, shard after shard without a pause, through one capture stream whose
+    sink (``ShardRouter``) takes each request's rows to its shard on the sink thread. A shard is
+    finished (renamed, listed) once its requests are done and all its rows are stored, while the
+    next ones are captured. Each request runs to its first token, which is never fed back: only
+    prompt rows are computed."""
+
+    PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def __init__(self, engine: Any, texts: Sequence[Any], settings: dict[str, Any], batch_size: int,
+                 files: "_ShardFiles", bar: tqdm):
+        self.engine, self.texts, self.settings, self.batch_size = engine, texts, settings, batch_size
+        self.files, self.bar = files, bar
+        self.select = SelectSpec.from_wire(settings["select"])
+        self.router = ShardRouter()
+        self.open: deque[_OpenShard] = deque()  # oldest first
+        self.in_engine: dict[str, _OpenShard] = {}  # client id -> its shard
+
+    def run(self, todo: list[int]) -> None:
+        upcoming = iter(todo)
+        for _ in range(FILES_AHEAD):
+            self._prepare(next(upcoming, None))
+        feed = self._examples(len(todo), upcoming)
+        engine = self.engine
+        engine.start_capture(HIDDEN_STATES, self.settings["layers"], self.settings["dtype"], "all", self.select, None,
+                             self.settings["hook"], sink=self.router)
+        try:
+            try:
+                while True:
+                    while len(self.in_engine) < self.batch_size and self._add(next(feed, None)):
+                        pass
+                    if not self.in_engine:
+                        break
+                    for out in engine.step():
+                        if out.finished and out.request_id in self.in_engine:
+                            self.in_engine.pop(out.request_id).unfinished -= 1
+                            self.bar.update(1)
+                    self._finish_ready()
+                engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
+            except BaseException:
+                engine.abort_request(list(self.in_engine))
+                raise
+        finally:
+            engine.stop_capture(HIDDEN_STATES)  # returns once the sink thread has stored every row
+        self._finish_ready()
+        for shard in self.open:  # every request is done and every row delivered
+            shard.buffer.check_complete()
+
+    def _prepare(self, k: int | None) -> None:
+        if k is not None:
+            shard_size = self.settings["shard_size"]
+            prompts = [self.engine.tokenize(text) for text in self.texts[k * shard_size:(k + 1) * shard_size]]
+            self.files.prepare(k, prompts, [len(self.select.prompt_positions_selected(p)) for p in prompts])
+
+    def _examples(self, shards: int, upcoming: Any) -> Any:
+        """(shard, example index, prompt) in corpus order, opening each shard as its turn comes."""
+        for _ in range(shards):
+            job, allocation = self.files.take()
+            self._prepare(next(upcoming, None))  # allocated while earlier shards are captured
+            lo = job.shard * self.settings["shard_size"]
+            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels, job.file.wait_rows)
+            job.file = None  # the mapping goes with the buffer
+            shard = _OpenShard(job, allocation, buffer, len(job.prompts))
+            self.open.append(shard)
+            for i, prompt in enumerate(job.prompts):
+                yield shard, lo + i, prompt
+
+    def _add(self, item: tuple[_OpenShard, int, list[int]] | None) -> bool:
+        if item is None:
+            return False
+        shard, example, prompt = item
+        group = self.engine.add_request(f"corpus-{example}", prompt, self.PARAMS)
+        self.in_engine[group.client_id] = shard
+        self.router.expect(group.children[0].request_id, shard.buffer, example)
+        return True
+
+    def _finish_ready(self) -> None:
+        """Finish the oldest shards that are complete; raise a shard's storage failure."""
+        for shard in self.open:
+            shard.buffer.check()
+        while self.open and self.open[0].unfinished == 0 and self.open[0].buffer.complete:
+            shard = self.open.popleft()
+            self.router.forget(shard.buffer)
+            lo = shard.buffer.first
+            self.files.finish(shard.job, shard.allocation, {"shard": shard.job.shard, "file": shard_name(shard.job.shard),
+                                                            "start": lo, "stop": lo + len(shard.job.prompts),
+                                                            "rows": shard.buffer.rows})
 
 
 @dataclass

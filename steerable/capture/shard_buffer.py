@@ -25,10 +25,9 @@ class ShardBuffer:
     """Places each step's rows of examples ``[first, first + len(counts))`` (``counts[i]`` rows
     each) into ``data`` (``[layers, rows, width]``) and ``labels`` (``[3, rows]``: example,
     position, token id), usually a ``ShardFile``'s views (then ``wait_rows`` is its own).
-    ``append`` runs on the capture session's sink thread where it has one (``threaded``), in
-    step order; ``expect`` is called on the engine's thread before a request's first rows."""
-
-    threaded = True
+    ``append`` may run on the capture session's sink thread (through ``ShardRouter``), in step
+    order; ``expect`` is called on the engine's thread before a request's first rows, and the
+    engine's thread reads ``complete`` and ``error``."""
 
     def __init__(self, first: int, counts: Sequence[int], data: torch.Tensor, labels: np.ndarray,
                  wait_rows: Callable[[int], None] | None = None):
@@ -38,6 +37,7 @@ class ShardBuffer:
         self.filled = np.zeros(len(self.counts), np.int64)  # rows each example got so far
         self.example_of: dict[str, int] = {}  # engine request id -> example index in the shard
         self.error: OSError | None = None  # the storage could not take rows
+        self.rows_stored = 0
         if data.shape[1] != self.rows or labels.shape != (len(LABELS), self.rows):
             raise ValueError(f"shard storage: {self.rows} rows needed, data has {data.shape[1]}, "
                              f"labels {labels.shape[1]}")
@@ -79,6 +79,11 @@ class ShardBuffer:
         self.labels[2, target] = rows.token_ids
         for src, dst, n in _runs(rows.where, target):
             self.data[:, dst:dst + n].copy_(rows.block[:, src:src + n])
+        self.rows_stored += len(target)  # after the copies: another thread may be waiting for the last row
+
+    @property
+    def complete(self) -> bool:
+        return self.rows_stored == self.rows
 
     def check(self) -> None:
         """Raise the storage's failure, if rows could not be stored."""
@@ -103,3 +108,42 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> Iterable[tuple[int, int, int]]:
     starts = np.concatenate([[0], breaks])
     lengths = np.diff(np.concatenate([starts, [len(src)]]))
     return zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist())
+
+
+class ShardRouter:
+    """The sink of a whole corpus run: each request's rows go to its shard's buffer, so one
+    capture stream serves every shard and the engine never drains between them. A step's rows
+    usually belong to one shard; where they straddle two, each gets its own slice."""
+
+    threaded = True
+
+    def __init__(self) -> None:
+        self.buffer_of: dict[str, ShardBuffer] = {}  # engine request id -> its shard's buffer
+
+    def expect(self, request_id: str, buffer: ShardBuffer, example: int) -> None:
+        self.buffer_of[request_id] = buffer
+        buffer.expect(request_id, example)
+
+    def forget(self, buffer: ShardBuffer) -> None:
+        """A finished shard's requests."""
+        for request_id in buffer.example_of:
+            self.buffer_of.pop(request_id, None)
+
+    def append(self, rows: StreamRows) -> None:
+        owners = [self.buffer_of.get(rid) for rid in rows.request_ids]
+        if None in owners:
+            rid = rows.request_ids[owners.index(None)]
+            raise RuntimeError(f"corpus capture: rows of request {rid!r}, which is not one of this run's")
+        if all(owner is owners[0] for owner in owners):
+            owners[0].append(rows)
+            return
+        ends = np.cumsum(rows.counts)
+        i = 0
+        while i < len(owners):
+            j = i
+            while j + 1 < len(owners) and owners[j + 1] is owners[i]:
+                j += 1
+            a, b = int(ends[i] - rows.counts[i]), int(ends[j])
+            owners[i].append(StreamRows(rows.block, rows.where[a:b], rows.request_ids[i:j + 1], rows.counts[i:j + 1],
+                                        rows.positions[a:b], rows.token_ids[a:b]))
+            i = j + 1

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT")
     parser.add_argument("--shard-size", type=int, default=1000, help="examples per shard (default: 1000)")
-    parser.add_argument("--batch-size", type=int, default=64, help="texts per engine call (default: 64)")
+    parser.add_argument("--batch-size", type=int, default=64, help="texts in the engine at a time (default: 64)")
     add_engine_args(parser, dtype_flag="--model-dtype")
     parser.set_defaults(func=lambda args: run_checked(capture, args))
 
