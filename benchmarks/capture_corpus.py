@@ -2,9 +2,11 @@
 safetensors shards, steerable's ``capture_corpus`` vs HF ``output_hidden_states`` writing the same
 data (same shards: one tensor per layer plus example/position/token-id labels, same dtype), in the
 same run. Rows per shard must agree (exit non-zero otherwise); where the dtype is float32 the values
-of every layer but the last (HF normalises its last entry) must agree too.
+of every layer but the last (HF normalises its last entry) must agree too. ``--repeats N`` runs each
+side N times (each run's shards deleted before the next, so later runs reuse freed pages; the last
+run's are compared) and reports the ratio of the medians.
 
-    PYTHONPATH=. python benchmarks/capture_corpus.py [--num-requests 256] [--shard-size 64] [--out-dir DIR]
+    PYTHONPATH=. python benchmarks/capture_corpus.py [--num-requests 256] [--shard-size 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def out_root(args, path: str) -> str:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         tokens = args.num_requests * (args.min_len + args.max_len) / 2
-        needed = 3 * tokens * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4  # both runs + warm-up, fp32 bound
+        needed = 3 * tokens * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4  # both sides + warm-up, fp32 bound
         base = "/dev/shm" if shutil.disk_usage("/dev/shm").free > needed else None
     root = tempfile.mkdtemp(prefix="steerable-corpus-", dir=base)
     emit({"record": "storage", "dir": root, "free_gb": shutil.disk_usage(root).free / 1e9})
@@ -45,10 +47,16 @@ def run_steerable(args, path: str, root: str) -> tuple[dict, torch.dtype, list[i
     kwargs = dict(layers=layers, select="all_prompt", shard_size=args.shard_size, batch_size=args.shard_size)
     warm = w.head(min(len(w), args.shard_size))
     capture_corpus(llm, warm.prompts, os.path.join(root, "warmup"), **kwargs)  # every prefill shape once
-    index, seconds = timed(lambda: capture_corpus(llm, w.prompts, os.path.join(root, "steerable"), **kwargs))
-    result = {"record": "run", "mode": "steerable", "layers": len(layers), "shards": len(index["shards"]),
-              "rows": sum(e["rows"] for e in index["shards"]), **rates(seconds, w, root, "steerable")}
-    emit(result)
+    results = []
+    for repeat in range(args.repeats):
+        index, seconds = timed(lambda: capture_corpus(llm, w.prompts, os.path.join(root, "steerable"), **kwargs))
+        results.append({"record": "run", "mode": "steerable", "repeat": repeat, "layers": len(layers),
+                        "shards": len(index["shards"]), "rows": sum(e["rows"] for e in index["shards"]),
+                        **rates(seconds, w, root, "steerable")})
+        emit(results[-1])
+        if repeat + 1 < args.repeats:
+            shutil.rmtree(os.path.join(root, "steerable"))
+    result = median_run(results)
     dtype = llm.engine.dtype
     llm.shutdown()  # the HF baseline needs the GPU memory the model and KV cache held
     common.free_cuda()
@@ -97,13 +105,23 @@ def run_hf(args, path: str, dtype: torch.dtype, w: common.Workload, layers: list
         return len(tensors["example"])
 
     num_shards = -(-len(w) // args.shard_size)
+    results = []
     with torch.inference_mode():
         base(input_ids=torch.tensor([w.prompts[0][:8]], device=device), output_hidden_states=True)  # warm-up
-        counts, seconds = timed(lambda: [shard(k) for k in range(num_shards)])
-    result = {"record": "run", "mode": "hf", "batch_size": args.hf_batch_size, "shards": num_shards,
-              "rows": sum(counts), **rates(seconds, w, root, "hf")}
-    emit(result)
-    return result
+        for repeat in range(args.repeats):
+            if repeat:
+                shutil.rmtree(out)
+                os.makedirs(out)
+            counts, seconds = timed(lambda: [shard(k) for k in range(num_shards)])
+            results.append({"record": "run", "mode": "hf", "repeat": repeat, "batch_size": args.hf_batch_size,
+                            "shards": num_shards, "rows": sum(counts), **rates(seconds, w, root, "hf")})
+            emit(results[-1])
+    return median_run(results)
+
+
+def median_run(results: list[dict]) -> dict:
+    """The run of median time (the lower middle one of an even count)."""
+    return sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]
 
 
 def rates(seconds: float, w: common.Workload, root: str, mode: str) -> dict:
@@ -139,6 +157,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="where shards are written (default: /dev/shm)")
     p.add_argument("--keep", action="store_true", help="keep the shards")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each side (medians compared)")
     args = p.parse_args()
     path = common.setup("capture_corpus", args, {"shard_size": (64, 4), "hf_batch_size": (16, 2)})
     root = out_root(args, path)
@@ -147,7 +166,8 @@ def main() -> None:
         hf = run_hf(args, path, dtype, w, layers, root)
         check = compare(root, layers, exact=dtype == torch.float32)
         emit(check)
-        emit({"record": "ratio", "prompt_tok_s_ratio": ours["prompt_tok_s"] / hf["prompt_tok_s"]})
+        emit({"record": "ratio", "prompt_tok_s_ratio": ours["prompt_tok_s"] / hf["prompt_tok_s"],
+              "repeats": args.repeats, "steerable_median_s": ours["seconds"], "hf_median_s": hf["seconds"]})
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
