@@ -127,8 +127,17 @@ def _open_index(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, 
 
 
 @dataclass
+class _Job:
+    shard: int
+    prompts: list[list[int]]
+    counts: list[int]  # selected rows per example
+    part: Path  # the file while it is filled
+    file: ShardFile | None = None
+
+
+@dataclass
 class _OpenShard:
-    job: "_Job"
+    job: _Job
     allocation: Future
     buffer: ShardBuffer
     unfinished: int  # its requests still in the engine or not yet added
@@ -218,19 +227,10 @@ class _CorpusRun:
         while self.open and self.open[0].unfinished == 0 and self.open[0].buffer.complete:
             shard = self.open.popleft()
             self.router.forget(shard.buffer)
-            lo = shard.buffer.first
-            self.files.finish(shard.job, shard.allocation, {"shard": shard.job.shard, "file": shard_name(shard.job.shard),
-                                                            "start": lo, "stop": lo + len(shard.job.prompts),
+            k, lo = shard.job.shard, shard.buffer.first
+            self.files.finish(shard.job, shard.allocation, {"shard": k, "file": shard_name(k), "start": lo,
+                                                            "stop": lo + len(shard.job.prompts),
                                                             "rows": shard.buffer.rows})
-
-
-@dataclass
-class _Job:
-    shard: int
-    prompts: list[list[int]]
-    counts: list[int]  # selected rows per example
-    part: Path  # the file while it is filled
-    file: ShardFile | None = None
 
 
 class _ShardFiles:
