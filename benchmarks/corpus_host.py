@@ -4,7 +4,9 @@ the capture session's planning and delivery into a ``ShardBuffer`` over the shar
 against delivery into plain memory followed by ``save_file`` (what writing the file at the end
 costs). Default sizes are the GPU benchmark's: Qwen3-0.6B's 28 layers x 1024, bf16, shards of 64
 prompts of 100-1024 tokens, every prompt row, steps of 8192 tokens. The two files' tensors must
-be equal (exit non-zero otherwise).
+be equal (exit non-zero otherwise). Then how fast a file of that size fills on the file system
+itself: ``pwrite`` from memory by 1 and by ``--write-threads`` threads (one file's writes share
+its inode lock), against ``posix_fallocate`` and a copy into the mapped pages (``ShardFile``).
 
     PYTHONPATH=. python benchmarks/corpus_host.py [--out-dir /dev/shm] [--repeats 3]
 """
@@ -15,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import common
@@ -81,6 +84,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="where shards are written (default: /dev/shm if present)")
+    p.add_argument("--write-threads", type=int, default=8)
     args = p.parse_args()
     common.setup("corpus_host", args, {"num_requests": (64, 4), "layers": (28, 2), "width": (1024, 64),
                                        "repeats": (3, 1)}, model=False)
@@ -128,8 +132,43 @@ def main() -> None:
                 path.unlink()
             if not same:
                 raise SystemExit("the mapped shard differs from save_file's")
+        file_rates(root, torch.randn(args.layers, rows, args.width).to(torch.bfloat16), args.write_threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def file_rates(root: Path, data: torch.Tensor, threads: int) -> None:
+    """One file of ``data``'s bytes, fresh each time: written by ``pwrite`` in 64 MiB slices from
+    1 and from ``threads`` threads, then reserved and filled through its mapping."""
+    view = memoryview(data.view(-1).view(torch.uint8).numpy())
+    gb = len(view) / 1e9
+    for n in sorted({1, threads}):
+        path = root / f"pwrite-{n}"
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda at: write_at(fd, view[at:at + (64 << 20)], at), range(0, len(view), 64 << 20)))
+        os.close(fd)
+        seconds = time.perf_counter() - t0
+        emit({"record": "file", "mode": "pwrite", "threads": n, "gb": gb, "seconds": seconds, "gb_s": gb / seconds})
+        path.unlink()
+    layers, rows, width = data.shape
+    t0 = time.perf_counter()
+    shard = ShardFile(root / "mapped", list(range(layers)), rows, width, data.dtype)
+    shard.allocate()
+    t1 = time.perf_counter()
+    shard.data.copy_(data)
+    t2 = time.perf_counter()
+    emit({"record": "file", "mode": "fallocate_then_mapped_copy", "threads": torch.get_num_threads(), "gb": gb,
+          "seconds": t2 - t0, "allocate_seconds": t1 - t0, "copy_seconds": t2 - t1, "gb_s": gb / (t2 - t0)})
+    del shard
+    (root / "mapped").unlink()
+
+
+def write_at(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def same_tensors(a: Path, b: Path) -> bool:

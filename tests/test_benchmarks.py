@@ -148,6 +148,9 @@ def test_corpus_host(cache_dir):
     for x in r["shard"]:
         positive(x, "gb", "seconds", "gb_s", "deliver_seconds")
     assert {x["mode"] for x in r["shard"]} == {"mapped", "memory_then_save_file"}
+    assert [(x["mode"], x.get("threads")) for x in r["file"]][:2] == [("pwrite", 1), ("pwrite", 8)]
+    for x in r["file"]:
+        positive(x, "gb", "seconds", "gb_s")
 
 
 def test_gemma_shape_throughput_and_kv_memory(cache_dir):
