@@ -290,3 +290,14 @@ def test_bad_arguments_write_nothing(llm, tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
         capture_corpus(llm, texts, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_shutdown_with_a_failing_threaded_sink_still_running(capture_dirs, caplog):
+    llm = LLM(capture_dirs["llama"], device="cpu", kv_cache_tokens=1024)
+    sink = Sink(threaded=True, delay=0.2, fail_at=0)
+    llm.llm_engine.start_capture("hidden_states", [0], None, "all", "all_prompt", None, "post_mlp", sink=sink)
+    llm.generate(TEXTS[:2], SamplingParams(max_tokens=1), use_tqdm=False)  # one step: nothing waits for the sink
+    assert llm.llm_engine.capture.sink_thread is not None  # its append is still running, and will fail
+    llm.shutdown()  # the failure is logged, not raised; nothing is left running
+    assert not [t for t in threading.enumerate() if t.name.startswith("capture-sink")]
+    assert "capture sink failed" in caplog.text and sink.threads == {"capture-sink_0"}
