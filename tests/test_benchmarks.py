@@ -130,15 +130,19 @@ def test_serve_with_client_processes(cache_dir):
 
 
 def test_capture_corpus_with_hf_baseline(cache_dir):
-    r = run("capture_corpus", cache_dir)
-    runs = {x["mode"]: x for x in r["run"]}
-    assert list(runs) == ["steerable", "hf"]
-    for x in runs.values():
+    r = run("capture_corpus", cache_dir, "--repeats", "2")
+    runs = {}
+    for x in r["run"]:
+        runs.setdefault(x["mode"], []).append(x)
+    assert list(runs) == ["steerable", "hf"] and [x["repeat"] for x in runs["hf"]] == [0, 1]
+    for x in runs["steerable"] + runs["hf"]:
         positive(x, "seconds", "prompt_tok_s", "prompt_tokens", "gb_written")
-    assert runs["steerable"]["rows"] == runs["hf"]["rows"] == runs["steerable"]["prompt_tokens"]
+    assert runs["steerable"][0]["rows"] == runs["hf"][0]["rows"] == runs["steerable"][0]["prompt_tokens"]
     check = r["check"][0]
     assert check["rows_ok"] and check["values_checked"] and check["max_abs_diff"] < 1e-5
-    positive(r["ratio"][0], "prompt_tok_s_ratio")
+    ratio = r["ratio"][0]
+    positive(ratio, "prompt_tok_s_ratio")
+    assert ratio["repeats"] == 2 and ratio["hf_median_s"] == min(x["seconds"] for x in runs["hf"])
 
 
 def test_corpus_host(cache_dir):

@@ -21,6 +21,7 @@ from steerable import LLM, SamplingParams
 from steerable.capture import corpus
 from steerable.capture import shard_file as corpus_files
 from steerable.capture.corpus import capture_corpus
+from steerable.capture.shard_buffer import ShardRouter
 from steerable.entrypoints.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,22 @@ def test_shards_equal_steerable_capture(llm, tmp_path, select):
     saved = json.loads((tmp_path / "index.json").read_text())
     assert saved["layers"] == [0, 2] and saved["hook"] == "post_mlp" and saved["num_examples"] == len(TEXTS)
     assert saved["select"] == steerable.SelectSpec.parse(select).to_wire()
+
+
+def test_the_engine_does_not_pause_between_shards(llm, tmp_path, monkeypatch):
+    """Examples of the next shard join the steps of the current one: some step's rows belong to
+    two shards, and each shard still gets exactly its own rows."""
+    spans, real_append = [], ShardRouter.append
+
+    def append(self, rows):
+        spans.append(len({id(self.buffer_of[rid]) for rid in rows.request_ids}))
+        real_append(self, rows)
+
+    monkeypatch.setattr(ShardRouter, "append", append)
+    capture_corpus(llm, TEXTS, tmp_path, layers=[1], select="all_prompt", shard_size=2, batch_size=5)
+    assert max(spans) >= 2
+    reference = steerable.capture(llm, TEXTS, layers=[1], select="all_prompt")
+    assert torch.equal(torch.cat([s["layer.1"] for s in read_shards(tmp_path)]), reference.rows(1))
 
 
 def test_stored_dtype_and_hook(llm, tmp_path):
