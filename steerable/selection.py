@@ -184,6 +184,7 @@ class SelectSpec:
 
     def _init_caches(self) -> None:
         object.__setattr__(self, "_resolved", {})
+        object.__setattr__(self, "_prompt_rows", {})  # prompt length -> selected positions (no token terms)
         object.__setattr__(self, "_token_t", {})
         object.__setattr__(self, "_key", None)
         object.__setattr__(
@@ -432,15 +433,23 @@ class SelectSpec:
         return ~excluded if selected is None else selected & ~excluded
 
     def prompt_positions_selected(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """Every selected prompt position, sorted (computed once at admission)."""
+        """Every selected prompt position, sorted. Without token terms it depends on the prompt's
+        length alone and is kept per length (admission and corpus capture ask for the same ones)."""
         P = len(prompt_token_ids)
         if P == 0:
             return []
         if self.selects_all_from(P) <= 0:  # e.g. "all_prompt": no mask to build
             return list(range(P))
+        if not self._uses_tokens and P in self._prompt_rows:
+            return list(self._prompt_rows[P])
         positions = torch.arange(P, dtype=torch.int64)
         tokens = torch.as_tensor(prompt_token_ids, dtype=torch.int64).reshape(-1) if self._uses_tokens else None
-        return torch.nonzero(self.mask(positions, P, tokens)).flatten().tolist()
+        selected = torch.nonzero(self.mask(positions, P, tokens)).flatten().tolist()
+        if not self._uses_tokens:
+            if len(self._prompt_rows) >= _RESOLVE_CACHE_MAX:
+                self._prompt_rows.clear()
+            self._prompt_rows[P] = tuple(selected)
+        return selected
 
     def selects_prompt(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether any prompt row is selected."""

@@ -664,6 +664,10 @@ def test_prompt_helpers():
     assert SelectSpec.parse("all_generated").prompt_positions_selected([1, 2, 3]) == []
     assert not SelectSpec.parse("all_generated").selects_prompt([1, 2, 3])
     assert SelectSpec.parse("last_prompt").prompt_positions_selected(list(range(40))) == [39]
+    last = SelectSpec.parse({"prompt_positions": [0, -1], "prompt_window": (-3, None)})
+    first = last.prompt_positions_selected(list(range(10)))
+    first.append(99)  # the caller's list, not the kept one
+    assert last.prompt_positions_selected([5] * 10) == [0, 7, 8, 9] and last.prompt_positions_selected([1]) == [0]
     for everything in ("all_prompt", "all", {"exclude_generation": "all"}):  # no mask is built for these
         assert SelectSpec.parse(everything).prompt_positions_selected(list(range(40))) == list(range(40))
     assert SelectSpec().prompt_positions_selected([]) == []
