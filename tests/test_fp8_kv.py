@@ -71,6 +71,68 @@ def test_kernels_quantise_and_dequantise_like_the_reference():
         assert torch.allclose(out.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
+
+@pytest.mark.triton
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("cache_dtype,query_dtype", [(FP8, torch.float16), (FP8, torch.float32),
+                                                     (torch.float32, torch.float32)])
+def test_a_position_major_value_cache_is_written_and_read_like_a_head_major_one(cache_dtype, query_dtype):
+    """The engine lays a float8 V cache out position-major on a GPU (a permuted view of the same
+    logical [blocks, block_size, Hkv, D]). Every writer and reader goes by strides: the stored
+    values and the attention outputs equal those of the usual layout, and match the reference."""
+    from steerable.layers import fused
+    from steerable.layers.attention_backends import triton_paged
+    from steerable.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block_size, blocks = 4, 2, 32, 16, 6
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype == FP8 else (1.0, 1.0)  # scales belong to a float8 cache
+    lens, new = [40, 23], [7, 23]  # the first sequence continues 33 cached tokens; the second is a prefill
+    tokens = sum(new)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 2).to(query_dtype).to(DEVICE)
+    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)]).to(DEVICE)
+    rotary = RotaryEmbedding(dim, 64, 10000.0).to(DEVICE)
+    block_table = torch.tensor([[3, 1, 5], [2, 4, 0]], dtype=torch.int32, device=DEVICE)
+    slot_of = lambda b, p: int(block_table[b, p // block_size]) * block_size + p % block_size  # noqa: E731
+    slots = torch.tensor([slot_of(b, p) for b, (n, m) in enumerate(zip(lens, new)) for p in range(n - m, n)],
+                         device=DEVICE)
+    head_major = torch.zeros(blocks, block_size, kv_heads, dim, dtype=cache_dtype, device=DEVICE)
+    position_major = torch.zeros(blocks, kv_heads, dim, block_size, dtype=cache_dtype, device=DEVICE).permute(0, 3, 1, 2)
+    k_cache = torch.zeros_like(head_major)
+    context = (torch.randn(blocks, block_size, kv_heads, dim, generator=g) * 2).to(cache_dtype).to(DEVICE)
+    for v_cache in (head_major, position_major):  # cached tokens, then this step's through q/k-norm + RoPE
+        v_cache.copy_(context)
+    k_cache.copy_(context)
+    q = None
+    for v_cache in (head_major, position_major):
+        q, _, _ = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, dim, None, None, 0.0,
+                                     kv_cache=(k_cache, v_cache, slots, k_scale, v_scale))
+    assert torch.equal(position_major.contiguous().view(torch.uint8), head_major.view(torch.uint8))
+    _, k, v = fused.qk_norm_rope(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, dim, None, None, 0.0)
+    stored = position_major.clone()
+    triton_paged.store_kv(k, v, k_cache.clone(), position_major, slots, k_scale, v_scale)
+    assert torch.equal(position_major.contiguous().view(torch.uint8), stored.contiguous().view(torch.uint8))
+
+    starts = torch.tensor([0, new[0], tokens], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    decode = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    cases = [(q, starts, max(new), None), (q[[new[0] - 1, tokens - 1]], decode, 1, None),
+             (q[[new[0] - 1, tokens - 1]], decode, 1, triton_paged.DecodeWorkspace(2, heads, dim, DEVICE))]
+    for query, query_start, max_len, workspace in cases:
+        outs = []
+        for v_cache in (head_major, position_major):
+            out = torch.empty_like(query)
+            triton_paged.paged_attention(query, k_cache, v_cache, out, query_start, seq_lens, block_table, max_len,
+                                         dim ** -0.5, workspace=workspace, k_scale=k_scale, v_scale=v_scale)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        ref = torch.empty_like(query).cpu()
+        torch_ref.paged_attention(query.cpu(), k_cache.cpu(), head_major.cpu(), ref, query_start.cpu(), seq_lens.cpu(),
+                                  block_table.cpu(), max_len, dim ** -0.5, k_scale=k_scale, v_scale=v_scale)
+        tolerance = 2e-3 if query_dtype == torch.float16 else 1e-4
+        assert torch.allclose(outs[1].cpu().float(), ref.float(), atol=tolerance, rtol=tolerance)
+        assert ref.abs().max() > 0.1  # not a vacuous comparison
+
 def teacher_forced_agreement(reference: LLM, candidate: LLM, prompt: list[int], length: int) -> float:
     """Top-1 agreement of the next token after every prefix of the reference's greedy continuation:
     each position judged on the same input, so one early difference does not decide the rest."""

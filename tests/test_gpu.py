@@ -213,6 +213,8 @@ def test_fp8_kv_cache_on_gpu(capture_dirs):
         llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192, kv_cache_dtype="fp8",
                   enforce_eager=eager)
         assert llm.llm_engine.worker.kv_cache.dtype == torch.float8_e4m3fn
+        v_cache = llm.llm_engine.worker.attention_layers[0].v_cache
+        assert v_cache.stride(1) == 1 and v_cache.stride(3) == v_cache.shape[1]  # position-major V
         runs[eager] = llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(runs[True], runs[False]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -189,7 +189,8 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                              kc_ptr, vc_ptr, slot_ptr, stride_qkv, stride_q, stride_k, stride_cos, eps,
-                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, k_scale, v_scale,
+                             stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, stride_vcd,
+                             k_scale, v_scale,
                              NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEADS_PAD: tl.constexpr,
                              HEAD_D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                              STORE_KV: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr,
@@ -241,7 +242,7 @@ if triton is not None:
                 v = tl.load(qkv_ptr + token * stride_qkv + (NUM_QK + kv_head) * HEAD_D + dim, mask=v_mask)
                 if KV_FP8:
                     v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0).to(vc_ptr.dtype.element_ty)
-                tl.store(vc_ptr + block * stride_vcb + offset * stride_vco + kv_head * stride_vch + dim, v,
+                tl.store(vc_ptr + block * stride_vcb + offset * stride_vco + kv_head * stride_vch + dim * stride_vcd, v,
                          mask=v_mask)
         else:
             k_dst = k_ptr + token * stride_k + (head - NUM_Q) * HEAD_D
@@ -349,7 +350,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split a fused qkv projection [T, (Hq + 2 Hkv) D] into q, k (optionally RMS-normed per head,
     then rotated) and a view of v, in one kernel for q and k. Given ``kv_cache = (k_cache,
-    v_cache, slot_mapping, k_scale, v_scale)`` (caches [blocks, block_size, Hkv, D]; a float8
+    v_cache, slot_mapping, k_scale, v_scale)`` (caches [blocks, block_size, Hkv, D], V of any
+    strides (a float8 cache keeps it position-major); a float8
     cache stores value / scale) the same kernel writes k and v into their cache slots instead and
     returns ``(q, None, None)``: no separate KV-store pass. ``unit_offset``: the q/k norms scale by
     Gemma's (1 + w)."""
@@ -359,11 +361,11 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     if store:
         k = v = None
         k_cache, v_cache, slots, k_scale, v_scale = kv_cache
-        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride())
     else:
         k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
-        k_cache, v_cache, slots, cache_strides = q, q, positions, (0,) * 6  # unread without the store
+        k_cache, v_cache, slots, cache_strides = q, q, positions, (0,) * 7  # unread without the store
         k_scale = v_scale = 1.0
     if tokens:
         norm = q_weight is not None

@@ -31,8 +31,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize(key[valid], k_scale, k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = quantize(value[valid], v_scale, v_cache.dtype)
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size  # caches of any strides
+    k_cache[blocks, offsets] = quantize(key[valid], k_scale, k_cache.dtype)
+    v_cache[blocks, offsets] = quantize(value[valid], v_scale, v_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

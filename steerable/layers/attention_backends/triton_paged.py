@@ -81,6 +81,9 @@ class TritonAttentionConfig:
     # Fewer programs than this (B * Hkv) stream longer KV tiles, keeping more bytes in flight.
     decode_long_tile_n: int = 128
     decode_long_tile_max_programs: int = 256
+    # A float8 cache's tiles hold half the bytes per position: twice the positions per tile
+    # (H200, batch 256: 2.46 TB/s at 64, 2.64 at 128).
+    decode_fp8_tile_n: int = 128
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # Split-KV decode.
@@ -139,7 +142,7 @@ def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kco, stride_kch,
-    stride_vcb, stride_vco, stride_vch,
+    stride_vcb, stride_vco, stride_vch, stride_vcd,
     k_scale, v_scale,
     NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr,
     H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
@@ -163,7 +166,7 @@ def _store_kv_kernel(
     tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kco
              + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vco
-             + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+             + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v, mask=mask)
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -182,14 +185,14 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
         raise ValueError("k_cache and v_cache shapes differ")
     if slot_mapping.shape[0] != T:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, expected {T}")
-    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     _store_kv_kernel[(T,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         float(k_scale), float(v_scale),
         NUM_HEADS=num_heads, HEAD_D=head_d,
         H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_d), BLOCK_SIZE=block_size,
@@ -207,7 +210,7 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
 def _kv_tile_step(
     q, m_i, l_i, acc,
     tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -226,15 +229,16 @@ def _kv_tile_step(
         # A tile never straddles a cache block: one block-table lookup per tile.
         phys = tl.load(bt_row_ptr + (tile * TILE_N) // BLOCK_SIZE).to(tl.int64)
         in_blk = (tile * TILE_N) % BLOCK_SIZE + offs_n
-        k_off = phys * stride_kb + in_blk * stride_ko
-        v_off = phys * stride_vb + in_blk * stride_vo
+        blk_valid = k_pos * 0 == 0
     else:
-        phys = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        # Masked per block, not per position: the lookup then stays constant over a block's
+        # positions, so a V cache laid out position-major loads a block's positions as one vector.
+        blk_start = k_pos // BLOCK_SIZE * BLOCK_SIZE
+        blk_valid = blk_start < kv_hi
+        phys = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=blk_valid, other=0).to(tl.int64)
         in_blk = k_pos % BLOCK_SIZE
-        k_off = phys * stride_kb + in_blk * stride_ko
-        v_off = phys * stride_vb + in_blk * stride_vo
-    k_off += kv_head * stride_kh
-    v_off += kv_head * stride_vh
+    k_off = phys * stride_kb + in_blk * stride_ko + kv_head * stride_kh
+    v_off = phys * stride_vb + in_blk * stride_vo + kv_head * stride_vh
 
     k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None],
                 mask=k_valid[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [D_PAD, TILE_N]
@@ -254,8 +258,10 @@ def _kv_tile_step(
     p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
-                mask=k_valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [TILE_N, D_PAD]
+    # V is masked per block only (a per-position mask would split the position-major vectors):
+    # slots past the sequence hold finite values (the cache starts zeroed) and get p = 0.
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
+                mask=blk_valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [TILE_N, D_PAD]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -271,14 +277,14 @@ def _unified_attention_kernel(
     qsl_ptr, seq_lens_ptr, block_table_ptr,
     num_seqs, qk_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt,
     NUM_Q_PER_KV: tl.constexpr, GQA_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr, FP16_TILES: tl.constexpr,
 ):
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
@@ -325,6 +331,8 @@ def _unified_attention_kernel(
     q_head = kv_head * NUM_Q_PER_KV + head_in_grp
     q = tl.load(q_ptr + q_tok[:, None] * stride_qt + q_head[:, None] * stride_qh
                 + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if FP16_TILES:
+        q = q.to(tl.float16)
     q_pos = ctx + q_idx  # absolute position of each row's token
 
     # Keys visible to any row of this block: [kv_lo, kv_hi).
@@ -344,7 +352,7 @@ def _unified_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         m_i, l_i, acc = _kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
             kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
             BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC)
 
@@ -366,14 +374,14 @@ def _split_kv_decode_kernel(
     qsl_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, window,
     stride_qt, stride_qh,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt,
     stride_wab, stride_wah, stride_was,
     stride_wmb, stride_wmh,
     NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     fused.pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -393,6 +401,8 @@ def _split_kv_decode_kernel(
     q_head = kv_head * NUM_Q_PER_KV + offs_m
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh
                 + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if FP16_TILES:
+        q = q.to(tl.float16)
 
     # The single query token sits at position seq_len - 1: keys [kv_lo, seq_len) are visible.
     kv_hi = tl.maximum(seq_len, 0)
@@ -414,7 +424,7 @@ def _split_kv_decode_kernel(
     for tile in range(seg_lo, seg_hi):
         m_i, l_i, acc = _kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
             kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
             BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC)
 
@@ -507,10 +517,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         raise ValueError("query_start_loc must be [B+1] and block_table [>=B, max_blocks]")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_table", block_table)):
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("block_table", block_table)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    if v_cache.stride(-1) != 1 and v_cache.stride(1) != 1:
+        raise ValueError("v_cache must be contiguous along its head dimension or its block positions")
     if T == 0 or B == 0:
         return
 
@@ -522,6 +533,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     use_window = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if use_window else 0
     dot_prec = _dot_precision(q.dtype)
+    # float8 tiles become float16 for a 16-bit query: one packed conversion per two values, where
+    # bfloat16 takes two conversions per value (float8 -> float16 -> bfloat16).
+    fp16_tiles = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
     use_split = (max_query_len <= 1 and workspace is not None
                  and B * num_kv_heads <= cfg.split_kv_max_programs
@@ -537,14 +551,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             qk_scale, window,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             block_table.stride(0),
             workspace.acc.stride(0), workspace.acc.stride(1), workspace.acc.stride(2),
             workspace.max.stride(0), workspace.max.stride(1),
             NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad),
             HEAD_D=head_d, D_PAD=d_pad,
             BLOCK_SIZE=block_size, TILE_N=cfg.split_tile_n, NUM_SEGMENTS=nseg,
-            USE_WINDOW=use_window, DOT_PREC=dot_prec,
+            USE_WINDOW=use_window, DOT_PREC=dot_prec, FP16_TILES=fp16_tiles,
             num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **pdl_launch,
         )
         _split_kv_reduce_kernel[(B, num_q_heads)](
@@ -561,6 +575,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     if max_query_len <= 1:
         block_q = 1
         tile_n = cfg.decode_long_tile_n if B * num_kv_heads <= cfg.decode_long_tile_max_programs else cfg.decode_tile_n
+        if k_cache.dtype == torch.float8_e4m3fn:
+            tile_n = max(tile_n, cfg.decode_fp8_tile_n)
         num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
@@ -574,12 +590,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         B, qk_scale, float(v_scale), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_table.stride(0),
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
         # At most one query token per sequence and as many tokens as sequences: exactly one each.
-        NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B,
+        NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B, FP16_TILES=fp16_tiles,
         num_warps=num_warps, num_stages=num_stages,
     )
