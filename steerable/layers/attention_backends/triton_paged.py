@@ -214,7 +214,7 @@ def _kv_tile_step(
     kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BOUNDARY: tl.constexpr,
 ):
     """One KV tile: S = Q K^T, mask, online-softmax update of (m_i, l_i, acc).
 
@@ -258,12 +258,51 @@ def _kv_tile_step(
     p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    # V is masked per block only (a per-position mask would split the position-major vectors):
-    # slots past the sequence hold finite values (the cache starts zeroed) and get p = 0.
+    # V is masked per block (a per-position mask would split the position-major vectors). Slots
+    # outside [kv_lo, kv_hi) get p = 0, but 0 * NaN is NaN and such a slot may hold anything, so a
+    # boundary tile zeroes them.
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
-                mask=blk_valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [TILE_N, D_PAD]
+                mask=blk_valid[:, None] & d_mask[None, :], other=0.0)
+    if BOUNDARY:
+        v = tl.where(k_valid[:, None], v, 0.0)
+    v = v.to(q.dtype)  # [TILE_N, D_PAD]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tiles(
+    q, m_i, l_i, acc, lo, hi,
+    bt_row_ptr, k_cache_ptr, v_cache_ptr,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+    kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
+    offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Tiles ``[lo, hi)``: those holding a position outside ``[kv_lo, kv_hi)`` (at most the first
+    and the last) go through the boundary step, the others through the plain one."""
+    full_lo = (kv_lo + TILE_N - 1) // TILE_N
+    full_hi = kv_hi // TILE_N
+    for tile in range(lo, tl.minimum(hi, full_lo)):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, CAUSAL_PER_ROW, USE_WINDOW, DOT_PREC, True)
+    for tile in range(tl.maximum(lo, full_lo), tl.minimum(hi, full_hi)):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, CAUSAL_PER_ROW, USE_WINDOW, DOT_PREC, False)
+    for tile in range(tl.maximum(lo, tl.maximum(full_lo, full_hi)), hi):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, CAUSAL_PER_ROW, USE_WINDOW, DOT_PREC, True)
+    return m_i, l_i, acc
 
 
 # --------------------------------------------------------------------------------------
@@ -349,12 +388,11 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
 
-    for tile in range(tile_lo, tile_hi):
-        m_i, l_i, acc = _kv_tile_step(
-            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC)
+    m_i, l_i, acc = _attend_tiles(
+        q, m_i, l_i, acc, tile_lo, tile_hi, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+        kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+        BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None] * v_scale
@@ -421,12 +459,11 @@ def _split_kv_decode_kernel(
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     q_pos = offs_m * 0  # unused (CAUSAL_PER_ROW=False)
 
-    for tile in range(seg_lo, seg_hi):
-        m_i, l_i, acc = _kv_tile_step(
-            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC)
+    m_i, l_i, acc = _attend_tiles(
+        q, m_i, l_i, acc, seg_lo, seg_hi, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+        kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+        BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC)
 
     # Empty segments still write (m=-inf, l=0, acc=0) so the reduce never reads stale data.
     ws_head = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh + seg
