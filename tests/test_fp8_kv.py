@@ -133,6 +133,37 @@ def test_a_position_major_value_cache_is_written_and_read_like_a_head_major_one(
         assert torch.allclose(outs[1].cpu().float(), ref.float(), atol=tolerance, rtol=tolerance)
         assert ref.abs().max() > 0.1  # not a vacuous comparison
 
+
+@pytest.mark.triton
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_a_float8_cache_entry_is_always_finite():
+    """NaN is stored as 0 and infinities saturate at +-448, by the kernels and the reference alike:
+    attention over a position-major V reads slots it weights 0, which must not be NaN."""
+    from steerable.layers import fused
+    from steerable.layers.attention_backends import triton_paged
+    from steerable.layers.rotary import RotaryEmbedding
+
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1000.0, -2.0, 1.0])
+    key = special.expand(2, 2, -1).contiguous()  # [tokens, heads, dim]
+    expected = torch.tensor([0.0, 448.0, -448.0, 448.0, -2.0, 1.0])
+    slots = torch.tensor([3, 17])
+    caches = [torch.ones(2, 16, 2, 6, dtype=FP8, device=DEVICE) for _ in range(4)]
+    triton_paged.store_kv(key.to(DEVICE), key.to(DEVICE), caches[0], caches[1], slots.to(DEVICE))
+    torch_ref.store_kv(key.to(DEVICE), key.to(DEVICE), caches[2], caches[3], slots.to(DEVICE))
+    for cache in caches:
+        stored = cache.float().cpu().view(-1, 2, 6)[slots]
+        assert torch.equal(stored, expected.expand_as(stored))
+    # q/k-norm + RoPE writing K and V: V is copied as is, so its NaN and infinities reach the cache
+    heads, kv_heads, dim = 2, 1, 8
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim)
+    qkv[0, -dim:] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1000.0, 1.0, 2.0, 0.5, -1.0])
+    rotary = RotaryEmbedding(dim, 16, 10000.0).to(DEVICE)
+    k_cache, v_cache = (torch.ones(1, 16, kv_heads, dim, dtype=FP8, device=DEVICE) for _ in range(2))
+    fused.qk_norm_rope(qkv.to(DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE), rotary.cos, rotary.sin,
+                       heads, kv_heads, dim, None, None, 0.0,
+                       kv_cache=(k_cache, v_cache, torch.tensor([5], device=DEVICE), 1.0, 1.0))
+    assert v_cache.float()[0, 5, 0].cpu().tolist() == [0.0, 448.0, -448.0, 448.0, 1.0, 2.0, 0.5, -1.0]
+
 def teacher_forced_agreement(reference: LLM, candidate: LLM, prompt: list[int], length: int) -> float:
     """Top-1 agreement of the next token after every prefix of the reference's greedy continuation:
     each position judged on the same input, so one early difference does not decide the rest."""

@@ -72,6 +72,14 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def to_fp8(x, scale, dtype: tl.constexpr):
+        """A float8 (e4m3) cache's entry for ``x``: ``x / scale`` saturated at the format's largest
+        value, 448, and NaN stored as 0: every entry is finite, which attention over a
+        position-major V relies on (it reads whole blocks and weights the slots it must skip 0)."""
+        y = x.to(tl.float32) / scale
+        return tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0).to(dtype)
+
+    @triton.jit
     def _norm_scale(xhat, w, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
         """Llama/Qwen: ``w * round(xhat)``; Gemma (UNIT_OFFSET): ``(1 + w) * xhat`` in float32."""
         if UNIT_OFFSET:
@@ -232,8 +240,8 @@ if triton is not None:
                 k_dst = kc_ptr + block * stride_kcb + offset * stride_kco + (head - NUM_Q) * stride_kch
                 k1, k2 = out1, out2
                 if KV_FP8:  # a float8 cache holds value / scale, saturated at 448
-                    k1 = tl.clamp(out1.to(tl.float32) / k_scale, -448.0, 448.0).to(kc_ptr.dtype.element_ty)
-                    k2 = tl.clamp(out2.to(tl.float32) / k_scale, -448.0, 448.0).to(kc_ptr.dtype.element_ty)
+                    k1 = to_fp8(out1, k_scale, kc_ptr.dtype.element_ty)
+                    k2 = to_fp8(out2, k_scale, kc_ptr.dtype.element_ty)
                 tl.store(k_dst + offs, k1, mask=mask & ~is_q)
                 tl.store(k_dst + HEAD_D // 2 + offs, k2, mask=mask & ~is_q)
                 kv_head = tl.arange(0, KV_PAD)[:, None]
@@ -241,7 +249,7 @@ if triton is not None:
                 v_mask = (kv_head < NUM_QK - NUM_Q) & (dim < HEAD_D)
                 v = tl.load(qkv_ptr + token * stride_qkv + (NUM_QK + kv_head) * HEAD_D + dim, mask=v_mask)
                 if KV_FP8:
-                    v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0).to(vc_ptr.dtype.element_ty)
+                    v = to_fp8(v, v_scale, vc_ptr.dtype.element_ty)
                 tl.store(vc_ptr + block * stride_vcb + offset * stride_vco + kv_head * stride_vch + dim * stride_vcd, v,
                          mask=v_mask)
         else:

@@ -146,9 +146,10 @@ class ModelRunner:
                              "gpu_memory_utilization / kv_cache_tokens")
         layer = self.attention_layers[0]
         block = (self.block_size, layer.num_kv_heads, layer.head_dim)
-        # Unwritten slots are never used (attention masks by seq_lens), so GPU memory need not be cleared.
-        make = torch.empty if self.device.type == "cuda" else torch.zeros
-        self.kv_cache = make((2, self.kv_slots, num_blocks * math.prod(block)), dtype=kv_dtype, device=self.device)
+        # Zeroed: attention over a position-major V reads whole blocks, slots never written
+        # included, and weights those it skips 0, which needs them finite.
+        self.kv_cache = torch.zeros((2, self.kv_slots, num_blocks * math.prod(block)), dtype=kv_dtype,
+                                    device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.kv_group, slot = self.kv_placement[i]
             layer.k_cache = self.kv_cache[0, slot].view(num_blocks, *block)

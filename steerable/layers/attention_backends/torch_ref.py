@@ -16,10 +16,11 @@ FP8_MAX = 448.0  # the largest float8 e4m3 value: a float8 cache saturates there
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a cache of ``dtype`` stores it: unchanged, or ``x / scale`` saturated into float8."""
+    """``x`` as a cache of ``dtype`` stores it: unchanged, or ``x / scale`` saturated into float8
+    (NaN as 0, as the kernels store it)."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return (x.float() / scale).nan_to_num(nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:

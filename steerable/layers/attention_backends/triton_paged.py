@@ -130,14 +130,6 @@ class DecodeWorkspace:
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _to_fp8(x, scale, dtype: tl.constexpr):
-    """A float8 (e4m3) cache's entry for ``x``: ``x / scale`` saturated at the format's largest
-    value, 448."""
-    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
-
-
-
-@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -161,8 +153,8 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask)
     if FP8:
-        k = _to_fp8(k, k_scale, k_cache_ptr.dtype.element_ty)
-        v = _to_fp8(v, v_scale, v_cache_ptr.dtype.element_ty)
+        k = fused.to_fp8(k, k_scale, k_cache_ptr.dtype.element_ty)
+        v = fused.to_fp8(v, v_scale, v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kco
              + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vco
@@ -214,7 +206,7 @@ def _kv_tile_step(
     kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BOUNDARY: tl.constexpr,
+    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, V_BY_BLOCK: tl.constexpr,
 ):
     """One KV tile: S = Q K^T, mask, online-softmax update of (m_i, l_i, acc).
 
@@ -258,51 +250,14 @@ def _kv_tile_step(
     p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    # V is masked per block (a per-position mask would split the position-major vectors). Slots
-    # outside [kv_lo, kv_hi) get p = 0, but 0 * NaN is NaN and such a slot may hold anything, so a
-    # boundary tile zeroes them.
+    # A position-major V is masked per block, not per position, so that a block's positions load
+    # as one vector: slots outside [kv_lo, kv_hi) are read and get p = 0, which needs them finite
+    # (such a cache starts zeroed and its writers store finite values). Otherwise per position.
+    v_rows = blk_valid if V_BY_BLOCK else k_valid
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
-                mask=blk_valid[:, None] & d_mask[None, :], other=0.0)
-    if BOUNDARY:
-        v = tl.where(k_valid[:, None], v, 0.0)
-    v = v.to(q.dtype)  # [TILE_N, D_PAD]
+                mask=v_rows[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [TILE_N, D_PAD]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_tiles(
-    q, m_i, l_i, acc, lo, hi,
-    bt_row_ptr, k_cache_ptr, v_cache_ptr,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-    kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
-    offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Tiles ``[lo, hi)``: those holding a position outside ``[kv_lo, kv_hi)`` (at most the first
-    and the last) go through the boundary step, the others through the plain one."""
-    full_lo = (kv_lo + TILE_N - 1) // TILE_N
-    full_hi = kv_hi // TILE_N
-    for tile in range(lo, tl.minimum(hi, full_lo)):
-        m_i, l_i, acc = _kv_tile_step(
-            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, CAUSAL_PER_ROW, USE_WINDOW, DOT_PREC, True)
-    for tile in range(tl.maximum(lo, full_lo), tl.minimum(hi, full_hi)):
-        m_i, l_i, acc = _kv_tile_step(
-            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, CAUSAL_PER_ROW, USE_WINDOW, DOT_PREC, False)
-    for tile in range(tl.maximum(lo, tl.maximum(full_lo, full_hi)), hi):
-        m_i, l_i, acc = _kv_tile_step(
-            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, CAUSAL_PER_ROW, USE_WINDOW, DOT_PREC, True)
-    return m_i, l_i, acc
 
 
 # --------------------------------------------------------------------------------------
@@ -324,6 +279,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr, FP16_TILES: tl.constexpr,
+    V_BY_BLOCK: tl.constexpr,
 ):
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
@@ -388,11 +344,12 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
 
-    m_i, l_i, acc = _attend_tiles(
-        q, m_i, l_i, acc, tile_lo, tile_hi, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-        kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-        BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC)
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC, V_BY_BLOCK)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None] * v_scale
@@ -419,7 +376,8 @@ def _split_kv_decode_kernel(
     NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, PDL: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, V_BY_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     fused.pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -459,11 +417,12 @@ def _split_kv_decode_kernel(
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     q_pos = offs_m * 0  # unused (CAUSAL_PER_ROW=False)
 
-    m_i, l_i, acc = _attend_tiles(
-        q, m_i, l_i, acc, seg_lo, seg_hi, bt_row_ptr, k_cache_ptr, v_cache_ptr,
-        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-        kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-        BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC)
+    for tile in range(seg_lo, seg_hi):
+        m_i, l_i, acc = _kv_tile_step(
+            q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC, V_BY_BLOCK)
 
     # Empty segments still write (m=-inf, l=0, acc=0) so the reduce never reads stale data.
     ws_head = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh + seg
@@ -573,6 +532,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     # float8 tiles become float16 for a 16-bit query: one packed conversion per two values, where
     # bfloat16 takes two conversions per value (float8 -> float16 -> bfloat16).
     fp16_tiles = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    v_by_block = v_cache.stride(-1) != 1  # position-major V
 
     use_split = (max_query_len <= 1 and workspace is not None
                  and B * num_kv_heads <= cfg.split_kv_max_programs
@@ -595,7 +555,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad),
             HEAD_D=head_d, D_PAD=d_pad,
             BLOCK_SIZE=block_size, TILE_N=cfg.split_tile_n, NUM_SEGMENTS=nseg,
-            USE_WINDOW=use_window, DOT_PREC=dot_prec, FP16_TILES=fp16_tiles,
+            USE_WINDOW=use_window, DOT_PREC=dot_prec, FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block,
             num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **pdl_launch,
         )
         _split_kv_reduce_kernel[(B, num_q_heads)](
@@ -634,5 +594,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
         # At most one query token per sequence and as many tokens as sequences: exactly one each.
         NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B, FP16_TILES=fp16_tiles,
+        V_BY_BLOCK=v_by_block,
         num_warps=num_warps, num_stages=num_stages,
     )
