@@ -67,23 +67,26 @@ def test_kv_cache_kernels(kv):
     rope = dict(qkv_ptr=BF16, q_ptr=BF16, k_ptr=BF16, pos_ptr=I64, cos_ptr=FP32, sin_ptr=FP32, qw_ptr=BF16,
                 kw_ptr=BF16, kc_ptr=kv, vc_ptr=kv, slot_ptr=I64, stride_qkv=1, stride_q=1, stride_k=1, stride_cos=1,
                 eps=1.0, stride_kcb=1, stride_kco=1, stride_kch=1, stride_vcb=1, stride_vco=1, stride_vch=1,
-                k_scale=1.0, v_scale=1.0, NUM_Q=16, NUM_QK=24, HEADS_PAD=32, HEAD_D=128, HALF=64, QK_NORM=True,
+                stride_vcd=1, k_scale=1.0, v_scale=1.0, NUM_Q=16, NUM_QK=24, HEADS_PAD=32, HEAD_D=128, HALF=64, QK_NORM=True,
                 STORE_KV=True, KV_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=kv == FP8, UNIT_OFFSET=kv == FP8,
                 PDL=kv == BF16)
     ptx = compile_for_hopper(fused._qk_norm_rope_kernel, **rope)
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (kv == FP8)  # the hardware's rounding, saturated
     store = dict(key_ptr=BF16, value_ptr=BF16, k_cache_ptr=kv, v_cache_ptr=kv, slot_ptr=I64, stride_kt=1,
                  stride_kh=1, stride_vt=1, stride_vh=1, stride_kcb=1, stride_kco=1, stride_kch=1, stride_vcb=1,
-                 stride_vco=1, stride_vch=1, k_scale=1.0, v_scale=1.0, NUM_HEADS=8, HEAD_D=128, H_PAD=8, D_PAD=128,
+                 stride_vco=1, stride_vch=1, stride_vcd=1, k_scale=1.0, v_scale=1.0, NUM_HEADS=8, HEAD_D=128, H_PAD=8, D_PAD=128,
                  BLOCK_SIZE=16, FP8=kv == FP8)
     compile_for_hopper(triton_paged._store_kv_kernel, **store)
+    # a float8 cache as the engine lays it out on a GPU: V position-major, tiles converted to float16
     cache = dict(k_cache_ptr=kv, v_cache_ptr=kv, stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1,
-                 stride_vh=1, block_table_ptr=I32, stride_bt=1, qsl_ptr=I32, seq_lens_ptr=I32, qk_scale=1.0,
-                 window=1, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, USE_WINDOW=False, DOT_PREC="tf32")
+                 stride_vh=1, stride_vd=1, block_table_ptr=I32, stride_bt=1, qsl_ptr=I32, seq_lens_ptr=I32,
+                 qk_scale=1.0, window=1, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, USE_WINDOW=False, DOT_PREC="tf32",
+                 FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8)
     unified = dict(cache, q_ptr=BF16, out_ptr=BF16, num_seqs=1, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1,
                    stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
                    ONE_TOKEN_PER_SEQ=True)
-    compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
+    ptx = compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv == FP8)  # one packed conversion per two float8 values
     split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_qt=1, stride_qh=1,
                  stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, BLOCK_M=16,
                  TILE_N=64, NUM_SEGMENTS=16, PDL=kv == BF16)
