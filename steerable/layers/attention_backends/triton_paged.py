@@ -9,9 +9,11 @@ Public API
 max_query_len, scale, sliding_window=None, workspace=None, k_scale=1.0, v_scale=1.0)``
     Causal (optionally sliding-window) attention of a flattened ragged batch against the
     paged cache. Prefill chunks with prefix context and single-token decodes can be mixed in
-    one call. A float8 (e4m3) cache holds K / k_scale and V / v_scale: tiles are converted to
-    the query's dtype as they are loaded, k_scale is folded into the softmax scale and v_scale
-    into the output.
+    one call. A float8 (e4m3) cache holds K / k_scale and V / v_scale: tiles are converted as
+    they are loaded (to float16 for a 16-bit query, else to the query's dtype), k_scale is
+    folded into the softmax scale and v_scale into the output. V may be head-major (contiguous
+    along D) or position-major (contiguous along a block's positions, masked per block: its
+    slots must then all hold finite values).
 ``DecodeWorkspace``
     Preallocated fp32 buffers for the split-KV decode path (keeps the op CUDA-graph safe).
 ``CONFIG``
@@ -164,8 +166,8 @@ def _store_kv_kernel(
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
              slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``k_cache``/``v_cache``
-    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64 ``[T]``; ``-1`` = skip); a
-    float8 cache stores ``value / scale``, saturated."""
+    ``[num_blocks, block_size, Hkv, D]`` (V of any strides) at ``slot_mapping`` (int64 ``[T]``; ``-1`` = skip); a
+    float8 cache stores ``value / scale``, saturated, NaN as 0."""
     T = key.shape[0]
     if T == 0:
         return
@@ -485,7 +487,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
                     v_scale: float = 1.0) -> None:
     """Causal paged attention over a ragged batch; writes ``out`` in place.
 
-    ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``;
+    ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]`` (V of either
+    layout above);
     ``query_start_loc`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` (context + new tokens);
     ``block_table`` int32 ``[B, max_blocks]``. Query row ``i`` of sequence ``b`` sits at
     position ``seq_lens[b] - query_len_b + i`` and sees keys at positions ``<=`` its own
