@@ -132,6 +132,10 @@ def test_a_position_major_value_cache_is_written_and_read_like_a_head_major_one(
         tolerance = 2e-3 if query_dtype == torch.float16 else 1e-4
         assert torch.allclose(outs[1].cpu().float(), ref.float(), atol=tolerance, rtol=tolerance)
         assert ref.abs().max() > 0.1  # not a vacuous comparison
+    neither = torch.zeros(blocks, dim, block_size, kv_heads, dtype=cache_dtype, device=DEVICE).permute(0, 2, 3, 1)
+    with pytest.raises(ValueError, match="v_cache must be contiguous"):
+        triton_paged.paged_attention(q, k_cache, neither, torch.empty_like(q), starts, seq_lens, block_table,
+                                     max(new), dim ** -0.5)
 
 
 @pytest.mark.triton
