@@ -78,14 +78,11 @@ class TritonAttentionConfig:
     prefill_tile_n: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
-    # Unified kernel, decode batches (max_query_len == 1): one token x GQA group per program.
-    decode_tile_n: int = 64
-    # Fewer programs than this (B * Hkv) stream longer KV tiles, keeping more bytes in flight.
-    decode_long_tile_n: int = 128
-    decode_long_tile_max_programs: int = 256
-    # A float8 cache's tiles hold half the bytes per position: twice the positions per tile
-    # (H200, batch 256: 2.46 TB/s at 64, 2.64 at 128).
-    decode_fp8_tile_n: int = 128
+    # Unified kernel, decode batches (max_query_len == 1): one token x GQA group per program, KV
+    # positions per inner-loop tile. 128 beat 64 over throughput.py's decode steps replayed on the
+    # H200 (bf16: 4.34 against 4.59 s; float8 tiles hold half the bytes and gain more: 2.64 against
+    # 2.46 TB/s at batch 256).
+    decode_tile_n: int = 128
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # Split-KV decode.
@@ -574,10 +571,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
 
     if max_query_len <= 1:
         block_q = 1
-        tile_n = cfg.decode_long_tile_n if B * num_kv_heads <= cfg.decode_long_tile_max_programs else cfg.decode_tile_n
-        if k_cache.dtype == torch.float8_e4m3fn:
-            tile_n = max(tile_n, cfg.decode_fp8_tile_n)
-        num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
+        tile_n, num_warps, num_stages = cfg.decode_tile_n, cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
         tile_n, num_warps, num_stages = (cfg.prefill_tile_n, cfg.prefill_num_warps,
