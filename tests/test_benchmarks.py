@@ -228,3 +228,17 @@ def test_gemv_sweep_under_the_interpreter(cache_dir):
     (projection,) = r["projection"]
     positive(projection, "cublas_us", "best_us", "gemv_us")
     assert projection["best_max_abs_err"] < 1e-5 and projection["gemv_err"] < 1e-5
+
+
+@pytest.mark.triton
+def test_attention_replay_under_the_interpreter(cache_dir):
+    pytest.importorskip("triton")
+    r = run("attention_replay", cache_dir, model=False, env={"TRITON_INTERPRET": "1", "STEERABLE_FUSED_ON_CPU": "1"})
+    configs = r["config"]
+    assert {(c["config"], c["kv_dtype"]) for c in configs} == {
+        (name, dtype) for name in ("shipped", "decode_tile_16") for dtype in ("float32", "float8_e4m3fn")}
+    for c in configs:
+        positive(c, "seconds", "vs_shipped")
+        assert sum(c["by_batch"].values()) == pytest.approx(c["seconds"])
+        if c["config"] == "shipped":
+            assert c["vs_shipped"] == 1.0
