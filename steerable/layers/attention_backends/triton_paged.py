@@ -79,7 +79,7 @@ class TritonAttentionConfig:
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
     # Unified kernel, decode batches (max_query_len == 1): one token x GQA group per program, KV
-    # positions per inner-loop tile. 128 beat 64 and 256 at every batch size over throughput.py's
+    # positions per inner-loop tile. 128 beat 64 and 256 over throughput.py's
     # decode steps replayed on the H200 (benchmarks/attention_replay.py; bf16 4.39 s against 4.55
     # and 5.44, float8 3.53 against 3.71 and 3.87).
     decode_tile_n: int = 128
