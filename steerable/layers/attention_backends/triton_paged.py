@@ -220,7 +220,7 @@ def _kv_tile_step(
         # A tile never straddles a cache block: one block-table lookup per tile.
         phys = tl.load(bt_row_ptr + (tile * TILE_N) // BLOCK_SIZE).to(tl.int64)
         in_blk = (tile * TILE_N) % BLOCK_SIZE + offs_n
-        blk_valid = k_pos * 0 == 0
+        blk_valid = tl.full([TILE_N], True, tl.int1)  # the tile's one block starts below kv_hi
     else:
         # Masked per block, not per position: the lookup then stays constant over a block's
         # positions, so a V cache laid out position-major loads a block's positions as one vector.
