@@ -1,10 +1,11 @@
 """Decode attention of throughput.py's workload, replayed call by call: for every ``--stride``-th
 decode step, the requests still decoding (output length not reached) with their context lengths at
-that step, the paged-attention kernel timed under each launch configuration. Seconds over the whole
-workload (each sampled step counts ``stride`` steps of every layer), by decode batch size, for a
-bf16 and a float8 cache (V position-major, as the engine lays a float8 cache out on a GPU). This is
-how the decode tile was chosen: a kernel sweep at one batch size and context length misses the
-shrinking batches and long contexts of the workload's tail.
+that step, the paged-attention kernel timed under each launch configuration, and its output compared
+with the shipped configuration's. Seconds over the whole workload (each sampled step counts
+``stride`` steps of every layer), by decode batch size, for a bf16 and a float8 cache (V
+position-major, as the engine lays a float8 cache out on a GPU). This is how the decode tile was
+chosen: a kernel sweep at one batch size and context length misses the shrinking batches and long
+contexts of the workload's tail.
 
     PYTHONPATH=. python benchmarks/attention_replay.py [--stride 8]
     --smoke: tiny shapes under Triton's CPU interpreter (TRITON_INTERPRET=1
@@ -14,12 +15,14 @@ shrinking batches and long contexts of the workload's tail.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import common
 import numpy as np
 import torch
 from common import emit, timed
 
+from steerable.layers.attention import value_cache_view
 from steerable.layers.attention_backends import triton_paged as tp
 
 # Qwen3-0.6B's attention: 28 layers, 16 query and 8 KV heads of 128; the engine's blocks of 16.
@@ -28,7 +31,8 @@ SMOKE_SHAPE = dict(layers=2, q_heads=4, kv_heads=2, head_size=16, block_size=4)
 # name -> CONFIG fields changed from the shipped defaults (the baseline, "shipped").
 CONFIGS = {"shipped": {}, "decode_tile_64": {"decode_tile_n": 64}, "decode_tile_256": {"decode_tile_n": 256},
            "split_kv_to_512_programs": {"split_kv_max_programs": 512}}
-SMOKE_CONFIGS = {"shipped": {}, "decode_tile_16": {"decode_tile_n": 16}}
+# The smoke batches are small enough for the split-KV path; the other config takes the unified kernel.
+SMOKE_CONFIGS = {"shipped": {}, "unified_tile_16": {"split_kv_max_programs": 0, "decode_tile_n": 16}}
 BUCKETS = (16, 32, 64, 128)
 
 
@@ -37,14 +41,10 @@ def bucket(batch: int) -> str:
 
 
 def caches(num_blocks: int, shape: dict, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    dims = (num_blocks, shape["block_size"], shape["kv_heads"], shape["head_size"])
-    k = torch.randn(dims, device=device).to(dtype)
-    if dtype == torch.float8_e4m3fn and device == "cuda":
-        v = torch.empty(dims[0], dims[2], dims[3], dims[1], device=device, dtype=dtype).permute(0, 3, 1, 2)
-        v.copy_(torch.randn(dims, device=device).to(dtype))
-    else:
-        v = torch.randn(dims, device=device).to(dtype)
-    return k, v
+    """K and V laid out as the engine lays them out (a float8 V position-major on a GPU)."""
+    block = (shape["block_size"], shape["kv_heads"], shape["head_size"])
+    k, v = torch.randn(2, num_blocks * math.prod(block), device=device).to(dtype)
+    return k.view(num_blocks, *block), value_cache_view(v, num_blocks, *block)
 
 
 def main() -> None:
@@ -55,7 +55,6 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("attention_replay times GPU kernels: run it on a CUDA machine (or --smoke on a CPU)")
-    stride = args.stride
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     device, model_dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if cuda:
@@ -77,28 +76,37 @@ def main() -> None:
     workspace = tp.DecodeWorkspace(len(w), shape["q_heads"], shape["head_size"], device)
     for dtype in (model_dtype, torch.float8_e4m3fn):
         k_cache, v_cache = caches(block_tables.numel(), shape, dtype, device)
-        results = {}
+        totals: dict[str, float] = {}
+        shipped_out: dict[int, torch.Tensor] = {}  # each step's output under the shipped CONFIG
         for name, changes in (SMOKE_CONFIGS if args.smoke else CONFIGS).items():
             for field, value in {**shipped, **changes}.items():
                 setattr(tp.CONFIG, field, value)
             by_bucket: dict[str, float] = {}
-            for step in range(1, int(output_lens.max()), stride):
+            max_abs_diff = 0.0
+            for step in range(1, int(output_lens.max()), args.stride):
                 active = np.nonzero(output_lens > step)[0]
                 seq_lens = torch.tensor(input_lens[active] + step, dtype=torch.int32, device=device)
-                q = torch.randn(len(active), shape["q_heads"], shape["head_size"], device=device, dtype=model_dtype)
+                q = torch.randn(len(active), shape["q_heads"], shape["head_size"],
+                                generator=torch.Generator().manual_seed(step)).to(device, model_dtype)
                 out = torch.empty_like(q)
                 starts = torch.arange(len(active) + 1, dtype=torch.int32, device=device)
                 table = block_tables[torch.from_numpy(active).to(device)]
-                s = seconds(lambda: tp.paged_attention(q, k_cache, v_cache, out, starts, seq_lens, table, 1,
-                                                       shape["head_size"] ** -0.5, workspace=workspace))
+
+                def attend() -> None:
+                    tp.paged_attention(q, k_cache, v_cache, out, starts, seq_lens, table, 1,
+                                       shape["head_size"] ** -0.5, workspace=workspace)
+
+                attend()
+                reference = shipped_out.setdefault(step, out.clone())
+                max_abs_diff = max(max_abs_diff, (out.float() - reference.float()).abs().max().item())
                 key = bucket(len(active))
-                by_bucket[key] = by_bucket.get(key, 0.0) + s * stride * shape["layers"]
-            results[name] = sum(by_bucket.values())
+                by_bucket[key] = by_bucket.get(key, 0.0) + seconds(attend) * args.stride * shape["layers"]
+            totals[name] = sum(by_bucket.values())
             emit({"record": "config", "config": name, "changes": changes, "kv_dtype": str(dtype).removeprefix("torch."),
-                  "seconds": results[name], "by_batch": by_bucket, "vs_shipped": results[name] / results["shipped"]})
+                  "seconds": totals[name], "by_batch": by_bucket, "vs_shipped": totals[name] / totals["shipped"],
+                  "max_abs_diff_vs_shipped": max_abs_diff})
         for field, value in shipped.items():
             setattr(tp.CONFIG, field, value)
-
 
 if __name__ == "__main__":
     main()
