@@ -15,7 +15,7 @@ if not torch.cuda.is_available() and not INTERPRET:
                 allow_module_level=True)
 
 from steerable.hook_points import SiteWrite  # noqa: E402
-from steerable.layers import fused, gemv, skinny_gemm  # noqa: E402
+from steerable.layers import fused, gemv  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
 from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
 
@@ -250,7 +250,7 @@ def test_gemv_equals_linear(dtype, out_features, in_features, bias):
 def test_gated_gemv_equals_gated_kernel_then_gemv(dtype, gated, in_features):
     """The down projection with the gated activation inside equals the gated kernel followed by
     the one-row projection, bit for bit (they share the activation's rounding); several rows take
-    the two ops, or on a GPU in 16 bits the decode-batch kernel with the same prologue."""
+    the two ops."""
     g = torch.Generator().manual_seed(in_features)
     w = (torch.randn(96, in_features, generator=g) / in_features ** 0.5).to(DEVICE, dtype)
     gate_up = torch.randn(1, 2 * in_features, generator=g).to(DEVICE, dtype)
@@ -261,11 +261,7 @@ def test_gated_gemv_equals_gated_kernel_then_gemv(dtype, gated, in_features):
     ref_act = torch.nn.functional.silu(gate) if gated == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
     assert _close(out, torch.nn.functional.linear(ref_act * up, w.float()), dtype)
     rows = torch.randn(3, 2 * in_features, generator=g).to(DEVICE, dtype)
-    several = gemv.gated_linear(rows, w, None, gated)
-    if skinny_gemm.eligible(rows, w):  # a GPU decode batch: the gated prologue of the batch kernel
-        assert torch.equal(several, skinny_gemm.skinny_linear(act(rows), w))
-    else:
-        assert torch.equal(several, torch.nn.functional.linear(act(rows), w))
+    assert torch.equal(gemv.gated_linear(rows, w, None, gated), torch.nn.functional.linear(act(rows), w))
 
 
 def test_gemv_takes_one_row_only():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from steerable.layers import fused, skinny_gemm
+from steerable.layers import fused
 from steerable.layers.activation import GATED_ACTIVATIONS
 
 try:
@@ -79,22 +79,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through the one-row kernel where it applies (a batch-1 decode step) and the
-    decode-batch kernel for a few rows on a GPU (``skinny_gemm``)."""
+    """``F.linear``, through the one-row kernel where it applies (a batch-1 decode step)."""
     if eligible(x, weight):
         return gemv(x, weight, bias)
-    if skinny_gemm.eligible(x, weight):
-        return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: str) -> torch.Tensor:
     """``F.linear(act(gate) * up, weight, bias)`` for ``gate_up`` [N, 2K] (gate | up), ``gated`` the
-    activation ("silu": SwiGLU, "gelu_tanh": GeGLU): one kernel at batch 1 and at decode batches on
-    a GPU, the gated kernel then ``linear`` otherwise."""
-    if gate_up.shape[-1] == 2 * weight.shape[1] and gate_up.is_contiguous():
-        if eligible(gate_up, weight):
-            return gemv(gate_up, weight, bias, gated)
-        if skinny_gemm.eligible(gate_up, weight):
-            return skinny_gemm.skinny_linear(gate_up, weight, bias, gated)
+    activation ("silu": SwiGLU, "gelu_tanh": GeGLU): one kernel at batch 1, the gated kernel then
+    ``linear`` otherwise."""
+    if eligible(gate_up, weight) and gate_up.shape[1] == 2 * weight.shape[1] and gate_up.is_contiguous():
+        return gemv(gate_up, weight, bias, gated)
     return linear(GATED_ACTIVATIONS[gated](gate_up), weight, bias)
