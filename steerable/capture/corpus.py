@@ -48,9 +48,6 @@ INDEX = "index.json"
 # Shard files allocated ahead, each by its own thread: allocating a file (a kernel memset of its
 # pages) takes about as long as capturing into it, so one thread alone would fall behind.
 FILES_AHEAD = 2
-# Threads that copy a step's rows into the shard file, one layer each at a time: one thread
-# copying (and taking the fresh pages' faults) cannot keep up with the GPU.
-COPY_THREADS = min(12, (os.cpu_count() or 1) - 2)
 
 
 def shard_name(k: int) -> str:
@@ -162,7 +159,6 @@ class _CorpusRun:
         self.files, self.bar = files, bar
         self.select = SelectSpec.from_wire(settings["select"])
         self.router = ShardRouter()
-        self.copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="corpus-copy") if COPY_THREADS > 1 else None
         self.open: deque[_OpenShard] = deque()  # oldest first
         self.in_engine: dict[str, _OpenShard] = {}  # client id -> its shard
 
@@ -192,8 +188,6 @@ class _CorpusRun:
                 raise
         finally:
             engine.stop_capture(HIDDEN_STATES)  # returns once the sink thread has stored every row
-            if self.copy_pool is not None:
-                self.copy_pool.shutdown(wait=True)
         self._finish_ready()
         for shard in self.open:  # every request is done and every row delivered
             shard.buffer.check_complete()
@@ -210,7 +204,7 @@ class _CorpusRun:
             job, allocation = self.files.take()
             self._prepare(next(upcoming, None))  # allocated while earlier shards are captured
             lo = job.shard * self.settings["shard_size"]
-            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels, job.file.wait_rows, self.copy_pool)
+            buffer = ShardBuffer(lo, job.counts, job.file.data, job.file.labels, job.file.wait_rows)
             job.file = None  # the mapping goes with the buffer
             shard = _OpenShard(job, allocation, buffer, len(job.prompts))
             self.open.append(shard)

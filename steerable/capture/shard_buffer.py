@@ -13,7 +13,6 @@ layer at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor
 
 import numpy as np
 import torch
@@ -31,9 +30,8 @@ class ShardBuffer:
     engine's thread reads ``complete`` and ``error``."""
 
     def __init__(self, first: int, counts: Sequence[int], data: torch.Tensor, labels: np.ndarray,
-                 wait_rows: Callable[[int], None] | None = None, copy_pool: Executor | None = None):
+                 wait_rows: Callable[[int], None] | None = None):
         self.wait_rows = wait_rows  # called before writing below a row: the storage may still be reserving it
-        self.copy_pool = copy_pool  # copies the layers of a step in parallel, if given
         self.first, self.counts = first, np.asarray(counts, np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])  # where each example's rows start
         self.filled = np.zeros(len(self.counts), np.int64)  # rows each example got so far
@@ -79,12 +77,8 @@ class ShardBuffer:
                 return
         self.labels[1, target] = rows.positions
         self.labels[2, target] = rows.token_ids
-        runs = list(_runs(rows.where, target))
-        if self.copy_pool is None:
-            for src, dst, n in runs:
-                self.data[:, dst:dst + n].copy_(rows.block[:, src:src + n])
-        else:
-            _copy_by_layer(self.data, rows.block, runs, self.copy_pool)
+        for src, dst, n in _runs(rows.where, target):
+            self.data[:, dst:dst + n].copy_(rows.block[:, src:src + n])
         self.rows_stored += len(target)  # after the copies: another thread may be waiting for the last row
 
     @property
@@ -104,25 +98,6 @@ class ShardBuffer:
             e = short[0]
             raise RuntimeError(f"corpus capture: example {self.first + e} got {self.filled[e]} of its "
                                f"{self.counts[e]} selected prompt rows")
-
-
-def _copy_by_layer(data: torch.Tensor, block: torch.Tensor, runs: list[tuple[int, int, int]], pool: Executor) -> None:
-    """``data[:, dst:dst + n] = block[:, src:src + n]`` for each run, one layer per task. Each task
-    is a plain memory copy (numpy, which lets go of the GIL), so the pool's threads copy and take
-    the file's page faults side by side without an OpenMP team each."""
-    dst, src = _bytes(data), _bytes(block)
-
-    def layer(i: int) -> None:
-        for s, d, n in runs:
-            dst[i, d:d + n] = src[i, s:s + n]
-
-    for future in [pool.submit(layer, i) for i in range(dst.shape[0])]:
-        future.result()
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``'s bytes (numpy has no bfloat16): ``[..., width * itemsize]`` uint8."""
-    return t.view(torch.uint8).numpy()
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> Iterable[tuple[int, int, int]]:
