@@ -14,7 +14,8 @@ if not torch.cuda.is_available() and not INTERPRET:
                 allow_module_level=True)
 
 from steerable.hook_points import HookPoints  # noqa: E402
-from steerable.layers.fused_moe import BLOCK_M, fused_experts, moe_align  # noqa: E402
+from steerable.layers import moe_configs  # noqa: E402
+from steerable.layers.fused_moe import fused_experts, moe_align, moe_align_reference, num_blocks  # noqa: E402
 from steerable.models.qwen3_moe import MoeConfig, Qwen3MoeSparseBlock  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -22,25 +23,37 @@ DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 8, 2), (40, 16, 4), (3, 64, 8)])
-def test_moe_align_places_every_assignment_once(tokens, experts, top_k):
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 8, 2), (40, 16, 4), (3, 64, 8), (300, 8, 2)])
+def test_moe_align_places_every_assignment_once(tokens, experts, top_k, block_m):
     g = torch.Generator().manual_seed(tokens * experts)
     chosen = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
-    ids, block_expert = moe_align(chosen, experts)
+    ids, block_expert = moe_align(chosen, experts, block_m)
+    ref_ids, ref_block_expert = moe_align_reference(chosen, experts, block_m)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()) and torch.equal(block_expert.cpu(), ref_block_expert.cpu())
     ids, block_expert = ids.cpu(), block_expert.cpu()
     assignments = tokens * top_k
     real = ids[ids < assignments]
     assert sorted(real.tolist()) == list(range(assignments))  # each exactly once
     flat = chosen.reshape(-1).cpu()
     for b, expert in enumerate(block_expert.tolist()):
-        block = ids[b * BLOCK_M:(b + 1) * BLOCK_M]
+        block = ids[b * block_m:(b + 1) * block_m]
         members = block[block < assignments]
         if expert == experts:  # unused block: padding only
             assert not len(members)
             continue
         assert (flat[members.long()] == expert).all()
         assert members.tolist() == sorted(members.tolist())  # ascending within an expert
-    assert len(ids) >= assignments + experts * (BLOCK_M - 1)  # a static bound, whatever the routing
+    assert len(block_expert) == num_blocks(assignments, experts, block_m)
+
+
+def test_align_bound_holds_when_every_expert_is_one_past_a_block():
+    """The worst case of the static bound: every expert gets block_m + 1 assignments."""
+    experts, top_k, block_m = 8, 1, 16
+    chosen = torch.arange(experts).repeat_interleave(block_m + 1)[:, None].to(DEVICE)
+    ids, block_expert = moe_align(chosen, experts, block_m)
+    assert (block_expert < experts).sum().item() == 2 * experts == len(block_expert)
+    assert torch.equal(ids.cpu(), moe_align_reference(chosen, experts, block_m)[0].cpu())
 
 
 def _block(dtype, experts=8, top_k=2, hidden=64, inter=48, norm_topk=True):
@@ -73,3 +86,51 @@ def test_grouped_gemm_equals_expert_loop(dtype, tokens, experts, top_k):
     with torch.no_grad():
         alone = fused_experts(x[:1], chosen[:1], weights[:1], block.experts_gate_up, block.experts_down)
     assert torch.equal(alone, fast[:top_k])
+
+
+def _table_configs() -> list[tuple[str, int, tuple]]:
+    """Every configuration the shipped tables hold (each device, shape and token count)."""
+    import json
+
+    found = []
+    for path in sorted(moe_configs.TABLES.glob("*.json")):
+        for shape, entries in json.loads(path.read_text()).items():
+            for tokens, entry in entries.items():
+                found.append((f"{path.stem}:{shape}:{tokens}", int(tokens), moe_configs.parse_entry(entry)))
+    return found
+
+
+@pytest.mark.parametrize("name, tokens, config", _table_configs() or [("default", 5, moe_configs.DEFAULT)],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_every_table_config_equals_expert_loop(name, tokens, config):
+    """Each tuned tile configuration gives the expert loop's outputs (masks at the tile edges: the
+    small shape here is narrower than most tiles)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    block = _block(dtype, experts=16, top_k=4, hidden=96, inter=80)
+    x = torch.randn(min(tokens, 40), 96, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    ctx = type("Ctx", (), {"capture": None})()
+    with torch.no_grad():
+        chosen, weights = block.route(x, ctx)
+        fast = fused_experts(x, chosen, weights, block.experts_gate_up, block.experts_down, configs=config)
+        ref = block._experts_loop(x, chosen, weights)
+    err = ((fast.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err <= (1e-6 if dtype == torch.float32 else 1e-2), (name, err)
+
+
+def test_table_lookup_takes_the_nearest_token_count(tmp_path, monkeypatch):
+    import json
+
+    entry = lambda bm, bn: {"block_m": bm, "gate_up": {"block_n": bn}, "down": {"block_n": bn}}  # noqa: E731
+    key = moe_configs.shape_key(16, 96, 80, torch.bfloat16)
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps({key: {"1": entry(16, 32), "256": entry(64, 128)}}))
+    monkeypatch.setattr(moe_configs, "TABLES", tmp_path)
+    moe_configs._table.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    cuda = torch.device("cuda")
+    try:
+        assert moe_configs.tile_configs(3, 16, 96, 80, torch.bfloat16, cuda)[0] == 16
+        assert moe_configs.tile_configs(200, 16, 96, 80, torch.bfloat16, cuda)[1].block_n == 128
+        assert moe_configs.tile_configs(200, 16, 96, 80, torch.float32, cuda) == moe_configs.DEFAULT
+        assert moe_configs.tile_configs(200, 8, 96, 80, torch.bfloat16, cuda) == moe_configs.DEFAULT
+    finally:
+        moe_configs._table.cache_clear()

@@ -98,13 +98,21 @@ def test_kv_cache_kernels(kv):
     compile_for_hopper(triton_paged._split_kv_reduce_kernel, **reduce)
 
 
-@pytest.mark.parametrize("mul_weight", [False, True])
-def test_grouped_moe_gemm(mul_weight):
+@pytest.mark.parametrize("mul_weight, swiglu, block_m, group_m", [(False, True, 16, 1), (True, False, 16, 1),
+                                                                  (False, True, 128, 8), (True, False, 64, 4)])
+def test_grouped_moe_gemm(mul_weight, swiglu, block_m, group_m):
     args = dict(a_ptr=BF16, b_ptr=BF16, c_ptr=BF16, weight_ptr=BF16, ids_ptr=I32, block_expert_ptr=I32, N=1,
-                K=1, num_assignments=1, stride_am=1, stride_be=1, stride_bn=1, stride_bk=1, stride_cm=1,
-                NUM_EXPERTS=128, ROWS_PER_A=8, MUL_WEIGHT=mul_weight, DOT_PREC="tf32", BLOCK_M=16, BLOCK_N=64,
-                BLOCK_K=64)
+                K=1, num_assignments=1, num_m_blocks=1, stride_am=1, stride_be=1, stride_bn=1, stride_bk=1,
+                stride_cm=1, NUM_EXPERTS=128, ROWS_PER_A=8, MUL_WEIGHT=mul_weight, SWIGLU=swiglu, DOT_PREC="tf32",
+                BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, GROUP_M=group_m)
     assert "mma" in compile_for_hopper(fused_moe._moe_gemm_kernel, **args)  # tensor cores
+
+
+def test_moe_align_kernels():
+    compile_for_hopper(fused_moe._moe_count_kernel, experts_ptr=I64, counts_ptr=I32, num_assignments=1, CHUNK=1024)
+    compile_for_hopper(fused_moe._moe_place_kernel, experts_ptr=I64, counts_ptr=I32, ids_ptr=I32,
+                       block_expert_ptr=I32, num_assignments=1, total_blocks=1, NUM_EXPERTS=128, E_PAD=128,
+                       BLOCK_M=16, CHUNK=1024, BLOCKS_CHUNK=64)
 
 
 @pytest.mark.parametrize("gelu_tanh", [False, True])

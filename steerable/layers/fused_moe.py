@@ -1,19 +1,25 @@
 """Mixture-of-experts dispatch with static shapes: no host sync, so a CUDA graph can hold it.
 
 The ``T * k`` (token, expert) assignments are laid out by expert, each expert's run padded to a
-multiple of ``BLOCK_M`` (``moe_align``, a handful of tensor ops of fixed shapes: the layout's upper
-bound ``T * k + E * (BLOCK_M - 1)`` is known from ``T`` alone), and one grouped GEMM kernel walks
-the blocks, each block multiplying its rows by its expert's weights; blocks past the used length
-exit at once. Outputs stay in assignment order (token-major), so the caller sums a token's ``k``
-expert outputs exactly as the PyTorch path does. Rounding follows the PyTorch path: each linear
-output is rounded to the activation dtype before the routing weight multiplies it.
+multiple of ``block_m`` (``moe_align``: two small kernels, one counting each expert's assignments,
+one placing them; the layout's upper bound is known from ``T`` alone), and a grouped GEMM kernel
+walks the blocks, each block multiplying its rows by its expert's weights; blocks past the used
+length exit at once. Two launches per layer: gate-up with SwiGLU in its epilogue, then down with
+the routing weight in its epilogue. Outputs stay in assignment order (token-major), so the caller
+sums a token's ``k`` expert outputs exactly as the PyTorch path does. Rounding follows the PyTorch
+path: each linear output is rounded to the activation dtype before SwiGLU or the routing weight.
+
+Tile sizes come from a table keyed by the number of tokens (``moe_configs.py``; tuned per device
+and shape by ``benchmarks/moe_tune.py``): small tiles for decode, where the weights' bytes set
+the time, large ones for prefill, where the MMA does. Float32 always uses one configuration, so
+its results do not depend on the batch size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from steerable.layers.activation import silu_and_mul
+from steerable.layers.moe_configs import TileConfig, tile_configs
 
 try:
     import triton
@@ -21,14 +27,17 @@ try:
 except ImportError:  # CPU-only installs never take this path (fused.enabled is False)
     triton = None
 
-BLOCK_M = 16  # assignments per block: about what one expert gets per decode step at batch 256 and k/E = 1/16
+_ALIGN_CHUNK = 1024  # assignments one program of the align kernels reads per iteration
 
 
-def moe_align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(assignment ids laid out by expert [num_blocks * block_m], the sentinel ``T * k`` in padding;
-    the expert of each block [num_blocks], ``num_experts`` for unused blocks). Assignment
-    ``t * k + j`` is token t's j-th expert; within an expert they keep ascending order."""
+def num_blocks(assignments: int, num_experts: int, block_m: int) -> int:
+    """A static bound on the blocks the layout can use, whatever the routing: every expert with an
+    assignment (at most ``min(E, T * k)`` of them) pads its run by fewer than ``block_m`` rows."""
+    return -(-(assignments + min(num_experts, assignments) * (block_m - 1)) // block_m)
+
+
+def moe_align_reference(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align`` in tensor ops (any device; the kernels' oracle)."""
     flat = experts.reshape(-1)
     assignments = flat.numel()
     device = flat.device
@@ -37,27 +46,85 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     counts = onehot.sum(0)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
-    num_blocks = -(-(assignments + num_experts * (block_m - 1)) // block_m)
+    blocks = num_blocks(assignments, num_experts, block_m)
     dest = (ends - padded)[flat] + rank
-    ids = torch.full((num_blocks * block_m,), assignments, dtype=torch.int32, device=device)
+    ids = torch.full((blocks * block_m,), assignments, dtype=torch.int32, device=device)
     ids.scatter_(0, dest, torch.arange(assignments, dtype=torch.int32, device=device))
-    starts = torch.arange(num_blocks, device=device, dtype=ends.dtype) * block_m
+    starts = torch.arange(blocks, device=device, dtype=ends.dtype) * block_m
     block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
     return ids, block_expert
 
 
 if triton is not None:
+    from steerable.layers.fused import gated_act
+
+    @triton.jit
+    def _moe_count_kernel(experts_ptr, counts_ptr, num_assignments, CHUNK: tl.constexpr):
+        """Program e: how many assignments go to expert e."""
+        e = tl.program_id(0)
+        acc = tl.zeros((CHUNK,), dtype=tl.int32)
+        for start in range(0, num_assignments, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            chosen = tl.load(experts_ptr + offs, mask=offs < num_assignments, other=-1)
+            acc += (chosen == e).to(tl.int32)
+        tl.store(counts_ptr + e, tl.sum(acc, 0))
+
+    @triton.jit
+    def _moe_place_kernel(experts_ptr, counts_ptr, ids_ptr, block_expert_ptr, num_assignments, total_blocks,
+                          NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+        """Program e < E writes expert e's run (its assignments in ascending order, then padding)
+        and the expert of each of its blocks; program E marks the blocks past the used length."""
+        e = tl.program_id(0)
+        offs_e = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        start = tl.sum(tl.where(offs_e < e, padded, 0), 0)
+        rows = tl.arange(0, BLOCK_M)
+        chunk_blocks = tl.arange(0, BLOCKS_CHUNK)
+        if e < NUM_EXPERTS:
+            count = tl.sum(tl.where(offs_e == e, counts, 0), 0)
+            run = tl.sum(tl.where(offs_e == e, padded, 0), 0)
+            placed = count * 0
+            for s in range(0, num_assignments, CHUNK):
+                offs = s + tl.arange(0, CHUNK)
+                hit = (tl.load(experts_ptr + offs, mask=offs < num_assignments, other=-1) == e).to(tl.int32)
+                rank = placed + tl.cumsum(hit, 0) - hit
+                tl.store(ids_ptr + start + rank, offs.to(tl.int32), mask=hit != 0)
+                placed += tl.sum(hit, 0)
+            tail = count + rows
+            tl.store(ids_ptr + start + tail, num_assignments, mask=tail < run)
+            first_block = start // BLOCK_M
+            for own in range(0, run // BLOCK_M, BLOCKS_CHUNK):
+                blocks = own + chunk_blocks
+                tl.store(block_expert_ptr + first_block + blocks, e, mask=blocks < run // BLOCK_M)
+        else:
+            used = tl.sum(padded, 0) // BLOCK_M
+            for unused in range(used, total_blocks, BLOCKS_CHUNK):
+                spare = unused + chunk_blocks
+                inside = spare < total_blocks
+                tl.store(block_expert_ptr + spare, NUM_EXPERTS, mask=inside)
+                slots = spare[:, None] * BLOCK_M + rows[None, :]
+                tl.store(ids_ptr + slots, num_assignments, mask=inside[:, None])
 
     @triton.jit
     def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, ids_ptr, block_expert_ptr, N, K, num_assignments,
-                         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                         num_m_blocks, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                          NUM_EXPERTS: tl.constexpr, ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-        """C[id] = A[id // ROWS_PER_A] @ B[e].T (times the routing weight of id) for the ids of block
-        pid_m, all of expert e; B is [E, N, K] (nn.Linear layout)."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+                         SWIGLU: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[id] = A[id // ROWS_PER_A] @ B[e].T for the ids of one block, all of expert e; B is
+        [E, N, K] (nn.Linear layout), or [E, 2N, K] (gate rows, then up rows) with ``SWIGLU``, when
+        C[id] = silu(gate) * up. ``MUL_WEIGHT`` scales each row by its routing weight. Programs
+        walk GROUP_M row blocks for each column block, so a column block of one expert's weights
+        is read by that expert's row blocks while it is still in L2."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = min(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
         expert = tl.load(block_expert_ptr + pid_m)
         if expert >= NUM_EXPERTS:
             return
@@ -68,14 +135,22 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
                         other=0.0)
-            b = tl.load(b_base + k[:, None] * stride_bk, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+            b_mask = (k[:, None] < K) & (offs_n[None, :] < N)
+            b = tl.load(b_base + k[:, None] * stride_bk, mask=b_mask, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            if SWIGLU:
+                up = tl.load(b_base + N * stride_bn + k[:, None] * stride_bk, mask=b_mask, other=0.0)
+                acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PREC)
         dtype = c_ptr.dtype.element_ty
-        out = acc.to(dtype)
+        if SWIGLU:
+            out = gated_act(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype, False)
+        else:
+            out = acc.to(dtype)
         if MUL_WEIGHT:
             weight = tl.load(weight_ptr + ids, mask=valid, other=0.0).to(tl.float32)
             out = (out.to(tl.float32) * weight[:, None]).to(dtype)
@@ -83,30 +158,57 @@ if triton is not None:
                  mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(assignment ids laid out by expert [num_blocks * block_m], the sentinel ``T * k`` in padding;
+    the expert of each block [num_blocks], ``num_experts`` for unused blocks). Assignment
+    ``t * k + j`` is token t's j-th expert; within an expert they keep ascending order."""
+    flat = experts.reshape(-1)
+    assignments = flat.numel()
+    blocks = num_blocks(assignments, num_experts, block_m)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    _moe_count_kernel[(num_experts,)](flat, counts, assignments, CHUNK=_ALIGN_CHUNK)
+    _moe_place_kernel[(num_experts + 1,)](flat, counts, ids, block_expert, assignments, blocks,
+                                          NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts),
+                                          BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, BLOCKS_CHUNK=64)
+    return ids, block_expert
+
+
 def _grouped_gemm(a: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block_expert: torch.Tensor,
-                  num_assignments: int, rows_per_a: int, routing: torch.Tensor | None) -> torch.Tensor:
+                  num_assignments: int, rows_per_a: int, routing: torch.Tensor | None, swiglu: bool,
+                  block_m: int, tile: TileConfig) -> torch.Tensor:
     """[num_assignments, N]: each assignment's row of ``a`` (row ``id // rows_per_a``) times its
-    expert's ``weights[e]`` ([E, N, K]), optionally scaled by ``routing[id]``."""
+    expert's ``weights[e]`` ([E, N, K]; with ``swiglu`` [E, 2N, K] gate | up, and the output is
+    SwiGLU of the two), optionally scaled by ``routing[id]``."""
     num_experts, n, k = weights.shape
+    n = n // 2 if swiglu else n
     out = torch.empty(num_assignments, n, dtype=a.dtype, device=a.device)
-    block_n, block_k = 64, 64
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    m_blocks = block_expert.numel()
+    grid = (m_blocks * triton.cdiv(n, tile.block_n),)
     _moe_gemm_kernel[grid](a, weights, out, routing if routing is not None else a, ids, block_expert, n, k,
-                           num_assignments, a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2),
-                           out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_A=rows_per_a,
-                           MUL_WEIGHT=routing is not None,
+                           num_assignments, m_blocks, a.stride(0), weights.stride(0), weights.stride(1),
+                           weights.stride(2), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_A=rows_per_a,
+                           MUL_WEIGHT=routing is not None, SWIGLU=swiglu,
                            DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
-                           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                           BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                           num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 
 def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+                  down: torch.Tensor, configs: tuple[int, TileConfig, TileConfig] | None = None) -> torch.Tensor:
     """Every assignment's weighted expert output [T * k, H], in assignment order: x [T, H], experts
-    and weights [T, k], gate_up [E, 2I, H], down [E, H, I]. Two grouped GEMMs and SwiGLU."""
+    and weights [T, k], gate_up [E, 2I, H], down [E, H, I]. ``configs`` = (block_m, gate-up tile,
+    down tile) overrides the table (tuning, tests)."""
     num_tokens, top_k = experts.shape
     assignments = num_tokens * top_k
-    ids, block_expert = moe_align(experts, gate_up.shape[0])
+    num_experts = gate_up.shape[0]
+    if configs is None:
+        configs = tile_configs(num_tokens, num_experts, x.shape[1], down.shape[2], x.dtype, x.device)
+    block_m, gate_up_tile, down_tile = configs
+    ids, block_expert = moe_align(experts, num_experts, block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    hidden = silu_and_mul(_grouped_gemm(x, gate_up, ids, block_expert, assignments, top_k, None))
-    return _grouped_gemm(hidden, down, ids, block_expert, assignments, 1, weights.reshape(-1).contiguous())
+    hidden = _grouped_gemm(x, gate_up, ids, block_expert, assignments, top_k, None, True, block_m, gate_up_tile)
+    return _grouped_gemm(hidden, down, ids, block_expert, assignments, 1, weights.reshape(-1).contiguous(), False,
+                         block_m, down_tile)

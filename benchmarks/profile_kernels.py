@@ -1,0 +1,109 @@
+"""Where a workload's GPU time goes, kernel by kernel (torch profiler; CUDA-graph replays included).
+
+Three phases, each profiled after a warm-up of the same shape:
+- ``workload``: the throughput workload (``throughput.py``'s requests), the whole run;
+- ``decode``: ``--batch`` requests of 16 prompt tokens decoding ``--steps`` tokens each (the
+  one prefill step of 16 x batch tokens is included; per-step figures divide by ``--steps``);
+- ``prefill``: one prompt of ``--prefill-tokens`` tokens, one output token (one prefill chunk
+  when it is no longer than ``--max-num-batched-tokens``).
+Kernels are grouped into categories by name (MoE GEMM, MoE align, attention, dense GEMM, norms,
+...) and the largest kernels listed, as JSON lines.
+
+    PYTHONPATH=. python benchmarks/profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 256
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import common
+import torch
+from common import emit
+
+from steerable import SamplingParams
+
+CATEGORIES = [  # first match wins
+    ("moe_gemm", r"_moe_gemm_kernel"),
+    ("moe_align", r"_moe_(count|place)_kernel|cumsum|searchsorted|scatter|bincount"),
+    ("attention", r"attention|_attn|split_kv|paged"),
+    ("norm_steering", r"rms_norm|_norm_kernel|_steer"),
+    ("rope_kv_store", r"rope|store_kv"),
+    ("gated_act", r"_gated_mul"),
+    ("router_topk", r"topk|softmax|sort"),
+    ("dense_gemm", r"gemm|gemv|sm90_xmma|cutlass|nvjet|_gemv"),
+    ("sampler", r"sample|_sampler|argmax"),
+]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def profile(fn) -> tuple[dict[str, float], float]:
+    """(kernel name -> total device ms, wall seconds) of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    common.sync()
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        _, seconds = common.timed(fn)
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / 1000.0
+    return dict(totals), seconds
+
+
+def report(phase: str, totals: dict[str, float], seconds: float, divide: int, top: int) -> None:
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in totals.items():
+        by_category[category(name)] += ms
+    kernel_ms = sum(totals.values())
+    emit({"record": "profile", "phase": phase, "wall_s": seconds, "kernel_ms": kernel_ms, "divided_by": divide,
+          "kernel_ms_per_unit": kernel_ms / divide,
+          "categories_ms_per_unit": {k: v / divide for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])}})
+    for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        emit({"record": "kernel", "phase": phase, "name": name[:160], "category": category(name),
+              "ms_per_unit": ms / divide, "share": ms / kernel_ms})
+
+
+def main() -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--phase", default="decode", choices=["workload", "decode", "prefill"])
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--prefill-tokens", type=int, default=None)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    path = common.setup("profile_kernels", args, {"batch": (256, 2), "steps": (32, 3), "prefill_tokens": (8192, 12)})
+    llm = common.make_llm(args, path)
+    vocab = common.prompt_vocab(llm)
+    g = torch.Generator().manual_seed(args.seed)
+    if args.phase == "workload":
+        w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, vocab)
+        common.warm_up(llm, w, args)
+        run = lambda: llm.generate(w.prompts, common.sampling_params(w, "profiled"), use_tqdm=False)  # noqa: E731
+        divide = 1
+    elif args.phase == "decode":
+        prompts = torch.randint(0, vocab, (args.batch, 16), generator=g).tolist()
+        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=0.6, seed=1)
+        llm.generate(prompts, params, use_tqdm=False)
+        run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
+        divide = args.steps
+    else:
+        prompt = torch.randint(0, vocab, (args.prefill_tokens,), generator=g).tolist()
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, cache_salt="warm"), use_tqdm=False)
+        run = lambda: llm.generate([prompt], params, use_tqdm=False)  # noqa: E731
+        divide = 1
+    totals, seconds = profile(run)
+    report(args.phase, totals, seconds, divide, args.top)
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
