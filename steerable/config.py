@@ -31,8 +31,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks of shapes, as vLLM)
     kv_cache_dtype: str = "auto"  # "fp8" (= "fp8_e4m3"): half the KV bytes, per-tensor scales (docs/benchmarks.md)
+    revision: str | None = None  # branch, tag or commit of a hub id (default: main)
+    gguf_file: str | None = None  # the GGUF file to load from a hub repository or a directory
 
     def validate(self) -> None:
+        for name in ("revision", "gguf_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
+            raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
         if self.dtype not in ("auto", *FLOAT_DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(FLOAT_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -53,7 +53,7 @@ class LLMEngine(ResumableRequests):
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.revision, config.gguf_file)
         hf_config = load_hf_config(self.source)
         model_cls, self.model_config = resolve_model_config(hf_config)  # unknown ones fail before allocating
         self.layout = model_cls.hook_layout(self.model_config)

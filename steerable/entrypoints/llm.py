@@ -26,8 +26,12 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs: Any):
-        config = EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None,
+                 gguf_file: str | None = None, **kwargs: Any):
+        """``model``: a demo name, a local HF directory or .gguf file, or a hub id ``org/name`` (at
+        ``revision``; ``gguf_file`` picks one file of a GGUF repository), see docs/models.md."""
+        config = EngineConfig(model=model, revision=revision, gguf_file=gguf_file, dtype=dtype, device=device,
+                              max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_tokens=kv_cache_tokens, enable_prefix_caching=enable_prefix_caching,

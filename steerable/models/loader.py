@@ -1,4 +1,4 @@
-"""Find a model's config, weights and tokenizer: an HF directory, a .gguf file or a demo name."""
+"""Find a model's config, weights and tokenizer: an HF directory, a .gguf file, a demo name or a hub id."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from steerable.models.checkpoint import CheckpointTensor
+from steerable.models.hub import is_hub_id, resolve_hub_model
 
 
 @dataclass(frozen=True)
@@ -57,19 +58,32 @@ def demo_model_path(name: str) -> str | None:
         return None
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Turn the ``model`` argument into a checkpoint location, with a clear error if it is missing."""
-    if model in DEMO_MODELS:
-        path = _demo_gguf(model, DEMO_MODELS[model])
-        return ModelSource(path, gguf_file=path)
-    if model.endswith(".gguf"):
-        if not os.path.isfile(model):
+def resolve_model(model: str, revision: str | None = None, gguf_file: str | None = None) -> ModelSource:
+    """Turn the ``model`` argument into a checkpoint location, with a clear error if it is missing.
+    Demo names and local paths win over hub ids; ``revision`` applies to hub ids only, ``gguf_file``
+    picks a file of a hub repository or a local directory."""
+    local = model in DEMO_MODELS or os.path.exists(model) or model.endswith(".gguf")
+    if revision is not None and local:
+        raise ValueError(f"revision: applies to hub ids (org/name) only, not to {model!r}")
+    if model in DEMO_MODELS or model.endswith(".gguf"):
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file: applies to a hub id or a directory, not to {model!r}")
+        path = _demo_gguf(model, DEMO_MODELS[model]) if model in DEMO_MODELS else model
+        if not os.path.isfile(path):
             raise ValueError(f"model: GGUF file {model!r} does not exist")
-        return ModelSource(model, gguf_file=model)
-    if not os.path.isdir(model):
-        raise ValueError(f"model: {model!r} is neither a directory, a .gguf file nor a demo name "
-                         f"({', '.join(DEMO_MODELS)}); no model hub is used")
-    return ModelSource(model)
+        return ModelSource(path, gguf_file=path)
+    if os.path.isdir(model):
+        if gguf_file is None:
+            return ModelSource(model)
+        path = os.path.join(model, gguf_file)
+        if not os.path.isfile(path):
+            raise ValueError(f"gguf_file: {gguf_file!r} is not a file in {model!r}")
+        return ModelSource(path, gguf_file=path)
+    if is_hub_id(model) and not os.path.exists(model):
+        path = resolve_hub_model(model, revision, gguf_file)
+        return ModelSource(path, gguf_file=path) if gguf_file else ModelSource(path)
+    raise ValueError(f"model: {model!r} is neither a directory, a .gguf file, a hub id (org/name) nor a demo "
+                     f"name ({', '.join(DEMO_MODELS)})")
 
 
 def _demo_gguf(name: str, demo: DemoModel) -> str:

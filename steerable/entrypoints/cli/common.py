@@ -15,11 +15,13 @@ class CliError(Exception):
 
 
 def add_model_arg(parser: argparse.ArgumentParser, positional: bool = False) -> None:
-    help_text = f"HF directory, .gguf file or demo name (default: {DEFAULT_MODEL})"
+    help_text = f"HF directory, .gguf file, demo name or hub id org/name (default: {DEFAULT_MODEL})"
     if positional:
         parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=help_text)
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=help_text)
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
+    parser.add_argument("--gguf-file", default=None, help="the .gguf file to load from a hub repository or a directory")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype") -> None:
@@ -51,7 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype"
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM(...)`` keyword arguments from the parsed flags, validated (CliError) without loading."""
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    kwargs = dict(model=args.model, revision=args.revision, gguf_file=args.gguf_file, dtype=args.dtype,
+                  device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                   kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=args.enable_prefix_caching,
