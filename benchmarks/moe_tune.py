@@ -142,6 +142,7 @@ def main() -> None:
     key = moe_configs.shape_key(E, H, I, dtype)
     if args.write and device.type == "cuda" and winners:
         path = moe_configs.device_file(torch.cuda.get_device_name(device))
+        path.parent.mkdir(parents=True, exist_ok=True)
         table = json.loads(path.read_text()) if path.exists() else {}
         table.setdefault(key, {}).update({str(t): w for t, w in sorted(winners.items())})
         table[key] = dict(sorted(table[key].items(), key=lambda item: int(item[0])))
