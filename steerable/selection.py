@@ -482,6 +482,22 @@ class SelectSpec:
             best = min(best, max(at_least, prompt_len))
         return best
 
+    def generation_span(self, position: int, prompt_len: int) -> tuple[int, float]:
+        """The run of generation rows ``[lo, hi)`` around ``position`` (>= ``prompt_len``) over which
+        the selection's decision cannot change when it reads no generated token ids: between two
+        boundaries of its windows and position lists. Per-step planning resolves a decode row once
+        per run instead of once per step."""
+        r = self._resolve(prompt_len)
+        lo, hi = prompt_len, float("inf")
+        for side in (r.inc, r.exc):
+            edges = [e for a, b in side.intervals for e in (a, b)] + [e for q in side.points for e in (q, q + 1)]
+            for edge in edges:
+                if edge <= position:
+                    lo = max(lo, edge)
+                elif edge < hi:
+                    hi = edge
+        return lo, hi
+
     def selects_all_from(self, prompt_len: int) -> float:
         """The lowest position from which every row is selected whatever its token (inf when no
         such position exists): per-step planning takes the rows from there on without a mask."""

@@ -720,3 +720,24 @@ def test_selects_all_from_exact_for_common_specs():
              (SelectSpec(exclude_prompt_tokens=[5]), P), (SelectSpec(generation_window=(1, 4)), float("inf"))]
     for spec, start in cases:
         assert SelectSpec.parse(spec).selects_all_from(P) == start, spec
+
+
+@pytest.mark.parametrize("spec", [
+    SelectSpec(generation_window=(0, 5)),
+    SelectSpec(generation_window=(2, 7), exclude_generation_positions=[4]),
+    SelectSpec(generation_positions=[0, 3, 9], positions=[15]),
+    SelectSpec(generation="all", exclude_generation_window=(3, 6)),
+    SelectSpec(prompt="all"),
+    SelectSpec(generation="all"),
+])
+def test_generation_span_is_a_run_of_one_decision(spec):
+    """Within the span reported for a generation row, the mask has that row's value; the span's
+    ends are where it may change (the planner reuses one decode row over the whole span)."""
+    prompt_len = 6
+    positions = torch.arange(prompt_len, prompt_len + 20)
+    mask = spec.mask(positions, prompt_len, torch.zeros_like(positions))
+    for i, position in enumerate(positions.tolist()):
+        lo, hi = spec.generation_span(position, prompt_len)
+        assert lo <= position < hi
+        inside = [j for j, p in enumerate(positions.tolist()) if lo <= p < hi]
+        assert all(mask[j] == mask[i] for j in inside), (position, lo, hi)

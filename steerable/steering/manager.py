@@ -58,6 +58,7 @@ class RequestSteering:
     rows: set[int] = field(default_factory=set)
     fixed_row: int | None = None  # the row of every token (a config without selections)
     decode_row: int | None = None  # the row of every generated token, when selections allow
+    decode_span: tuple[int, float, int] | None = None  # (lo, hi, row): the row of generated positions in [lo, hi)
 
 
 class SteeringManager:
@@ -256,6 +257,12 @@ class SteeringManager:
         decode_chunk = positions[0] >= prompt_len
         if decode_chunk and config.generation_uniform and state.decode_row is not None:
             return state.decode_row
+        single_decode = decode_chunk and len(positions) == 1 and not config.reads_generated_tokens
+        if single_decode:
+            span = state.decode_span
+            position = int(positions[0])
+            if span is not None and span[0] <= position < span[1]:
+                return span[2]
         pos = torch.from_numpy(positions)
         tok = torch.from_numpy(token_ids)
         patterns = np.zeros(len(positions), dtype=np.int64)
@@ -265,6 +272,9 @@ class SteeringManager:
         rows = np.array([self._acquire(state, int(p)) for p in unique], dtype=np.int64)
         if decode_chunk and config.generation_uniform and len(unique) == 1:
             state.decode_row = int(rows[0])
+        if single_decode:
+            spans = [select.generation_span(position, prompt_len) for select in config.selects]
+            state.decode_span = (max(lo for lo, _ in spans), min(hi for _, hi in spans), int(rows[0]))
         return rows[inverse]
 
     def _acquire(self, state: RequestSteering, pattern: int) -> int:
