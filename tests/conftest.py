@@ -69,6 +69,15 @@ def build_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
+def _longrope(half: int) -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {"rope_type": "longrope", "attention_factor": 1.1, "original_max_position_embeddings": 512,
+            "short_factor": (1 + 3 * torch.rand(half, generator=g)).tolist(),
+            "long_factor": (4 + 20 * torch.rand(half, generator=g)).tolist()}
+
+
+LONGROPE = _longrope(8)  # head_dim 16 (hidden 64 over 4 heads)
+
 FAMILIES = {
     "llama": dict(cls="LlamaConfig", extra=dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -83,6 +92,16 @@ FAMILIES = {
         head_dim=16, sliding_window=8, query_pre_attn_scalar=24, tie_word_embeddings=True,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=1e6,
         rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    # Soft-caps small enough to bite on these weights, alternating local (window 8) / global layers.
+    "gemma2": dict(cls="Gemma2Config", random_norms=True, extra=dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0, tie_word_embeddings=True)),
+    # Norms after the blocks and over the whole q/k projections, given values so a per-head norm would show.
+    "olmo2": dict(cls="Olmo2Config", random_norms=True, norm_mean=1.0, extra=dict(tie_word_embeddings=False)),
+    # Fused qkv / gate-up checkpoints and longrope: short factors (the engine's max_model_len fits the
+    # original length) that are not one, and a cos/sin scale.
+    "phi3": dict(cls="Phi3Config", own_rope=True, extra=dict(tie_word_embeddings=False, original_max_position_embeddings=512,
+                                             rope_scaling=LONGROPE)),
 }
 
 
@@ -114,10 +133,10 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if spec.get("random_norms"):
-        with torch.no_grad():  # HF initialises (1 + w) norms at w = 0: give w values so (1 + w) matters
+        with torch.no_grad():  # HF initialises norms at w = 0 or 1: give w values so the weights matter
             for name, param in model.named_parameters():
                 if "norm" in name:
-                    param.normal_(0, 0.3)
+                    param.normal_(spec.get("norm_mean", 0.0), 0.3)
     if family == "qwen2":
         with torch.no_grad():  # give the qkv biases values so a dropped bias would show
             for layer in model.model.layers:
