@@ -114,10 +114,12 @@ def _set_rope(config, theta: float, scaling: dict | None) -> None:
         config.rope_scaling = scaling
 
 
-def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: float = 0.15) -> None:
+def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: float = 0.15,
+                spec: dict | None = None) -> None:
+    """A tiny random checkpoint of ``family`` (``spec``: a FAMILIES-style entry of a variant)."""
     import transformers
 
-    spec = FAMILIES[family]
+    spec = spec if spec is not None else FAMILIES[family]
     extra = dict(spec["extra"])
     rope = extra.pop("rope_scaling", None)
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
