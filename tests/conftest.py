@@ -92,9 +92,10 @@ FAMILIES = {
         head_dim=16, sliding_window=8, query_pre_attn_scalar=24, tie_word_embeddings=True,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=1e6,
         rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})),
-    # Soft-caps small enough to bite on these weights, alternating local (window 8) / global layers.
+    # Soft-caps small enough to bite on these weights, alternating local (window 8) / global layers
+    # (four, so that the stack ends with a global layer, as Gemma 2's do).
     "gemma2": dict(cls="Gemma2Config", random_norms=True, extra=dict(
-        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
         final_logit_softcapping=4.0, tie_word_embeddings=True)),
     # Norms after the blocks and over the whole q/k projections, given values so a per-head norm would show.
     "olmo2": dict(cls="Olmo2Config", random_norms=True, norm_mean=1.0, extra=dict(tie_word_embeddings=False)),
@@ -124,8 +125,8 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
     rope = extra.pop("rope_scaling", None)
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init,
-                  **extra)
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init)
+    kwargs.update(extra)
     own_rope = spec.get("own_rope", False)  # the config class converts its RoPE keyword arguments itself
     if own_rope:
         kwargs["rope_scaling"] = rope
