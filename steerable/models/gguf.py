@@ -252,10 +252,13 @@ def _phi3_longrope(reader: GGUFFile, key, names: dict[str, GGUFTensor]) -> dict[
     """Longrope parameters from the factor tensors and metadata (None: plain RoPE)."""
     if _PHI3_ROPE_FACTORS[0] not in names:
         return None
+    original = key("rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError("GGUF phi3: rope factor tensors without phi3.rope.scaling.original_context_length")
     short, long = (_read(names[n], tuple((0, d) for d in names[n].shape)).float().reshape(-1).tolist()
                    for n in _PHI3_ROPE_FACTORS)
     scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
-                               "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
+                               "original_max_position_embeddings": int(original)}
     if (attn_factor := key("rope.scaling.attn_factor")) is not None:
         scaling["attention_factor"] = float(attn_factor)
     return scaling
