@@ -101,8 +101,8 @@ FAMILIES = {
     "olmo2": dict(cls="Olmo2Config", random_norms=True, norm_mean=1.0, extra=dict(tie_word_embeddings=False)),
     # Fused qkv / gate-up checkpoints and longrope: short factors (the engine's max_model_len fits the
     # original length) that are not one, and a cos/sin scale.
-    "phi3": dict(cls="Phi3Config", own_rope=True, extra=dict(tie_word_embeddings=False, original_max_position_embeddings=512,
-                                             rope_scaling=LONGROPE)),
+    "phi3": dict(cls="Phi3Config", own_rope=True, extra=dict(
+        tie_word_embeddings=False, original_max_position_embeddings=512, rope_scaling=LONGROPE)),
 }
 
 

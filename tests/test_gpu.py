@@ -270,8 +270,9 @@ def test_gemma2_bf16_greedy_matches_hf(model_dirs):
     for out in outs:
         ids = out.prompt_token_ids
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids], device="cuda"), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
-                              device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+            mask = torch.ones(1, len(ids), dtype=torch.long, device="cuda")
+            ref = hf.generate(torch.tensor([ids], device="cuda"), attention_mask=mask, max_new_tokens=16,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), out.prompt
     assert llm.llm_engine.stats()["graph_replays"] > 0
 

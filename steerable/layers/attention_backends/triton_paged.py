@@ -10,7 +10,8 @@ max_query_len, scale, sliding_window=None, workspace=None, k_scale=1.0, v_scale=
 softcap=None)``
     Causal (optionally sliding-window) attention of a flattened ragged batch against the
     paged cache; with ``softcap`` (Gemma 2) scores are ``softcap * tanh(score / softcap)``
-    before the mask and softmax (a constexpr branch: uncapped models compile without it). Prefill chunks with prefix context and single-token decodes can be mixed in
+    before the mask and softmax (a constexpr branch: uncapped models compile without it).
+    Prefill chunks with prefix context and single-token decodes can be mixed in
     one call. A float8 (e4m3) cache holds K / k_scale and V / v_scale: tiles are converted as
     they are loaded (to float16 for a 16-bit query, else to the query's dtype), k_scale is
     folded into the softmax scale and v_scale into the output. V may be head-major (contiguous
