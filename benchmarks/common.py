@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: a random-weight checkpoint of a known shape (Qwen3-0.6B by
 default; ``--shape qwen3-8b`` for the tensor/pipeline-parallel targets; ``gemma3-270m`` or
-``gemma3-4b`` for Gemma 3's text models; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
+``gemma3-4b`` for Gemma 3's text models, ``gemma2-2b`` for Gemma 2's; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
 Qwen3-30B-A3B-shaped MoE whose 61 GB of random bf16 weights are drawn on the device
 (``load_format="dummy"``: the checkpoint would not fit the disk), a seeded workload of token-id
 prompts, CUDA-synchronised timing and JSON-line output.
@@ -62,30 +62,40 @@ GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, n
 GEMMA3_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
                     sliding_window=8, query_pre_attn_scalar=32, bos_token_id=2, eos_token_id=1)
+# Gemma 2 2B: sliding (4096) and global layers alternating, soft-caps 50 (attention) and 30 (logits).
+GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                 sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                 final_logit_softcapping=30.0, bos_token_id=2, eos_token_id=1)
+GEMMA2_SMOKE = dict(GEMMA3_SMOKE, num_hidden_layers=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
 # --shape -> (transformers config class, full shape, --smoke shape)
 SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_06B, QWEN3_SMOKE),
           "qwen3-8b": ("Qwen3Config", QWEN3_8B, QWEN3_SMOKE),
           "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M, GEMMA3_SMOKE),
           "gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B, GEMMA3_SMOKE),
+          "gemma2-2b": ("Gemma2Config", GEMMA2_2B, GEMMA2_SMOKE),
           "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B, QWEN3_MOE_SMOKE)}
 
 
 # ---------------------------------------------------------------- model
 
 def _config(config_name: str, shape: dict):
-    """The HF config of a shape: Qwen3 with RoPE base 1M, or Gemma 3 (its RoPE keys in ``shape``)."""
+    """The HF config of a shape: Qwen3 with RoPE base 1M, Gemma 3 (its RoPE keys in ``shape``) or
+    Gemma 2 (RoPE base 10k)."""
     import transformers
 
     cls = getattr(transformers, config_name)
     if config_name == "Gemma3TextConfig":  # takes the flat RoPE keys and builds its per-layer-type table
         return cls(**shape, rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True,
                    architectures=["Gemma3ForCausalLM"])
+    gemma2 = config_name == "Gemma2Config"
     config = cls(**{"tie_word_embeddings": True, **shape}, rms_norm_eps=1e-6, initializer_range=0.02,
-                 architectures=["Qwen3ForCausalLM"])
+                 architectures=["Gemma2ForCausalLM" if gemma2 else "Qwen3ForCausalLM"])
+    theta = 1e4 if gemma2 else 1e6
     if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers >= 5
-        config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+        config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     else:
-        config.rope_theta = 1e6
+        config.rope_theta = theta
     return config
 
 
@@ -102,7 +112,7 @@ def build_random_model(path: str, config_name: str, shape: dict, seed: int = 0) 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     # Unit norms: weight 1, or 0 where the norm scales by (1 + weight) (Gemma).
-    unit = 0.0 if config_name == "Gemma3TextConfig" else 1.0
+    unit = 0.0 if config_name in ("Gemma3TextConfig", "Gemma2Config") else 1.0
     try:
         with torch.device(device), torch.no_grad():
             model = transformers.AutoModelForCausalLM.from_config(config)
@@ -226,6 +236,61 @@ def warm_up(llm, w: Workload, args: argparse.Namespace, salt: str = "warmup", ex
     outputs = [1 + i * 32 // n if i < n - tail else 33 + i - (n - tail) for i in range(n)]
     short = Workload(w.prompts[:n], [], outputs)
     llm.generate(short.prompts, sampling_params(short, salt, extra[:n] if extra else None), use_tqdm=False)
+
+
+# ---------------------------------------------------------------- memory roofline
+
+def copy_speed(device: torch.device) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), on a buffer far larger than
+    the caches: the bandwidth a memory-bound decode step can use."""
+    size = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    _, seconds = timed(lambda: [dst.copy_(src) for _ in range(10)])
+    del src, dst
+    free_cuda()
+    return 10 * 2 * size / seconds
+
+
+def weight_bytes_per_step(path: str, dtype: torch.dtype) -> int:
+    """Bytes of weights a decode step reads: every parameter, less the embedding table unless the
+    LM head is that table (an embedding lookup reads only its rows). Counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+    if not getattr(config, "tie_word_embeddings", False):
+        total -= model.get_input_embeddings().weight.numel()
+    return total * dtype.itemsize
+
+
+def kv_bytes_read(model_config, kv_dtype: torch.dtype, w: "Workload") -> int:
+    """Bytes of K and V the decode steps of workload ``w`` read in all: the step producing output
+    token t + 1 of a request reads its first ``input_len + t`` positions (within each layer's window)."""
+    per_position = 2 * model_config.num_kv_heads * model_config.head_dim * kv_dtype.itemsize
+    windows = [model_config.attention_window(layer) for layer in range(model_config.num_layers)]
+    total = 0
+    for n, out in zip(w.input_lens, w.output_lens):
+        ctx = np.arange(n + 1, n + out)  # the decode steps' context lengths
+        total += sum(int(np.minimum(ctx, win).sum()) if win else int(ctx.sum()) for win in windows)
+    return total * per_position
+
+
+def roofline(llm, path: str, w: "Workload", seconds: float, steps: int, speed: float) -> dict:
+    """Weight + KV bytes per engine step of a run and the step time memory bandwidth alone allows
+    (bytes / ``speed``, a copy's bytes per second), next to the measured step time."""
+    engine = llm.llm_engine
+    kv_dtype = engine.config.resolve_kv_dtype(engine.dtype)
+    weights = weight_bytes_per_step(path, engine.dtype)
+    kv = kv_bytes_read(engine.model_config, kv_dtype, w) / max(steps, 1)
+    bound = (weights + kv) / speed
+    measured = seconds / max(steps, 1)
+    return {"weight_bytes_per_step": weights, "kv_bytes_per_step": kv, "bytes_per_step": weights + kv,
+            "copy_gb_s": speed / 1e9, "roofline_step_ms": bound * 1e3, "measured_step_ms": measured * 1e3,
+            "fraction_of_roofline": bound / measured, "steps": steps}
 
 
 def generated_tokens(outputs) -> int:

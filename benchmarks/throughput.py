@@ -1,7 +1,9 @@
 """Offline throughput (DESIGN.md §6): N random requests through steerable (with CUDA graphs, and with
 ``--compare-eager`` again with ``enforce_eager=True``), then the same requests through HF
 transformers ``generate`` in the same process, and the ratios. Where CUDA graphs are on, a run whose
-engine replayed none exits non-zero (and an eager run that replayed some).
+engine replayed none exits non-zero (and an eager run that replayed some). Each steerable run also
+prints a ``roofline`` record: the weight + KV bytes an engine step reads on average, the step time
+that allows at the device's measured copy speed, and the measured step time.
 
     PYTHONPATH=. python benchmarks/throughput.py [--shape qwen3-30b-a3b] [--num-requests 256] [--repeats R]
         [--compare-eager] [--hf-requests K] [--skip-hf]
@@ -21,7 +23,7 @@ def run_steerable(args, path: str, eager: bool) -> tuple[dict, torch.dtype, comm
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
     common.warm_up(llm, w, args)
     replays = llm.llm_engine.stats()["graph_replays"]
-    times = []
+    times, steps = [], llm.llm_engine.stats()["num_steps"]
     for r in range(args.repeats):
         outs, seconds = timed(partial(llm.generate, w.prompts, common.sampling_params(w, f"timed-{r}"),
                                       use_tqdm=False))
@@ -32,6 +34,10 @@ def run_steerable(args, path: str, eager: bool) -> tuple[dict, torch.dtype, comm
               **common.throughput(common.median(times), sum(w.input_lens), common.generated_tokens(outs))}
     emit(result)
     emit({"record": "engine_stats", "enforce_eager": eager, **stats})
+    steps = (stats["num_steps"] - steps) // args.repeats  # each timed run schedules the same steps
+    speed = common.copy_speed(llm.engine.device)
+    emit({"record": "roofline", "enforce_eager": eager,
+          **common.roofline(llm, path, w, common.median(times), steps, speed)})
     dtype = llm.engine.dtype
     graphs_expected = llm.engine.device.type == "cuda" and not eager
     llm.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,7 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) inside attention
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention (None: full); families mixing both override it."""
@@ -170,9 +172,30 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
         theta = float(getattr(hf_config, "rope_theta", 10000.0))
         scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("llama3", "linear"):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    if rope_type not in ("llama3", "linear", "longrope"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported "
+                         "(supported: default, linear, llama3, longrope)")
     scaling["rope_type"] = rope_type
+    if rope_type == "longrope":
+        _longrope_attention_factor(hf_config, scaling)
     return theta, scaling
+
+
+def _longrope_attention_factor(hf_config: Any, scaling: dict) -> None:
+    """Fill in longrope's original length and cos/sin scale as HF derives them: the scale is
+    ``sqrt(1 + ln(factor) / ln(original))``, the factor ``max_position_embeddings / original``
+    unless given."""
+    for name in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(name), (list, tuple)):
+            raise ValueError(f"rope_scaling.{name} must be a list of per-frequency factors for longrope")
+    original = scaling.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None)
+    if not original:
+        raise ValueError("rope_scaling: longrope needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original)
+    if scaling.get("attention_factor") is None:
+        factor = scaling.get("factor") or hf_config.max_position_embeddings / original
+        scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

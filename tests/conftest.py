@@ -69,6 +69,15 @@ def build_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
+def _longrope(half: int) -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {"rope_type": "longrope", "attention_factor": 1.1, "original_max_position_embeddings": 512,
+            "short_factor": (1 + 3 * torch.rand(half, generator=g)).tolist(),
+            "long_factor": (4 + 20 * torch.rand(half, generator=g)).tolist()}
+
+
+LONGROPE = _longrope(8)  # head_dim 16 (hidden 64 over 4 heads)
+
 FAMILIES = {
     "llama": dict(cls="LlamaConfig", extra=dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -83,6 +92,17 @@ FAMILIES = {
         head_dim=16, sliding_window=8, query_pre_attn_scalar=24, tie_word_embeddings=True,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=1e6,
         rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    # Soft-caps small enough to bite on these weights, alternating local (window 8) / global layers
+    # (four, so that the stack ends with a global layer, as Gemma 2's do).
+    "gemma2": dict(cls="Gemma2Config", random_norms=True, extra=dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0, tie_word_embeddings=True)),
+    # Norms after the blocks and over the whole q/k projections, given values so a per-head norm would show.
+    "olmo2": dict(cls="Olmo2Config", random_norms=True, norm_mean=1.0, extra=dict(tie_word_embeddings=False)),
+    # Fused qkv / gate-up checkpoints and longrope: short factors (the engine's max_model_len fits the
+    # original length) that are not one, and a cos/sin scale.
+    "phi3": dict(cls="Phi3Config", own_rope=True, extra=dict(
+        tie_word_embeddings=False, original_max_position_embeddings=512, rope_scaling=LONGROPE)),
 }
 
 
@@ -95,16 +115,18 @@ def _set_rope(config, theta: float, scaling: dict | None) -> None:
         config.rope_scaling = scaling
 
 
-def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: float = 0.15) -> None:
+def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: float = 0.15,
+                spec: dict | None = None) -> None:
+    """A tiny random checkpoint of ``family`` (``spec``: a FAMILIES-style entry of a variant)."""
     import transformers
 
-    spec = FAMILIES[family]
+    spec = spec if spec is not None else FAMILIES[family]
     extra = dict(spec["extra"])
     rope = extra.pop("rope_scaling", None)
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init,
-                  **extra)
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init)
+    kwargs.update(extra)
     own_rope = spec.get("own_rope", False)  # the config class converts its RoPE keyword arguments itself
     if own_rope:
         kwargs["rope_scaling"] = rope
@@ -114,10 +136,10 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if spec.get("random_norms"):
-        with torch.no_grad():  # HF initialises (1 + w) norms at w = 0: give w values so (1 + w) matters
+        with torch.no_grad():  # HF initialises norms at w = 0 or 1: give w values so the weights matter
             for name, param in model.named_parameters():
                 if "norm" in name:
-                    param.normal_(0, 0.3)
+                    param.normal_(spec.get("norm_mean", 0.0), 0.3)
     if family == "qwen2":
         with torch.no_grad():  # give the qkv biases values so a dropped bias would show
             for layer in model.model.layers:

@@ -2,7 +2,7 @@
 
 pre_attn  L = input of decoder layer L (forward pre-hook on the layer)
 post_attn L = residual after the attention add (hook on the output of the branch added to the residual:
-              self_attn, or post_attention_layernorm where sandwich norms follow it, as in Gemma)
+              self_attn, or post_attention_layernorm where a norm follows it, as in Gemma and OLMo-2)
 post_mlp  L = output of decoder layer L (forward hook on the layer)
 Greedy decoding recomputes the whole sequence each step (no KV cache), so a hook sees every
 position with its absolute index and the oracle shares no code or state with the engine.
@@ -95,7 +95,7 @@ class HFSteered:
                     capture[("attention_heads", i)] = args[0][0].detach().clone()
 
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            sandwich = hasattr(layer, "post_feedforward_layernorm")  # Gemma, OLMo-2: post-normed branches
             branch = layer.post_attention_layernorm if sandwich else layer.self_attn
             handles.append(branch.register_forward_hook(attn_out))
             handles.append(layer.register_forward_hook(post))

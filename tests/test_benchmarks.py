@@ -53,6 +53,10 @@ def test_throughput_with_hf_baseline(cache_dir, tmp_path):
     assert ours["requests"] == 6 and hf["requests"] == 4 and hf["batch_size"] == 2
     assert ours["output_tokens"] > hf["output_tokens"]  # HF counted on its first 4 requests only
     assert r["engine_stats"][0]["num_steps"] > 0
+    roof = r["roofline"][0]
+    positive(roof, "weight_bytes_per_step", "kv_bytes_per_step", "copy_gb_s", "roofline_step_ms", "measured_step_ms",
+             "steps")
+    assert roof["bytes_per_step"] == roof["weight_bytes_per_step"] + roof["kv_bytes_per_step"]
     assert len(out.read_text().splitlines()) == sum(len(v) for v in r.values())
 
 
@@ -166,6 +170,28 @@ def test_gemma_shape_throughput_and_kv_memory(cache_dir):
     m = run("kv_memory", cache_dir, "--max-num-batched-tokens", "32")["kv_memory"][0]
     assert m["groups"] == 6 and m["windows"] == [8]
     assert m["peak_blocks"] <= m["bound_blocks"] and m["decode_saving"] > m["peak_saving"] > 1.5
+
+
+def test_gemma2_shape_throughput_and_roofline(cache_dir):
+    """The Gemma 2 shape (soft-caps, alternating windows) runs the throughput workload; its
+    roofline counts the sliding layers' KV reads only within their window."""
+    r = run("throughput", cache_dir, "--shape", "gemma2-2b", "--skip-hf")
+    assert r["header"][0]["args"]["shape"] == "gemma2-2b"
+    positive(r["steerable"][0], "seconds", "output_tok_s")
+    positive(r["roofline"][0], "bytes_per_step", "roofline_step_ms", "measured_step_ms")
+
+
+def test_kv_bytes_read_respects_windows():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import common
+    import torch
+    from types import SimpleNamespace
+
+    windows = [4, None]
+    cfg = SimpleNamespace(num_kv_heads=2, head_dim=8, num_layers=2, attention_window=lambda layer: windows[layer])
+    w = common.Workload([[0] * 3], [3], [4])  # decode steps read 4, 5, 6 positions
+    per_position = 2 * 2 * 8 * 2
+    assert common.kv_bytes_read(cfg, torch.bfloat16, w) == per_position * ((4 + 4 + 4) + (4 + 5 + 6))
 
 
 def test_parallel(cache_dir, monkeypatch):

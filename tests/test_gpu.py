@@ -1,6 +1,7 @@
 """GPU: the CPU fidelity cases on CUDA in float32 (Triton attention, CUDA graphs on), and graph
-replay == eager in bfloat16 with steering and capture inside the graph (Qwen3, and Gemma 3 270M-
-and 4B-shaped random models, whose sliding windows the prompts outgrow)."""
+replay == eager in bfloat16 with steering and capture inside the graph (Qwen3, Gemma 2, and Gemma 3
+270M- and 4B-shaped random models, whose sliding windows the prompts outgrow); Gemma 2 in bfloat16
+against HF in bfloat16."""
 
 import pathlib
 import random
@@ -20,7 +21,7 @@ def _vec(seed, scale=3.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "phi3"])
 def test_greedy_matches_hf_on_gpu(model_dirs, family):
     llm = LLM(model_dirs[family], dtype="float32", device="cuda", kv_cache_tokens=8192)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -256,3 +257,49 @@ def test_a_slow_threaded_sink_reads_rows_before_their_host_block_is_reused(captu
     assert sink.threads == {"capture-sink_0"} and len(sink.parts) > 6
     assert llm.llm_engine.stats()["graph_replays"] > 0
     assert torch.equal(received[0], stored[0]) and torch.equal(received[1], stored[2])
+
+
+def test_gemma2_bf16_greedy_matches_hf(model_dirs):
+    """Gemma 2 in bfloat16 (soft-capped Triton attention, CUDA graphs) against HF in bfloat16 on the
+    same random weights: 16 greedy tokens for every prompt."""
+    path = model_dirs["gemma2"]
+    llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    for out in outs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            mask = torch.ones(1, len(ids), dtype=torch.long, device="cuda")
+            ref = hf.generate(torch.tensor([ids], device="cuda"), attention_mask=mask, max_new_tokens=16,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), out.prompt
+    assert llm.llm_engine.stats()["graph_replays"] > 0
+
+
+def test_gemma2_graph_replay_equals_eager(model_dirs):
+    """bf16 Gemma 2 (soft-caps in the attention kernel, window 8 outgrown by every prompt), steering
+    on a local and a global layer and captures: graph replays give eager's tokens and rows bit for bit."""
+    path = model_dirs["gemma2"]
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, 300) for _ in range(rng.randrange(12, 80))] for _ in range(16)]
+    params = []
+    for i in range(16):
+        kw = dict(max_tokens=24, temperature=0, ignore_eos=True)
+        if i % 3 == 0:
+            kw["steering_vectors"] = {"post_attn": {0: _vec(i, 1.0)}, "post_mlp": {1: _vec(50 + i, 1.0)}}
+        elif i % 3 == 1:
+            kw["steering_vectors"] = SteeringSpec(clamps=[Clamp(2, _vec(80 + i), min=-0.5, max=0.5)])
+        if i % 4 == 0:
+            kw["capture"] = CaptureSpec(layers=[0, 3], select="all_generated")
+        params.append(SamplingParams(**kw))
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=eager)
+        results[eager] = (llm.generate(prompts, params, use_tqdm=False), llm.llm_engine.stats())
+    (eager_outs, _), (graph_outs, stats) = results[True], results[False]
+    assert stats["graph_replays"] > 0
+    for a, b in zip(eager_outs, graph_outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for layer, t in a.captures.get("hidden_states", {}).items():
+            assert torch.equal(t, b.captures["hidden_states"][layer])

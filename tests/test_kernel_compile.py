@@ -80,8 +80,9 @@ def test_kv_cache_kernels(kv):
     # a float8 cache as the engine lays it out on a GPU: V position-major, tiles converted to float16
     cache = dict(k_cache_ptr=kv, v_cache_ptr=kv, stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1,
                  stride_vh=1, stride_vd=1, block_table_ptr=I32, stride_bt=1, qsl_ptr=I32, seq_lens_ptr=I32,
-                 qk_scale=1.0, window=1, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, USE_WINDOW=False, DOT_PREC="tf32",
-                 FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8)
+                 qk_scale=1.0, softcap=1.0, window=1, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, USE_WINDOW=False,
+                 DOT_PREC="tf32", FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8,
+                 SOFTCAP=kv == BF16)  # Gemma 2's soft-capped scores, on the bf16 variant
     unified = dict(cache, q_ptr=BF16, out_ptr=BF16, num_seqs=1, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1,
                    stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
                    ONE_TOKEN_PER_SEQ=True)

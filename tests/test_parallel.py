@@ -36,6 +36,9 @@ from steerable.models import registry
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3"]
+# Families whose layers add nothing new to the layouts beyond TP=2 and PP=2 alone (their own parts:
+# Gemma 2's softcapped attention, OLMo-2's all-reduced q/k norm, Phi-3's fused checkpoint tensors).
+RMS_FAMILIES = ["gemma2", "olmo2", "phi3"]
 HOOKS = ["pre_attn", "post_attn", "post_mlp"]
 TOKENS = 6
 LOGPROB_TOL = 1e-4
@@ -89,7 +92,7 @@ def _build_qwen3_one_kv_head(path: str, seed: int) -> None:
 def models(tmp_path_factory, model_dirs) -> dict[str, str]:
     root = tmp_path_factory.mktemp("parallel")
     dirs = {"llama": model_dirs["llama"], "qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe"),
-            "gemma3": model_dirs["gemma3"]}
+            "gemma3": model_dirs["gemma3"], **{family: model_dirs[family] for family in RMS_FAMILIES}}
     _build_qwen3_one_kv_head(dirs["qwen3"], seed=7)
     build_qwen3_moe(dirs["qwen3_moe"], seed=8, num_hidden_layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
                     norm_topk_prob=True)
@@ -106,7 +109,8 @@ def single(models) -> dict[str, LLM]:
     return {family: _engine(path) for family, path in models.items()}
 
 
-@pytest.fixture(scope="module", params=[(layout, family) for layout in LAYOUTS for family in FAMILIES],
+@pytest.fixture(scope="module", params=[(layout, family) for layout in LAYOUTS for family in FAMILIES]
+                + [(layout, family) for layout in ("tp2", "pp2") for family in RMS_FAMILIES],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def parallel(request, models):
     layout, family = request.param

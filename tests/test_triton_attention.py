@@ -93,7 +93,7 @@ def make_case(seqs, num_q_heads, num_kv_heads, head_d, block_size, dtype=torch.f
     return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 
 
-def reference_attention(case, sliding_window=None):
+def reference_attention(case, sliding_window=None, softcap=None):
     """Naive float32 attention, one sequence at a time. Rows of sequences that see no key
     (seq_len 0) are zero; rows past query_start_loc[B] are NaN (must not be compared)."""
     q = case["q"].float().cpu()
@@ -118,6 +118,8 @@ def reference_attention(case, sliding_window=None):
         k = k_cache[blk, pos % block_size].repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = v_cache[blk, pos % block_size].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e], k) * case["scale"]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = ctx + torch.arange(e - s)
         allowed = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
@@ -127,12 +129,12 @@ def reference_attention(case, sliding_window=None):
     return out
 
 
-def run_and_check(case, sliding_window=None, workspace=None, atol=None):
+def run_and_check(case, sliding_window=None, workspace=None, atol=None, softcap=None):
     out = torch.full_like(case["q"], SENTINEL)
     paged_attention(case["q"], case["k_cache"], case["v_cache"], out, case["query_start_loc"],
                     case["seq_lens"], case["block_table"], case["max_query_len"], case["scale"],
-                    sliding_window=sliding_window, workspace=workspace)
-    ref = reference_attention(case, sliding_window)
+                    sliding_window=sliding_window, workspace=workspace, softcap=softcap)
+    ref = reference_attention(case, sliding_window, softcap)
     got = out.float().cpu()
     n_real = int(case["query_start_loc"][-1])
     assert torch.isfinite(got[:n_real]).all(), "NaN/inf in rows owned by sequences"
@@ -420,3 +422,23 @@ def test_cuda_graph_capture_decode(path):
         torch.cuda.synchronize()
         ref = reference_attention(new)
         torch.testing.assert_close(out.float().cpu(), ref, atol=4e-2, rtol=4e-2)
+
+
+# --------------------------------------------------------------------------------------
+# logit soft-capping (Gemma 2)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unified", "split_kv"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcap_matches_reference_and_matters(split, window):
+    """cap * tanh(s / cap) before the mask, on the prefill/decode kernel and the split-KV decode
+    kernel; a cap small against the scores (scale 1 here) changes the output (effect size)."""
+    seqs = [(0, 1), (9, 1), (21, 1)] if split else [(0, 7), (13, 1), (6, 12)]
+    case = make_case(seqs, 4, 2, 16, 8, seed=11)
+    case["scale"] = 1.0  # scores of several units: a cap of 2 bends them
+    workspace = DecodeWorkspace(4, 4, 16, DEVICE, num_segments=3) if split else None
+    capped = run_and_check(case, sliding_window=window, workspace=workspace, softcap=2.0)
+    plain = reference_attention(case, window)
+    n_real = int(case["query_start_loc"][-1])
+    assert (capped.float().cpu()[:n_real] - plain[:n_real]).abs().max() > 0.1

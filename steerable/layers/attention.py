@@ -23,16 +23,18 @@ def value_cache_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_k
 class Attention(nn.Module):
     """Stateless apart from the KV cache views the model runner binds after allocating memory, and
     the per-tensor scales of a float8 cache (stored = value / scale; 1.0 unless a checkpoint gives
-    ``k_scale``/``v_scale``)."""
+    ``k_scale``/``v_scale``). ``softcap`` (Gemma 2): scores become ``softcap * tanh(scores /
+    softcap)`` before the mask and softmax, inside the backend's kernel."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None, backend: ModuleType):
+                 sliding_window: int | None, backend: ModuleType, softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -65,5 +67,5 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                      meta.block_table[self.kv_group], meta.max_query_len, self.scale,
-                                     self.sliding_window, meta.workspace, k_scale, v_scale)
+                                     self.sliding_window, meta.workspace, k_scale, v_scale, self.softcap)
         return out.view(-1, self.num_heads * self.head_dim)

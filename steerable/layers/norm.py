@@ -53,3 +53,15 @@ class GemmaRMSNorm(RMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class PassThrough(nn.Module):
+    """The norm of a hook point that no norm follows (OLMo-2 reads the raw residual stream):
+    ``residual_norm`` with it returns the stream twice; steering there runs unfused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
+                       ) -> None:
+        return None

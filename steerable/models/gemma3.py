@@ -54,10 +54,11 @@ class Gemma3Config(ModelConfig):
         return self.query_pre_attn_scalar ** -0.5
 
 
-def _layer_types(text: Any, num_layers: int) -> list[str]:
+def layer_types(text: Any, num_layers: int, default_pattern: int = _DEFAULT_PATTERN) -> list[str]:
+    """Each layer's attention type: the config's ``layer_types``, or every ``pattern``-th layer global."""
     types = getattr(text, "layer_types", None)
     if types is None:
-        pattern = getattr(text, "sliding_window_pattern", None) or _DEFAULT_PATTERN
+        pattern = getattr(text, "sliding_window_pattern", None) or default_pattern
         return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
     types = list(types)
     if len(types) != num_layers:
@@ -97,7 +98,7 @@ def gemma3_config(hf: Any) -> Gemma3Config:
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={activation!r} is not supported (Gemma 3 uses 'gelu_pytorch_tanh')")
     common = ModelConfig.common(hf)
-    types = _layer_types(text, common["num_layers"])
+    types = layer_types(text, common["num_layers"])
     window = getattr(text, "sliding_window", None)
     if SLIDING in types and (window is None or window < 1):
         raise ValueError(f"sliding_window must be >= 1 for sliding-attention layers, got {window!r}")

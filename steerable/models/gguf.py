@@ -8,6 +8,12 @@ Gemma 3 (``gemma3``): llama.cpp's converter stores every norm weight plus one, a
 window pattern, the local RoPE base and ``query_pre_attn_scalar`` (llama.cpp hard-codes them). As
 transformers does, the norms get their one back off (in float32, so the model's ``1 + w`` equals the
 file's value as HF computes it) and the missing values come from the family's known ones.
+
+Gemma 2 (``gemma2``) is stored the same way (norms plus one, sandwich names); its soft-caps and window
+are in the metadata, its query scale is llama.cpp's (1/sqrt(hidden / heads) for the 46-layer 27B).
+Phi-3 (``phi3``) keeps HF's fused ``attn_qkv`` and ``ffn_up`` (= gate_up_proj); longrope's factors are
+the tensors ``rope_factors_short`` / ``rope_factors_long``, its cos/sin scale and original length
+are metadata.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", False),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", False),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", False),
 }
+_NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores these families' norm weights as 1 + w
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -63,6 +72,11 @@ _PER_LAYER = {
 # Gemma's sandwich norms: ffn_norm is the pre-feedforward norm there, and two post-norms follow.
 _GEMMA3_PER_LAYER = {**_PER_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's fused projections: ffn_up holds gate_up_proj (gate rows first), attn_qkv holds q|k|v.
+_PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA3_PER_LAYER, "gemma3": _GEMMA3_PER_LAYER, "phi3": _PHI3_PER_LAYER}
+_GEMMA2_27B_LAYERS = 46
+_PHI3_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 # What llama.cpp hard-codes for Gemma 3 (``llama_load_hparams`` for LLM_ARCH_GEMMA3), by block count:
 # the window of sizes without one in the file (270M, 1B: 512; 4B and up: 1024), global every 6th layer,
 # local RoPE base 10k, and 27B's query scale 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim).
@@ -72,7 +86,7 @@ _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10_000.0
 _GEMMA3_27B_LAYERS = 62
 # Tensors that carry no HF parameter (rope_freqs is folded into the config's rope parameters).
-_NON_PARAMETERS = {"rope_freqs.weight"}
+_NON_PARAMETERS = {"rope_freqs.weight", *_PHI3_ROPE_FACTORS}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -185,6 +199,11 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
         if (token_id := reader.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
             kwargs[hf_key] = int(token_id)
     scaling = _rope_scaling(reader, arch, theta, head_dim)
+    if arch == "gemma2":
+        kwargs.update(_gemma2_config(key, kwargs))
+    if arch == "phi3":
+        kwargs.update(_phi3_config(reader, key, kwargs))
+        scaling = _phi3_longrope(reader, key, names)
     if arch == "gemma3":
         kwargs.update(_gemma3_config(key, kwargs), rope_theta=theta, rope_scaling=scaling)
     # transformers 5 keeps theta (and scaling) in rope_parameters; 4.x takes rope_theta + rope_scaling.
@@ -210,11 +229,46 @@ def _gemma3_config(key, kwargs: dict[str, Any]) -> dict[str, Any]:
                 rope_local_base_freq=_GEMMA3_LOCAL_THETA)
 
 
+def _gemma2_config(key, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's soft-caps and window from the metadata; its query scale as llama.cpp computes it."""
+    scalar = kwargs["head_dim"]
+    if kwargs["num_hidden_layers"] == _GEMMA2_27B_LAYERS:
+        scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    window = key("attention.sliding_window")
+    return dict(attn_logit_softcapping=key("attn_logit_softcapping"),
+                final_logit_softcapping=key("final_logit_softcapping"), query_pre_attn_scalar=scalar,
+                **({} if window is None else {"sliding_window": int(window)}))
+
+
+def _phi3_config(reader: GGUFFile, key, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's window (0 in the file: none) and the original context length longrope scales from."""
+    window = key("attention.sliding_window")
+    original = reader.get("phi3.rope.scaling.original_context_length")
+    return dict(sliding_window=int(window) if window else None,
+                **({} if original is None else {"original_max_position_embeddings": int(original)}))
+
+
+def _phi3_longrope(reader: GGUFFile, key, names: dict[str, GGUFTensor]) -> dict[str, Any] | None:
+    """Longrope parameters from the factor tensors and metadata (None: plain RoPE)."""
+    if _PHI3_ROPE_FACTORS[0] not in names:
+        return None
+    original = key("rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError("GGUF phi3: rope factor tensors without phi3.rope.scaling.original_context_length")
+    short, long = (_read(names[n], tuple((0, d) for d in names[n].shape)).float().reshape(-1).tolist()
+                   for n in _PHI3_ROPE_FACTORS)
+    scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                               "original_max_position_embeddings": int(original)}
+    if (attn_factor := key("rope.scaling.attn_factor")) is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    return scaling
+
+
 def _hf_name(gguf_name: str, arch: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL and suffix == "weight":
         return f"{_TOP_LEVEL[stem]}.weight"
-    per_layer = _GEMMA3_PER_LAYER if arch == "gemma3" else _PER_LAYER
+    per_layer = _PER_LAYER_BY_ARCH.get(arch, _PER_LAYER)
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in per_layer:
         return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
@@ -301,7 +355,7 @@ def iter_gguf_slices(path: str, dtype: torch.dtype, num_heads: int = 0,
         heads = None
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
-        offset = arch == "gemma3" and tensor.name.endswith("norm.weight")
+        offset = arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight")
         yield _hf_name(tensor.name, arch), _slice(tensor, dtype, heads, offset)
 
 

@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, cfg.attention_scale,
-                              cfg.attention_window(layer), backend)
+                              cfg.attention_window(layer), backend, softcap=cfg.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)

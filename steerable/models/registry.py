@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from steerable.config import ModelConfig
-from steerable.models import gemma3, llama, qwen3_moe
+from steerable.models import gemma2, gemma3, llama, olmo2, phi3, qwen3_moe
 from steerable.models.base import CausalLM
 
 _MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
@@ -21,6 +21,9 @@ _MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
     "Qwen3MoeForCausalLM": (qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.qwen3_moe_config),
     "Gemma3ForCausalLM": (gemma3.Gemma3ForCausalLM, gemma3.gemma3_config),
     "Gemma3ForConditionalGeneration": (gemma3.Gemma3ForCausalLM, gemma3.gemma3_config),
+    "Gemma2ForCausalLM": (gemma2.Gemma2ForCausalLM, gemma2.gemma2_config),
+    "Olmo2ForCausalLM": (olmo2.Olmo2ForCausalLM, olmo2.olmo2_config),
+    "Phi3ForCausalLM": (phi3.Phi3ForCausalLM, phi3.phi3_config),
 }
 
 

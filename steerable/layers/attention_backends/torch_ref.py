@@ -4,7 +4,8 @@ Same contract as ``triton_paged``: K/V for every position < seq_len is in the pa
 ``store_kv``; a float8 cache holds value / scale, saturated); query row i of sequence b sits at
 position ``seq_len - query_len + i`` and attends causally (optionally within a sliding window;
 blocks wholly before the window of the first query are not read, so a sliding-window KV group may
-have released them). Loops over sequences, so it syncs with the device.
+have released them); with ``softcap`` the scaled scores are capped as ``softcap * tanh(s / softcap)``
+before the mask (Gemma 2). Loops over sequences, so it syncs with the device.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
-                    workspace: object = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    workspace: object = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    softcap: float | None = None) -> None:
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -66,6 +68,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
         values = values.transpose(0, 1).repeat_interleave(group, dim=0)
         scores = torch.matmul(query.float(), dequantize(keys, k_scale).transpose(1, 2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         out[q_start:q_end] = torch.matmul(probs, dequantize(values, v_scale)).transpose(0, 1).to(out.dtype)

@@ -6,9 +6,12 @@ Public API
     Scatter new K/V rows into the paged cache (``slot = block_id * block_size + offset``,
     ``-1`` skips the row).
 ``paged_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-max_query_len, scale, sliding_window=None, workspace=None, k_scale=1.0, v_scale=1.0)``
+max_query_len, scale, sliding_window=None, workspace=None, k_scale=1.0, v_scale=1.0,
+softcap=None)``
     Causal (optionally sliding-window) attention of a flattened ragged batch against the
-    paged cache. Prefill chunks with prefix context and single-token decodes can be mixed in
+    paged cache; with ``softcap`` (Gemma 2) scores are ``softcap * tanh(score / softcap)``
+    before the mask and softmax (a constexpr branch: uncapped models compile without it).
+    Prefill chunks with prefix context and single-token decodes can be mixed in
     one call. A float8 (e4m3) cache holds K / k_scale and V / v_scale: tiles are converted as
     they are loaded (to float16 for a 16-bit query, else to the query's dtype), k_scale is
     folded into the softmax scale and v_scale into the output. V may be head-major (contiguous
@@ -198,20 +201,31 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2 (no libdevice call, so the CPU interpreter runs it too); absolute
+    error about 1e-7."""
+    e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))  # exp(-2|x|), in (0, 1]: no overflow
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _kv_tile_step(
     q, m_i, l_i, acc,
     tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-    kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window,
+    kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, softcap, window,
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL_PER_ROW: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, V_BY_BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One KV tile: S = Q K^T, mask, online-softmax update of (m_i, l_i, acc).
 
     Keys outside ``[kv_lo, kv_hi)`` are never read. With ``CAUSAL_PER_ROW`` the causal (and
     window) limit is applied per query row from ``q_pos``; otherwise ``[kv_lo, kv_hi)`` is
-    the exact key range for every row (split-KV decode).
+    the exact key range for every row (split-KV decode). With ``SOFTCAP``, ``qk_scale`` is the
+    plain scale over the cap and ``softcap`` the cap in the log2 domain: s = cap tanh(score / cap).
     """
     offs_n = tl.arange(0, TILE_N)
     k_pos = tile * TILE_N + offs_n
@@ -234,6 +248,8 @@ def _kv_tile_step(
     k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None],
                 mask=k_valid[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [D_PAD, TILE_N]
     s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N], log2 domain (k's scale folded in)
+    if SOFTCAP:
+        s = _tanh(s) * softcap
 
     mask = row_valid[:, None] & k_valid[None, :]
     if CAUSAL_PER_ROW:
@@ -268,7 +284,7 @@ def _kv_tile_step(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale, v_scale, window,
+    num_seqs, qk_scale, softcap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt,
@@ -278,7 +294,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr, FP16_TILES: tl.constexpr,
-    V_BY_BLOCK: tl.constexpr,
+    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
@@ -347,8 +363,8 @@ def _unified_attention_kernel(
         m_i, l_i, acc = _kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC, V_BY_BLOCK)
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, softcap, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, True, USE_WINDOW, DOT_PREC, V_BY_BLOCK, SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None] * v_scale
@@ -366,7 +382,7 @@ def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale, window,
+    qk_scale, softcap, window,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt,
@@ -376,7 +392,7 @@ def _split_kv_decode_kernel(
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, V_BY_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     fused.pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -420,8 +436,8 @@ def _split_kv_decode_kernel(
         m_i, l_i, acc = _kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, window, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC, V_BY_BLOCK)
+            kv_head, kv_lo, kv_hi, q_pos, row_valid, qk_scale, softcap, window, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, False, USE_WINDOW, DOT_PREC, V_BY_BLOCK, SOFTCAP)
 
     # Empty segments still write (m=-inf, l=0, acc=0) so the reduce never reads stale data.
     ws_head = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh + seg
@@ -481,7 +497,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
                     workspace: "DecodeWorkspace | None" = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> None:
+                    v_scale: float = 1.0, softcap: float | None = None) -> None:
     """Causal paged attention over a ragged batch; writes ``out`` in place.
 
     ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]`` (V of either
@@ -489,7 +505,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     ``query_start_loc`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` (context + new tokens);
     ``block_table`` int32 ``[B, max_blocks]``. Query row ``i`` of sequence ``b`` sits at
     position ``seq_lens[b] - query_len_b + i`` and sees keys at positions ``<=`` its own
-    (and ``>`` own - ``sliding_window`` when set). Rows not covered by
+    (and ``>`` own - ``sliding_window`` when set); ``softcap`` caps the scaled scores as
+    ``softcap * tanh(score / softcap)`` before the mask (Gemma 2). Rows not covered by
     ``query_start_loc`` are not written; a row whose sequence sees no key (seq_len 0) gets 0.
 
     Path: split-KV decode when ``max_query_len <= 1`` and ``workspace`` is given and
@@ -526,6 +543,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
     qk_scale = float(scale) * float(k_scale) * _LOG2E  # a float8 cache holds K / k_scale
+    use_softcap = softcap is not None and softcap > 0
+    cap_log2 = float(softcap) * _LOG2E if use_softcap else 0.0
+    if use_softcap:  # tanh takes the natural-domain score over the cap; the cap brings it back, in log2
+        qk_scale = float(scale) * float(k_scale) / float(softcap)
     use_window = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if use_window else 0
     dot_prec = _dot_precision(q.dtype)
@@ -545,7 +566,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         _split_kv_decode_kernel[(B, num_kv_heads, nseg)](
             q, k_cache, v_cache, workspace.acc, workspace.max, workspace.sum,
             query_start_loc, seq_lens, block_table,
-            qk_scale, window,
+            qk_scale, cap_log2, window,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -556,7 +577,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
             HEAD_D=head_d, D_PAD=d_pad,
             BLOCK_SIZE=block_size, TILE_N=cfg.split_tile_n, NUM_SEGMENTS=nseg,
             USE_WINDOW=use_window, DOT_PREC=dot_prec, FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block,
-            num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **pdl_launch,
+            SOFTCAP=use_softcap, num_warps=cfg.split_num_warps, num_stages=cfg.split_num_stages, **pdl_launch,
         )
         _split_kv_reduce_kernel[(B, num_q_heads)](
             out, workspace.acc, workspace.max, workspace.sum, query_start_loc, float(v_scale),
@@ -581,7 +602,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     _unified_attention_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table,
-        B, qk_scale, float(v_scale), window,
+        B, qk_scale, cap_log2, float(v_scale), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -591,6 +612,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
         # At most one query token per sequence and as many tokens as sequences: exactly one each.
         NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B, FP16_TILES=fp16_tiles,
-        V_BY_BLOCK=v_by_block,
+        V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap,
         num_warps=num_warps, num_stages=num_stages,
     )
