@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Round 3's H200 runs, in parts that each fit one ten-minute device call (see docs/benchmarks.md,
+# "Round 3"). Usage: OUT=dir bash benchmarks/h200_round3.sh PART; every step has its own time limit
+# and writes JSON lines (and its stderr) to $OUT; a step that fails does not stop the others.
+set -u
+part=${1:?part}
+out=${OUT:?set OUT}
+cd "$(dirname "$0")"
+export PYTHONPATH=.. PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >>"$out/$part.jsonl" 2>"$out/$name.err"
+    echo "$name rc=$? ${SECONDS}-${start}s"; tail -n 2 "$out/$name.err" | cut -c1-300
+}
+case $part in
+  a)
+    (cd .. && timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_fused_moe.py \
+        >"$out/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$out/gpu-tests.txt")
+    step gemma2 150 python3 throughput.py --shape gemma2-2b --skip-hf --repeats 1
+    step dense 100 python3 throughput.py --skip-hf --repeats 3
+    step moe-latency 90 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step moe-profile 80 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 256 --steps 16
+    ;;
+  b)
+    step gpt2 60 python3 throughput.py --shape gpt2 --skip-hf --repeats 1
+    step steering 200 python3 steering_cost.py --repeats 3
+    step moe 120 python3 throughput.py --shape qwen3-30b-a3b --skip-hf --repeats 1
+    ;;
+  c)
+    step sae 200 python3 sae_cost.py --repeats 3
+    step patterns 150 python3 capture_cost.py --repeats 2
+    step shared-prefix 240 python3 shared_prefix.py
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
