@@ -34,6 +34,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8" (= "fp8_e4m3"): half the KV bytes, per-tensor scales (docs/benchmarks.md)
     revision: str | None = None  # branch, tag or commit of a hub id (default: main)
     gguf_file: str | None = None  # the GGUF file to load from a hub repository or a directory
+    # Decode rows holding the same leading KV blocks (prefix cache hits) read them once per step
+    # (docs/architecture.md, "Shared-prefix attention"); only where at least this many tokens are
+    # shared by at least this many running requests, and only on the Triton backend.
+    enable_shared_prefix_attention: bool = True
+    shared_prefix_min_tokens: int = 256
+    shared_prefix_min_requests: int = 8
 
     def validate(self) -> None:
         for name in ("revision", "gguf_file"):
@@ -49,9 +55,13 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}, but CUDA is not available on this machine "
                              "(no GPU, or a CPU build of torch); use device='cpu'")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if not isinstance(self.enable_shared_prefix_attention, bool):
+            raise ValueError(f"enable_shared_prefix_attention must be a bool, got {self.enable_shared_prefix_attention!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "shared_prefix_min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shared_prefix_min_requests < 2:
+            raise ValueError(f"shared_prefix_min_requests must be >= 2, got {self.shared_prefix_min_requests}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):

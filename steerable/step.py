@@ -120,6 +120,15 @@ class CapturePlan:
 
 
 @dataclass
+class SharedPrefix:
+    """Decode rows that hold the same leading KV blocks of one full-attention KV group: attention
+    reads those blocks once for all of them (``attention_backends.shared_prefix``)."""
+
+    group: int  # the KV group whose block tables share the prefix
+    lengths: np.ndarray  # int64 [B]: shared tokens of each row (whole blocks), 0 outside the group
+
+
+@dataclass
 class StepInput:
     """Everything a worker needs for one forward and its sampling."""
 
@@ -136,6 +145,7 @@ class StepInput:
     steering_update: SteeringUpdate | None = None
     steering: SteeringPlan | None = None
     capture: CapturePlan | None = None
+    shared_prefix: SharedPrefix | None = None  # decode steps only
 
     @property
     def num_tokens(self) -> int:

@@ -299,3 +299,16 @@ def test_profile_kernels(cache_dir, phase):
     (profile,) = r["profile"]
     assert profile["phase"] == phase and profile["divided_by"] == (3 if phase == "decode" else 1)
     positive(profile, "wall_s")
+
+
+def test_shared_prefix(cache_dir):
+    """Three modes on one engine; a small token budget admits chats over several steps, so the later
+    ones hit the system prompt in the prefix cache (CPU: the torch backend has no shared kernel)."""
+    r = run("shared_prefix", cache_dir, "--repeats", "1", "--max-num-batched-tokens", "64")
+    runs = {rec["mode"]: rec for rec in r["run"]}
+    assert set(runs) == {"cache_off", "cache_on", "shared"}
+    for rec in runs.values():
+        positive(rec, "seconds", "output_tokens", "input_tokens")
+    assert runs["cache_off"]["prefix_cache_hit_tokens"] == 0 < runs["cache_on"]["prefix_cache_hit_tokens"]
+    assert runs["cache_on"]["output_tokens"] == runs["shared"]["output_tokens"] == runs["cache_off"]["output_tokens"]
+    positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")

@@ -58,7 +58,7 @@ def shared_case(shared_blocks: int, rows: list[tuple[bool, int]], heads=(4, 2), 
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
 
 
-def run_shared(case, num_segments=16):
+def run_shared(case, num_segments=6):
     ws = DecodeWorkspace(case["q"].shape[0], case["q"].shape[1], case["q"].shape[2], DEVICE, num_segments)
     out = torch.full_like(case["q"], 7.0)
     shared_prefix_attention(case["q"], case["k_cache"], case["v_cache"], out, case["query_start_loc"],

@@ -26,6 +26,7 @@ from steerable.engine.lock import EngineLock
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
 from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler
+from steerable.engine.shared_prefix import SharedPrefixDetector
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
 from steerable.errors import EngineDeadError, EngineError, InvalidRequestError
@@ -86,7 +87,7 @@ class LLMEngine(ResumableRequests):
                                    cache_limit=self.capture.cache_limit,
                                    micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
-                                   kv_groups.num_groups)
+                                   kv_groups.num_groups, self._shared_prefix(kv_groups))
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
@@ -101,6 +102,19 @@ class LLMEngine(ResumableRequests):
         self._closed = False
 
     # ---------------------------------------------------------------- public, thread-safe
+
+    def _shared_prefix(self, kv_groups: KVGroups) -> tuple[int, SharedPrefixDetector] | None:
+        """Where the step builder looks for shared prefixes: the first full-attention KV group (a
+        sliding window may start inside a prefix), when the knob, the prefix cache (which makes
+        the sharing) and a backend with the kernel (Triton) are all on."""
+        config = self.config
+        triton = config.attention_backend == "triton" or (config.attention_backend == "auto"
+                                                          and self.device.type == "cuda")
+        full = [g for g, window in enumerate(kv_groups.windows) if window is None]
+        if not (config.enable_shared_prefix_attention and config.enable_prefix_caching and triton and full):
+            return None
+        return full[0], SharedPrefixDetector(config.block_size, config.shared_prefix_min_tokens,
+                                             config.shared_prefix_min_requests)
 
     def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     stream: bool = False, resumable: bool = False, increments: bool = False) -> RequestGroup:

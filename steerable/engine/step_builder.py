@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from steerable.engine.shared_prefix import SharedPrefixDetector
 from steerable.request import Request, SchedulerOutput
-from steerable.step import BlockTableUpdate, PenaltyInput, SamplingInput, StepInput
+from steerable.step import BlockTableUpdate, PenaltyInput, SamplingInput, SharedPrefix, StepInput
 from steerable.worker.sampler import noise_seed
 
 
 class StepBuilder:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, num_kv_groups: int = 1):
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, num_kv_groups: int = 1,
+                 shared_prefix: tuple[int, SharedPrefixDetector] | None = None):
+        """``shared_prefix``: (full-attention KV group, detector) to mark decode rows that share
+        leading blocks in that group's table; None: never."""
         self.block_size = block_size
+        self.shared_prefix = shared_prefix
         # Host mirror of the worker's tables, one per KV group.
         self.block_rows = np.zeros((num_kv_groups, max_num_seqs + 1, max_blocks_per_seq), dtype=np.int64)
         self.slots: dict[str, int] = {}  # running request id -> its row in the block table
@@ -54,6 +59,11 @@ class StepBuilder:
         slot_mapping = self.block_rows[:, slots[token_req], positions // bs] * bs + positions % bs
         step = StepInput(step_id, token_ids, positions, slot_mapping, query_start, starts + counts, slots,
                          max_query_len, update)
+        if max_query_len == 1 and self.shared_prefix is not None:
+            group, detector = self.shared_prefix
+            lengths = detector.detect(self.block_rows[group], slots, step.seq_lens)
+            if lengths is not None:
+                step.shared_prefix = SharedPrefix(group, lengths)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
         if sampling_rows:
             step.sampling = self._sampling([scheduled[i].request for i in sampling_rows],

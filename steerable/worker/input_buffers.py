@@ -34,6 +34,7 @@ class StepViews:
     seeds: torch.Tensor
     temperature: torch.Tensor
     request_slots: torch.Tensor
+    prefix_lens: torch.Tensor  # int32 [pad_seqs]: shared-prefix tokens of each sequence (0: none)
 
 
 class InputBuffers:
@@ -48,14 +49,15 @@ class InputBuffers:
         pin = device.type == "cuda"
         rows = SLOTS + num_kv_groups
         self.tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, device=device)
-        self.seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)  # query_start, seq_lens
+        # query_start, seq_lens, shared-prefix lengths (steerable.step.SharedPrefix)
+        self.seqs = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=device)
         self.temperature = torch.zeros(max_tokens, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         # Sets of host staging used in turn: a step fills a set whose last copies (steps_in_flight
         # steps ago at least) have left it, so nothing queued behind a step in flight is overwritten.
         sets = steps_in_flight + 1
         self._tokens_host = [torch.zeros(rows, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(sets)]
-        self._seqs_host = [torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
+        self._seqs_host = [torch.zeros(3, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
         self._temperature_host = [torch.zeros(max_tokens, dtype=torch.float32, pin_memory=pin) for _ in range(sets)]
         self.parity = 0
         # Each running request owns a row of block ids per KV group (the last row stays zero for
@@ -108,6 +110,9 @@ class InputBuffers:
         seq_host[0, num_seqs + 1:pad_seqs + 1] = np.arange(n + 1, padded + 1)
         seq_host[1, :num_seqs] = step.seq_lens
         seq_host[1, num_seqs:pad_seqs] = 0
+        seq_host[2, :pad_seqs] = 0
+        if step.shared_prefix is not None:
+            seq_host[2, :num_seqs] = step.shared_prefix.lengths
         self.seqs[:, :pad_seqs + 1].copy_(seq_tensor[:, :pad_seqs + 1], non_blocking=True)
         if temperature is not None:
             temp_host = self._temperature_host[self.parity]
@@ -117,7 +122,7 @@ class InputBuffers:
         return StepViews(self.input_ids[:padded], self.tokens[POSITIONS, :padded], self.tokens[SLOTS:, :padded],
                          self.tokens[STEER, :padded], self.seqs[0, :pad_seqs + 1], self.seqs[1, :pad_seqs],
                          self.block_table[:, :pad_seqs], self.tokens[SEEDS, :padded], self.temperature[:padded],
-                         self.tokens[SEQ_SLOTS, :pad_seqs])
+                         self.tokens[SEQ_SLOTS, :pad_seqs], self.seqs[2, :pad_seqs])
 
     def gather(self, views: StepViews) -> None:
         """On the device (inside a graph, if one runs): each token's input id (its request's last

@@ -107,9 +107,14 @@ class ModelRunner:
         self.single_rank = self.parallel.tp.size == 1 and placement.pp_size == 1
         self.kv_dtype = config.resolve_kv_dtype(dtype)
         self.workspace = None
+        self.shared_attention = None  # the shared-prefix decode op, where the backend has one
         if self.backend is not torch_ref:
             self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, self.attention_layers[0].num_heads,
                                                           model_config.head_dim, device)
+            from steerable.layers.attention_backends import shared_prefix
+            if self.workspace.num_segments > shared_prefix.SHARED_SEGMENTS:
+                self.shared_attention = shared_prefix.shared_prefix_attention
+        self.num_shared_prefix_steps = 0
         self.sampler = Sampler()
         self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
         self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components)
@@ -276,6 +281,11 @@ class ModelRunner:
                 and not sampling.filtered and not sampling.penalties and not sampling.suppress
                 and all(n is None for n in sampling.logprobs))
 
+    def _shares_prefix(self, step: StepInput) -> bool:
+        """Whether the step's attention runs the shared-prefix kernels: a decode step with a shared
+        group on a backend that has them."""
+        return step.shared_prefix is not None and step.max_query_len == 1 and self.shared_attention is not None
+
     def _prepare(self, step: StepInput) -> tuple[ForwardContext, StepViews, tuple | None, bool]:
         """Stage the step's columns in the persistent buffers (padded to a graph size for a decode
         step that can replay one) and build the forward context; the key is None for an eager step."""
@@ -293,6 +303,11 @@ class ModelRunner:
         views = buf.stage(step, padded, sampling.seeds if inside else None, sampling.temperature if inside else None)
         attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
                                  step.max_query_len, self.workspace)
+        shared = self._shares_prefix(step)
+        if shared:
+            attn.prefix_lens, attn.shared_group = views.prefix_lens, step.shared_prefix.group
+            attn.shared_attention = self.shared_attention
+            self.num_shared_prefix_steps += 1
         ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens)
         if self.pipeline_in is not None:
             ctx.pipeline_in = self.pipeline_in[:2 * padded].view(2, padded, self.model_config.hidden_size)
@@ -303,7 +318,7 @@ class ModelRunner:
         key = None
         if graphed:
             key = (padded, step.steering.signature if step.steering is not None else None,
-                   step.capture.signature if step.capture is not None else None, inside)
+                   step.capture.signature if step.capture is not None else None, inside, shared)
         return ctx, views, key, inside
 
     # ------------------------------------------------------------ lifecycle
@@ -323,6 +338,7 @@ class ModelRunner:
         graphs = self.graphs
         return {"graph_replays": graphs.num_replays if graphs else 0,
                 "graph_captures": graphs.num_captures if graphs else 0,
+                "shared_prefix_steps": self.num_shared_prefix_steps,
                 "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size() if self.kv_cache is not None
                 else 0}
 

@@ -25,14 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from steerable.layers.attention_backends.triton_paged import (
-    _LOG2E,
-    CONFIG,
-    DecodeWorkspace,
-    _dot_precision,
-    _kv_tile_step,
-    _split_kv_reduce_kernel,
-)
+from steerable.layers.attention_backends import triton_paged as tp  # its tile step, reduce and config
 
 __all__ = ["SHARED_SEGMENTS", "shared_prefix_attention"]
 
@@ -83,7 +76,7 @@ def _shared_pass_kernel(
     bt_row_ptr = block_table_ptr + lead.to(tl.int64) * stride_bt
     kv_lo = shared_len * 0
     for tile in range(seg_lo, seg_hi):
-        m_i, l_i, acc = _kv_tile_step(
+        m_i, l_i, acc = tp._kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
             kv_head, kv_lo, shared_len, offs_m * 0, member, qk_scale, 0, offs_d, d_mask,
@@ -138,7 +131,7 @@ def _own_pass_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(seg_lo, seg_hi):
-        m_i, l_i, acc = _kv_tile_step(
+        m_i, l_i, acc = tp._kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
             kv_head, kv_lo, kv_hi, offs_m * 0, row_valid, qk_scale, 0, offs_d, d_mask,
@@ -152,7 +145,7 @@ def _own_pass_kernel(
     tl.store(ws_acc_ptr + ws_acc, acc, mask=row_valid[:, None] & (offs_d[None, :] < D_PAD))
 
 
-def own_segments(num_seqs: int, num_kv_heads: int, workspace: DecodeWorkspace) -> int:
+def own_segments(num_seqs: int, num_kv_heads: int, workspace: tp.DecodeWorkspace) -> int:
     """Segments per row of the own pass: enough programs to fill the device, within the workspace."""
     want = -(-_OWN_MIN_PROGRAMS // max(1, num_seqs * num_kv_heads))
     return max(1, min(want, workspace.num_segments - SHARED_SEGMENTS))
@@ -160,7 +153,7 @@ def own_segments(num_seqs: int, num_kv_heads: int, workspace: DecodeWorkspace) -
 
 def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, query_start_loc: Tensor,
                             seq_lens: Tensor, block_table: Tensor, prefix_lens: Tensor, scale: float,
-                            workspace: DecodeWorkspace, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                            workspace: tp.DecodeWorkspace, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Decode attention (one query token per sequence, full attention) equal to
     ``triton_paged.paged_attention`` with ``max_query_len=1``, reading the prefix that the rows with
     ``prefix_lens[b] > 0`` share once per block of rows. Same tensors as ``paged_attention`` plus
@@ -184,8 +177,8 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
     group = num_q_heads // num_kv_heads
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
-    qk_scale = float(scale) * float(k_scale) * _LOG2E
-    dot_prec = _dot_precision(q.dtype)
+    qk_scale = float(scale) * float(k_scale) * tp._LOG2E
+    dot_prec = tp._dot_precision(q.dtype)
     fp16_tiles = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     v_by_block = v_cache.stride(-1) != 1
     ws = workspace
@@ -198,7 +191,7 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
         q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, prefix_lens, block_table, B, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, block_table.stride(0), *ws_strides,
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_D=head_d, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE_N=CONFIG.split_tile_n, NUM_SEGMENTS=SHARED_SEGMENTS, DOT_PREC=dot_prec,
+        BLOCK_SIZE=block_size, TILE_N=tp.CONFIG.split_tile_n, NUM_SEGMENTS=SHARED_SEGMENTS, DOT_PREC=dot_prec,
         FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block, num_warps=4, num_stages=2,
     )
     nown = own_segments(B, num_kv_heads, ws)
@@ -206,12 +199,12 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
         q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, seq_lens, prefix_lens, block_table, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, block_table.stride(0), *ws_strides,
         NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad), HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        TILE_N=CONFIG.split_tile_n, NUM_SEGMENTS=nown, SEG_OFFSET=SHARED_SEGMENTS, DOT_PREC=dot_prec,
+        TILE_N=tp.CONFIG.split_tile_n, NUM_SEGMENTS=nown, SEG_OFFSET=SHARED_SEGMENTS, DOT_PREC=dot_prec,
         FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block,
-        num_warps=CONFIG.split_num_warps, num_stages=CONFIG.split_num_stages,
+        num_warps=tp.CONFIG.split_num_warps, num_stages=tp.CONFIG.split_num_stages,
     )
     nseg = SHARED_SEGMENTS + nown
-    _split_kv_reduce_kernel[(B, num_q_heads)](
+    tp._split_kv_reduce_kernel[(B, num_q_heads)](
         out, ws.acc, ws.max, ws.sum, query_start_loc, float(v_scale), out.stride(0), out.stride(1), *ws_strides,
         HEAD_D=head_d, D_PAD=d_pad, NUM_SEGMENTS=nseg, SEG_PAD=triton.next_power_of_2(nseg), PDL=False,
         num_warps=4,
