@@ -135,17 +135,17 @@ def test_gemv_kernel(bias, gated, pdl):
     assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
 
 
-@pytest.mark.parametrize("kv", [BF16, FP8])
-def test_shared_prefix_kernels(kv):
+@pytest.mark.parametrize("kv,softcap", [(BF16, False), (FP8, False), (BF16, True)])
+def test_shared_prefix_kernels(kv, softcap):
     """Both passes of shared-prefix decode attention (Qwen3-0.6B's heads: GQA 2, head size 128)."""
     from steerable.layers.attention_backends import shared_prefix
 
     common = dict(q_ptr=BF16, k_cache_ptr=kv, v_cache_ptr=kv, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32,
-                  qsl_ptr=I32, prefix_lens_ptr=I32, block_table_ptr=I32, qk_scale=1.0, stride_qt=1, stride_qh=1,
+                  qsl_ptr=I32, prefix_lens_ptr=I32, block_table_ptr=I32, qk_scale=1.0, softcap=1.0, stride_qt=1, stride_qh=1,
                   stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1, stride_vh=1, stride_vd=1,
                   stride_bt=1, stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2,
                   HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=64, DOT_PREC="tf32", FP16_TILES=kv == FP8,
-                  V_BY_BLOCK=kv == FP8)
+                  V_BY_BLOCK=kv == FP8, SOFTCAP=softcap)
     ptx = compile_for_hopper(shared_prefix._shared_pass_kernel, **common, num_seqs=1, GQA_PAD=2, BLOCK_Q=32,
                              BLOCK_M=64, NUM_SEGMENTS=4)
     assert "mma" in ptx  # the shared pass is an MMA over many rows' queries

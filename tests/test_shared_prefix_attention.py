@@ -58,19 +58,20 @@ def shared_case(shared_blocks: int, rows: list[tuple[bool, int]], heads=(4, 2), 
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
 
 
-def run_shared(case, num_segments=6):
+def run_shared(case, num_segments=6, softcap=None):
     ws = DecodeWorkspace(case["q"].shape[0], case["q"].shape[1], case["q"].shape[2], DEVICE, num_segments)
     out = torch.full_like(case["q"], 7.0)
     shared_prefix_attention(case["q"], case["k_cache"], case["v_cache"], out, case["query_start_loc"],
-                            case["seq_lens"], case["block_table"], case["prefix_lens"], case["scale"], ws)
+                            case["seq_lens"], case["block_table"], case["prefix_lens"], case["scale"], ws,
+                            softcap=softcap)
     return out
 
 
-def run_unshared(case, split: bool):
+def run_unshared(case, split: bool, softcap=None):
     ws = DecodeWorkspace(case["q"].shape[0], case["q"].shape[1], case["q"].shape[2], DEVICE) if split else None
     out = torch.full_like(case["q"], 7.0)
     paged_attention(case["q"], case["k_cache"], case["v_cache"], out, case["query_start_loc"], case["seq_lens"],
-                    case["block_table"], 1, case["scale"], workspace=ws)
+                    case["block_table"], 1, case["scale"], workspace=ws, softcap=softcap)
     return out
 
 
@@ -109,6 +110,15 @@ def test_padding_rows_and_tiny_workspace():
     got = run_shared(case, num_segments=5)
     torch.testing.assert_close(got, run_unshared(case, split=True), atol=1e-5, rtol=1e-5)
     assert (got[3:] == 0).all()
+
+
+def test_softcap():
+    """Gemma 2's capped scores: the same cap on both passes."""
+    case = shared_case(3, [(True, 5), (True, 20), (False, 7)])
+    case["q"] *= 4  # scores well past the cap, so it matters
+    got = run_shared(case, softcap=2.0)
+    torch.testing.assert_close(got, run_unshared(case, split=True, softcap=2.0), atol=1e-5, rtol=1e-5)
+    assert (got - run_shared(case)).abs().max() > 1e-2
 
 
 def test_float16():

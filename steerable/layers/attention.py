@@ -68,7 +68,7 @@ class Attention(nn.Module):
         if meta.prefix_lens is not None and self.sliding_window is None and self.kv_group == meta.shared_group:
             meta.shared_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table[self.kv_group], meta.prefix_lens, self.scale, meta.workspace,
-                                  k_scale, v_scale)
+                                  k_scale, v_scale, self.softcap)
             return out.view(-1, self.num_heads * self.head_dim)
         self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                      meta.block_table[self.kv_group], meta.max_query_len, self.scale,

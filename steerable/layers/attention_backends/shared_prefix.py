@@ -37,13 +37,14 @@ _OWN_MIN_PROGRAMS = 512  # own pass: segments per row until about this many prog
 @triton.jit
 def _shared_pass_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
-    qsl_ptr, prefix_lens_ptr, block_table_ptr, num_seqs, qk_scale,
+    qsl_ptr, prefix_lens_ptr, block_table_ptr, num_seqs, qk_scale, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt, stride_wab, stride_wah, stride_was, stride_wmb, stride_wmh,
     NUM_Q_PER_KV: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, V_BY_BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     seg = tl.program_id(2)
@@ -79,8 +80,8 @@ def _shared_pass_kernel(
         m_i, l_i, acc = tp._kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, shared_len, offs_m * 0, member, qk_scale, 0, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, False, False, DOT_PREC, V_BY_BLOCK)
+            kv_head, kv_lo, shared_len, offs_m * 0, member, qk_scale, softcap, 0, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, False, False, DOT_PREC, V_BY_BLOCK, SOFTCAP)
 
     # Every row of the batch writes its segment (empty for non-members) so the reduce reads no stale data.
     seq64 = seq.to(tl.int64)
@@ -94,13 +95,13 @@ def _shared_pass_kernel(
 @triton.jit
 def _own_pass_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
-    qsl_ptr, seq_lens_ptr, prefix_lens_ptr, block_table_ptr, qk_scale,
+    qsl_ptr, seq_lens_ptr, prefix_lens_ptr, block_table_ptr, qk_scale, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt, stride_wab, stride_wah, stride_was, stride_wmb, stride_wmh,
     NUM_Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEG_OFFSET: tl.constexpr,
-    DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, V_BY_BLOCK: tl.constexpr,
+    DOT_PREC: tl.constexpr, FP16_TILES: tl.constexpr, V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,8 +135,8 @@ def _own_pass_kernel(
         m_i, l_i, acc = tp._kv_tile_step(
             q, m_i, l_i, acc, tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
-            kv_head, kv_lo, kv_hi, offs_m * 0, row_valid, qk_scale, 0, offs_d, d_mask,
-            BLOCK_SIZE, TILE_N, False, False, DOT_PREC, V_BY_BLOCK)
+            kv_head, kv_lo, kv_hi, offs_m * 0, row_valid, qk_scale, softcap, 0, offs_d, d_mask,
+            BLOCK_SIZE, TILE_N, False, False, DOT_PREC, V_BY_BLOCK, SOFTCAP)
 
     slot = SEG_OFFSET + seg
     ws_head = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh + slot
@@ -153,11 +154,12 @@ def own_segments(num_seqs: int, num_kv_heads: int, workspace: tp.DecodeWorkspace
 
 def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, query_start_loc: Tensor,
                             seq_lens: Tensor, block_table: Tensor, prefix_lens: Tensor, scale: float,
-                            workspace: tp.DecodeWorkspace, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                            workspace: tp.DecodeWorkspace, k_scale: float = 1.0, v_scale: float = 1.0,
+                            softcap: float | None = None) -> None:
     """Decode attention (one query token per sequence, full attention) equal to
     ``triton_paged.paged_attention`` with ``max_query_len=1``, reading the prefix that the rows with
     ``prefix_lens[b] > 0`` share once per block of rows. Same tensors as ``paged_attention`` plus
-    ``prefix_lens`` int32 ``[>= B]``; needs a workspace of ``B`` rows and more than
+    ``prefix_lens`` int32 ``[>= B]`` (and ``softcap`` as there); needs a workspace of ``B`` rows and more than
     ``SHARED_SEGMENTS`` segments."""
     T, num_q_heads, head_d = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -178,6 +180,10 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
     qk_scale = float(scale) * float(k_scale) * tp._LOG2E
+    use_softcap = softcap is not None and softcap > 0  # as paged_attention: tanh of score / cap, cap in log2
+    cap_log2 = float(softcap) * tp._LOG2E if use_softcap else 0.0
+    if use_softcap:
+        qk_scale = float(scale) * float(k_scale) / float(softcap)
     dot_prec = tp._dot_precision(q.dtype)
     fp16_tiles = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     v_by_block = v_cache.stride(-1) != 1
@@ -188,19 +194,19 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
     block_q = max(1, min(_SHARED_BLOCK_M // gqa_pad, triton.next_power_of_2(B)))
     block_m = max(16, block_q * gqa_pad)
     _shared_pass_kernel[(triton.cdiv(B, block_q), num_kv_heads, SHARED_SEGMENTS)](
-        q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, prefix_lens, block_table, B, qk_scale,
+        q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, prefix_lens, block_table, B, qk_scale, cap_log2,
         q.stride(0), q.stride(1), *cache_strides, block_table.stride(0), *ws_strides,
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_D=head_d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE_N=tp.CONFIG.split_tile_n, NUM_SEGMENTS=SHARED_SEGMENTS, DOT_PREC=dot_prec,
-        FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block, num_warps=4, num_stages=2,
+        FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap, num_warps=4, num_stages=2,
     )
     nown = own_segments(B, num_kv_heads, ws)
     _own_pass_kernel[(B, num_kv_heads, nown)](
-        q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, seq_lens, prefix_lens, block_table, qk_scale,
+        q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, seq_lens, prefix_lens, block_table, qk_scale, cap_log2,
         q.stride(0), q.stride(1), *cache_strides, block_table.stride(0), *ws_strides,
         NUM_Q_PER_KV=group, BLOCK_M=max(16, gqa_pad), HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size,
         TILE_N=tp.CONFIG.split_tile_n, NUM_SEGMENTS=nown, SEG_OFFSET=SHARED_SEGMENTS, DOT_PREC=dot_prec,
-        FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block,
+        FP16_TILES=fp16_tiles, V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap,
         num_warps=tp.CONFIG.split_num_warps, num_stages=tp.CONFIG.split_num_stages,
     )
     nseg = SHARED_SEGMENTS + nown
