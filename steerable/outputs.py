@@ -37,3 +37,6 @@ class RequestOutput:
     finished: bool
     captures: dict[str, dict[int, Any]] = field(default_factory=dict)
     capture_meta: dict[str, dict[int, Any]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, Logprob entries of the token and the k most
+    # likely ones at its position; None for the first token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -57,6 +57,9 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.output_text = ""
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # Per prompt token, its logprob entries (the first has none); one completion of a group reports them.
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.cumulative_logprob = 0.0
         self.detokenizer: Any = None
         # (tokens, characters, logprobs) of the output already sent as increments; None before the

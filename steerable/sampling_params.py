@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from steerable.checks import is_int, is_number
 from steerable.errors import InvalidRequestError
 
@@ -18,6 +20,16 @@ class SamplingParams:
     ``-1`` every vocabulary entry (full next-token distributions, e.g. for a KL); the ids in
     ``logprob_token_ids`` are always added (SGLang's ``token_ids_logprob``), which implies
     ``logprobs=0`` when ``logprobs`` is None.
+
+    ``prompt_logprobs=k`` reports, for every prompt token after the first, its logprob and rank
+    and the k most likely tokens at that position (``RequestOutput.prompt_logprobs``; such a
+    request does not read the prefix cache, whose blocks carry no logits). ``logit_bias`` adds
+    a bias in [-100, 100] to token ids before sampling and ``allowed_token_ids`` keeps only those
+    ids (neither changes the reported logprobs, which are the model's own, as vLLM's default).
+    ``truncate_prompt_tokens=k`` keeps the last k prompt tokens (-1: as many as ``max_model_len``
+    allows). Fields vLLM has and steerable does not implement (``guided_decoding``,
+    ``structured_outputs``, ``bad_words``, ``best_of`` other than ``n``,
+    ``spaces_between_special_tokens=False``) raise ``ValueError`` naming them.
 
     ``steering_vectors``, ``steering_module_ref`` and ``capture`` attach the steering and capture
     planes to this request; they are validated against the model when the request is admitted.
@@ -45,7 +57,20 @@ class SamplingParams:
     capture: Any = None
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    best_of: int | None = None
+    bad_words: list[str] | None = None
+    guided_decoding: Any = None
+    structured_outputs: Any = None
     stop_strings: list[str] = field(init=False, repr=False)
+    # (bias ids, biases, allowed ids) as arrays for the sampler, None when the row needs neither.
+    row_bias: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -57,7 +82,15 @@ class SamplingParams:
             self.logprob_token_ids = list(self.logprob_token_ids)
             if self.logprobs is None:
                 self.logprobs = 0
+        if isinstance(self.logit_bias, dict):  # OpenAI's JSON keys are strings of ids
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
+        bias = allowed = None
+        if self.logit_bias:
+            bias = (np.fromiter(self.logit_bias, dtype=np.int64), np.array(list(self.logit_bias.values()), np.float32))
+        if self.allowed_token_ids is not None:
+            allowed = np.array(sorted(set(self.allowed_token_ids)), dtype=np.int64)
+        self.row_bias = None if bias is None and allowed is None else (*(bias or (None, None)), allowed)
 
     @property
     def greedy(self) -> bool:
@@ -89,8 +122,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
             raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (is_int(self.seed) and -2**63 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be a 64-bit signed integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
             raise InvalidRequestError(f"logprobs must be an integer >= 0, -1 (every token) or None, "
                                       f"got {self.logprobs!r}")
@@ -102,6 +135,7 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        self._validate_vllm_fields()
         ref = self.steering_module_ref
         if ref is not None and not isinstance(ref, str):
             if not (isinstance(ref, (tuple, list)) and len(ref) == 2 and isinstance(ref[0], str)
@@ -109,3 +143,50 @@ class SamplingParams:
                 raise InvalidRequestError(f"steering_module_ref must be 'name' or ('name', scale) with a finite "
                                           f"scale, got {ref!r}")
 
+
+    def _validate_vllm_fields(self) -> None:
+        """vLLM's fields: the implemented ones checked, the others refused by name."""
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise InvalidRequestError(f"prompt_logprobs must be an integer >= 0 or None (-1, every vocabulary "
+                                      f"entry, is not supported for prompt positions), got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got "
+                                          f"{type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    raise InvalidRequestError(f"logit_bias: {token!r} is not a token id")
+                if not is_number(bias) or not -100 <= bias <= 100:
+                    raise InvalidRequestError(f"logit_bias: the bias of token {token} must be in [-100, 100], "
+                                              f"got {bias!r}")
+        if self.allowed_token_ids is not None and not (
+                isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
+                and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                      f"{self.allowed_token_ids!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and not (is_int(t) and (t >= 1 or t == -1)):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be an integer >= 1, -1 (max_model_len) or None, "
+                                      f"got {t!r}")
+        for name in ("include_stop_str_in_output", "spaces_between_special_tokens", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.spaces_between_special_tokens:
+            raise InvalidRequestError("spaces_between_special_tokens=False: not supported (special tokens are "
+                                      "decoded as the tokenizer decodes them)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of: not supported (only best_of == n, got best_of={self.best_of!r}, "
+                                      f"n={self.n}); ask for n completions and rank them by cumulative_logprob")
+        if self.bad_words:
+            raise InvalidRequestError("bad_words: not supported; use logit_bias with -100 for single-token words")
+        for name in ("guided_decoding", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"{name}: guided decoding is not supported by steerable")
+
+
+def _token_key(key: Any) -> Any:
+    """A ``logit_bias`` key as an int when it is the decimal string of one (left as is otherwise,
+    for the check to name)."""
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    return key

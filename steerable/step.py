@@ -42,6 +42,19 @@ class PenaltyInput:
 
 
 @dataclass
+class PromptLogprobsInput:
+    """Rows of one request whose next-token distributions over its own prompt are reported
+    (``SamplingParams.prompt_logprobs``): the logprob and rank of the prompt token each row
+    predicts, and the ``num`` most likely tokens."""
+
+    request: int  # index into the step's requests
+    position: int  # the position of the first row (its prediction is of the token at position + 1)
+    rows: np.ndarray  # int64 [R]: token rows of this step
+    targets: np.ndarray  # int64 [R]: the prompt token each row predicts
+    num: int
+
+
+@dataclass
 class SamplingInput:
     """Per sampled row: which token row it reads, whose slot keeps the token, and how to draw."""
 
@@ -54,6 +67,8 @@ class SamplingInput:
     seeds: np.ndarray  # int64 [S]: noise key, a function of the request's seed and the position sampled
     logprobs: list[tuple[int, list[int]] | None]  # (top-N, or -1 for all; ids always reported)
     suppress: dict[int, np.ndarray] = field(default_factory=dict)  # row -> token ids masked (min_tokens)
+    logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # row -> (ids, biases)
+    allowed: dict[int, np.ndarray] = field(default_factory=dict)  # row -> the only token ids it may sample
     penalties: list[PenaltyInput] = field(default_factory=list)
 
     @property
@@ -146,6 +161,7 @@ class StepInput:
     steering: SteeringPlan | None = None
     capture: CapturePlan | None = None
     shared_prefix: SharedPrefix | None = None  # decode steps only
+    prompt_logprobs: list[PromptLogprobsInput] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +184,9 @@ class StepOutput:
     logprobs: list[dict[int, tuple[float, int]] | None]
     captured: list[torch.Tensor]  # per capture group: its rows on the host, [layers, rows, width]
     graphed: bool
+    # Per PromptLogprobsInput of the step: the targets' logprobs [R] and ranks [R], the top ids and
+    # logprobs [R, num].
+    prompt_logprobs: list[list[np.ndarray]] = field(default_factory=list)
 
 
 class Worker(Protocol):

@@ -96,7 +96,7 @@ def test_an_increment_carries_only_what_is_new(engine):
         "long", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), stream=True,
         increments=True)})
     first, later = reports[0][0], reports[2][0]
-    assert first[2] == (None, prompt) and later[2] is None  # the prompt once
+    assert first[2] == (None, prompt, None) and later[2] is None  # the prompt once
     assert len(later[3][0][2]) == 1 and later[3][0][1] == 2  # one token, written after the two before it
     assert len(pickle.dumps(later)) < 200
 

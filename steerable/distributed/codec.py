@@ -21,6 +21,7 @@ from steerable.step import (
     CaptureGroup,
     CapturePlan,
     PenaltyInput,
+    PromptLogprobsInput,
     SamplingInput,
     SharedPrefix,
     SteeringPlan,
@@ -29,8 +30,9 @@ from steerable.step import (
     StepOutput,
 )
 
-_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput, SamplingInput,
-                                          SharedPrefix, StepInput, StepOutput, SteeringPlan, SteeringUpdate)}
+_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput,
+                                          PromptLogprobsInput, SamplingInput, SharedPrefix, StepInput, StepOutput,
+                                          SteeringPlan, SteeringUpdate)}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,
                                                              torch.int64, torch.int32)}
 _NUMPY_DTYPES = {"float32", "float64", "int64", "int32", "bool"}

@@ -153,6 +153,8 @@ class ParallelExecutor:
                 _merge_stage_rows(captured, report.captured, launched.plan, self.stages[rank // self.placement.tp_size])
                 if report.sampled:
                     output = dataclasses.replace(output, sampled=report.sampled, logprobs=report.logprobs)
+                if report.prompt_logprobs:
+                    output = dataclasses.replace(output, prompt_logprobs=report.prompt_logprobs)
             output = dataclasses.replace(output, captured=captured)
         except Exception as err:
             raise self._fail(err) from err

@@ -120,10 +120,11 @@ class Placement:
 
     def reports(self, step: StepInput) -> bool:
         """Whether this rank sends the driver a report of ``step``: tensor-parallel rank 0 of a
-        stage after the first, when it sampled (the last stage) or recorded captured rows."""
+        stage after the first, when it sampled or reported prompt logprobs (the last stage) or
+        recorded captured rows."""
         if self.tp_rank != 0 or self.is_first_stage:
             return False
-        if self.is_last_stage and step.sampling is not None:
+        if self.is_last_stage and (step.sampling is not None or step.prompt_logprobs):
             return True
         return step.capture is not None and any(self.owns((group.hook, layer)) for group in step.capture.groups
                                                 for layer in group.layers)

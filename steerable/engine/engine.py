@@ -23,6 +23,7 @@ from steerable.distributed.executor import create_worker
 from steerable.distributed.placement import pipeline_micro_batches
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
+from steerable.engine import prompt_logprobs
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
 from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler
@@ -38,7 +39,7 @@ from steerable.request import Request, SchedulerOutput
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.steering.spec import SteeringSpec
-from steerable.step import PLACEHOLDER, StepOutput
+from steerable.step import PLACEHOLDER, PromptLogprobsInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class _InFlight:
     sched: SchedulerOutput
     launched: Any  # the worker's handle
     delivery: Delivery | None
+    prompt_logprobs: list[PromptLogprobsInput] | None = None
 
 
 class LLMEngine(ResumableRequests):
@@ -92,6 +94,7 @@ class LLMEngine(ResumableRequests):
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
         self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
+        self._prompt_logprobs: set[str] = set()  # engine ids whose prompt logprobs are not all recorded
         # Launched, not finished, oldest first: one on a single stage (host work overlaps the
         # device), each micro-batch on a pipeline.
         self._inflight: deque[_InFlight] = deque()
@@ -273,13 +276,12 @@ class LLMEngine(ResumableRequests):
         params.validate()
         if resumable and params.n != 1:
             raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.logprob_token_ids or []):
-            raise InvalidRequestError(f"logprob_token_ids: {params.logprob_token_ids} has ids outside the "
-                                      f"vocabulary [0, {vocab})")
+        if resumable and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs: not supported with streaming input")
+        self._check_token_ids(params)
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
         children: list[Request] = []
         try:
             for index in range(params.n):
@@ -298,6 +300,17 @@ class LLMEngine(ResumableRequests):
             self.scheduler.add(child)
         return group
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the parameters name entries of this model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logprob_token_ids", params.logprob_token_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = [t for t in ids or [] if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise InvalidRequestError(f"prompt_logprobs: {params.prompt_logprobs} exceeds the vocabulary size {vocab}")
+
     def _admit(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
                params: SamplingParams) -> Request:
         request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
@@ -311,11 +324,15 @@ class LLMEngine(ResumableRequests):
             self.steering.release(request)
             raise
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
+        if request.prompt_logprobs is not None and len(token_ids) > 1:
+            self._prompt_logprobs.add(request_id)
         return request
 
-    def _tokenize(self, prompt: str | Sequence[int], continuation: bool = False) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | Sequence[int], continuation: bool = False,
+                  truncate: int | None = None) -> tuple[str | None, list[int]]:
         """Token ids of a prompt, or of a streaming-input chunk (``continuation``: no special
-        tokens; its length is checked when it is applied)."""
+        tokens; its length is checked when it is applied); ``truncate``: keep the last that many
+        (-1: the most ``max_model_len`` leaves room for, one token to generate)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty")
@@ -326,6 +343,10 @@ class LLMEngine(ResumableRequests):
                 raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
         if not ids:
             raise InvalidRequestError("prompt: must contain at least one token")
+        if truncate is not None:
+            keep = self.max_model_len - 1 if truncate == -1 else truncate
+            if keep < len(ids):
+                text, ids = None, ids[len(ids) - keep:]
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -388,7 +409,10 @@ class LLMEngine(ResumableRequests):
         delivery = None
         if planned is not None:
             step.capture, delivery = planned
-        self._inflight.append(_InFlight(sched, self.worker.launch(step), delivery))
+        if self._prompt_logprobs:
+            step.prompt_logprobs = prompt_logprobs.plan(sched.scheduled, step.query_start,
+                                                        self._prompt_logprobs) or None
+        self._inflight.append(_InFlight(sched, self.worker.launch(step), delivery, step.prompt_logprobs))
         self._advance(sched)
         self.num_steps += 1
         return True
@@ -416,6 +440,10 @@ class LLMEngine(ResumableRequests):
         result = self.worker.finish(inflight.launched)
         if inflight.delivery is not None:
             self.capture.deliver(inflight.delivery, result.captured, result.graphed)
+        for entry, reported in zip(inflight.prompt_logprobs or [], result.prompt_logprobs):
+            request = inflight.sched.scheduled[entry.request].request
+            if not request.finished and prompt_logprobs.record(request, entry, reported, self.tokenizer):
+                self._prompt_logprobs.discard(request.request_id)
         sampled = iter(result.sampled)
         for item in inflight.sched.scheduled:
             request = item.request
@@ -455,6 +483,7 @@ class LLMEngine(ResumableRequests):
     def _finish(self, request: Request, aborted: bool = False) -> None:
         request.drop_pending()  # tokens of steps still in flight will be discarded
         self._paused.pop(request.request_id, None)
+        self._prompt_logprobs.discard(request.request_id)
         self.scheduler.finish(request)
         self.builder.release(request.request_id)
         self.steering.release(request)

@@ -89,7 +89,9 @@ class KVCacheManager:
         below any prompt row that capture must see computed.
         """
         empty: list[list[int]] = [[] for _ in self.windows]
-        if not self.enable_prefix_caching or request.params.skip_reading_prefix_cache:
+        # A request reporting prompt logprobs computes every prompt row (cached blocks carry no logits).
+        if (not self.enable_prefix_caching or request.params.skip_reading_prefix_cache
+                or request.prompt_logprobs is not None):
             return empty, 0
         self.update_block_hashes(request)
         hashes = request.block_hashes[: max_tokens // self.block_size]

@@ -88,8 +88,9 @@ class OutputProcessor:
         first = group.children[0]
         finished = group.finished
         captures, capture_meta = _merge_captures(group.children) if finished else ({}, {})
+        prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
         return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
-                             capture_meta)
+                             capture_meta, prompt_logprobs)
 
     @staticmethod
     def increment(group: RequestGroup) -> tuple:
@@ -99,15 +100,15 @@ class OutputProcessor:
         at C speed.
 
         ``(client_id, finished, prompt, completions, captures, capture_meta)``: ``prompt`` is
-        ``(text, token_ids)`` in a completion's first increment (after a streaming-input chunk
-        restarted it, too), else None; each completion is ``(index, tokens_at, tokens, text_at,
+        ``(text, token_ids, prompt_logprobs)`` in a completion's first increment (its prefill is
+        done by then; after a streaming-input chunk restarted it, too), else None; each completion is ``(index, tokens_at, tokens, text_at,
         text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative_logprob, captures,
         capture_meta)``, each part written from its ``*_at`` on. Tokens and logprobs only grow, text
         too except where a stop string cuts it back, hence the positions.
         """
         children = group.children
         first = children[0]
-        prompt = (first.prompt, first.prompt_token_ids) if first.reported is None else None
+        prompt = (first.prompt, first.prompt_token_ids, first.prompt_logprobs) if first.reported is None else None
         completions = tuple(_completion_increment(r) for r in children)
         finished = group.finished
         captures, capture_meta = _merge_captures(children) if finished else ({}, {})

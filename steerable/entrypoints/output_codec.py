@@ -38,7 +38,8 @@ class OutputDecoder:
             self._prompts.pop(rid, None)
             for c in outputs:
                 self._held.pop((rid, c.index), None)
-        return RequestOutput(rid, prompt[0], prompt[1], outputs, finished, captures or {}, capture_meta or {})
+        return RequestOutput(rid, prompt[0], prompt[1], outputs, finished, captures or {}, capture_meta or {},
+                             prompt[2])
 
     def _completion(self, rid: str, increment: tuple) -> CompletionOutput:
         (index, tokens_at, tokens, text_at, text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative,

@@ -35,6 +35,7 @@ from steerable.step import SamplingInput, StepInput, StepOutput
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers, StepViews
+from steerable.worker.prompt_logprobs import prompt_logprobs, to_host
 from steerable.worker.sampler import SampleHandle, Sampler
 from steerable.worker.warmup import warmup_steps
 
@@ -62,6 +63,7 @@ class Launched:
     captured: list[torch.Tensor]
     copied: torch.cuda.Event | None
     graphed: bool
+    prompt_logprobs: list[list[torch.Tensor]] | None = None
 
 
 class ModelRunner:
@@ -225,7 +227,9 @@ class ModelRunner:
         else:
             hidden, tokens = program()
             staged = ctx.capture.staged() if ctx.capture is not None else []
-        samples = None
+        samples = plp = None
+        if step.prompt_logprobs and self.parallel.placement.is_last_stage:
+            plp = prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits)
         if not self.parallel.placement.is_last_stage:
             self.parallel.pipe.send(hidden)
         elif tokens is not None:
@@ -233,7 +237,7 @@ class ModelRunner:
         elif step.sampling is not None:
             samples = self._sample(hidden, step.sampling)
         captured, copied = self.capture.copy_to_host(staged, step.capture) if staged else ([], None)
-        return Launched(step.step_id, samples, captured, copied, key is not None)
+        return Launched(step.step_id, samples, captured, copied, key is not None, plp)
 
     def _program(self, ctx: ForwardContext, views: StepViews, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a decode CUDA graph holds: the inputs that depend on the device gathered, the
@@ -268,17 +272,19 @@ class ModelRunner:
         tokens, logprobs = self.sampler.finalize(launched.samples) if launched.samples is not None else ([], [])
         if launched.copied is not None:
             launched.copied.synchronize()
-        return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed)
+        return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed,
+                          to_host(launched.prompt_logprobs))
 
     def _samples_inside(self, step: StepInput) -> bool:
         """Whether the step's sampling runs inside its forward program: a decode step that samples
-        every row, with the fused sampler (no top-k/top-p/min-p, penalties, held-back tokens or
-        logprobs, which take the sampler's other paths), on an engine of one rank (tensor-parallel
-        ranks gather their logits and share the samples; only a pipeline's last stage samples)."""
+        every row, with the fused sampler (no top-k/top-p/min-p, penalties, held-back tokens, logit
+        biases, logprobs or prompt logprobs, which take the sampler's other paths), on an engine of
+        one rank (tensor-parallel ranks gather their logits and share the samples; only a pipeline's last stage samples)."""
         sampling = step.sampling
         return (sampling is not None and self.single_rank and step.max_query_len == 1
                 and len(sampling.rows) == step.num_tokens and fused.enabled(self.buffers.tokens)
                 and not sampling.filtered and not sampling.penalties and not sampling.suppress
+                and not sampling.logit_bias and not step.prompt_logprobs
                 and all(n is None for n in sampling.logprobs))
 
     def _shares_prefix(self, step: StepInput) -> bool:

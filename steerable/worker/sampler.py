@@ -45,6 +45,8 @@ class Sampler:
             logits[row, torch.from_numpy(token_ids).to(logits.device)] = float("-inf")
         want = sampling.logprobs
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
+        if sampling.logit_bias or sampling.allowed:  # after the logprobs, which are the model's own
+            _bias(logits, sampling)
         if sampling.penalties:
             logits = _penalised(logits, sampling.penalties)
         temperature = torch.from_numpy(sampling.temperature)
@@ -81,6 +83,18 @@ class Sampler:
 def noise_seed(seed: int, position: int) -> int:
     """The noise key of the token sampled at ``position`` (what ``SamplingInput.seeds`` holds)."""
     return (seed * _MIX_A + position * _MIX_B) & _MASK
+
+
+def _bias(logits: torch.Tensor, sampling: SamplingInput) -> None:
+    """OpenAI's ``logit_bias`` added to its rows; rows with ``allowed_token_ids`` keep only those."""
+    device = logits.device
+    for row, (ids, values) in sampling.logit_bias.items():
+        logits[row, torch.from_numpy(ids).to(device)] += torch.from_numpy(values).to(device, logits.dtype)
+    for row, ids in sampling.allowed.items():
+        keep = torch.from_numpy(ids).to(device)
+        kept = logits[row, keep].clone()
+        logits[row] = float("-inf")
+        logits[row, keep] = kept
 
 
 def _penalised(logits: torch.Tensor, penalties: list[PenaltyInput]) -> torch.Tensor:

@@ -86,10 +86,9 @@ class Chat(Generation):
                 "logprobs": _logprobs(completion, start, len(completion.token_ids), self.body.top_logprobs or 0),
                 "finish_reason": None}
 
-    def opening(self) -> list[dict[str, Any]]:
-        n = self.body.n
-        return [self._chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for k in range(n)])]
+    def opening(self) -> list[list[dict[str, Any]]]:
+        return [[{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}] for k in range(self.body.n)]
 
 
 def _logprobs(completion: CompletionOutput, start: int, end: int, top: int) -> dict[str, Any] | None:

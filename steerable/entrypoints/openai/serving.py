@@ -77,8 +77,8 @@ class Generation(abc.ABC):
     def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
         """One choice's part of a stream chunk: ``text`` is new since the last one, tokens from ``start``."""
 
-    def opening(self) -> list[dict[str, Any]]:
-        """Chunks sent before any output (chat: each choice's role)."""
+    def opening(self) -> list[list[dict[str, Any]]]:
+        """The choices of the chunks sent before any output (chat: each choice's role)."""
         return []
 
     # ------------------------------------------------------------ the flow
@@ -150,13 +150,12 @@ class Generation(abc.ABC):
         """Server-sent events; an error after the first event arrives as a ``data:`` error object."""
         states: dict[tuple[int, int], ChoiceState] = {}
         try:
-            for chunk in self.opening():
-                yield _event(chunk)
+            for choices in self.opening():
+                yield _event(self._stream_chunk(choices, timers))
             async for i, out in _merged(streams):
                 timers[i].update(out)
-                choices = self._deltas(i, out, states)
-                if choices:
-                    yield _event(self._chunk(choices))
+                for choice in self._deltas(i, out, states):  # one choice per chunk, as vLLM sends them
+                    yield _event(self._stream_chunk([choice], timers))
             if self.body.include_usage:
                 yield _event({**self._chunk([]), "usage": self._usage([t.last for t in timers])})
         except Exception as err:
@@ -204,6 +203,13 @@ class Generation(abc.ABC):
             if whole:
                 fields["token_ids"] = list(completion.token_ids)
         return fields
+
+    def _stream_chunk(self, choices: list[dict], timers: list[RequestTimer]) -> dict[str, Any]:
+        """A stream chunk; with ``continuous_usage_stats`` it carries the usage so far."""
+        chunk = self._chunk(choices)
+        if self.body.continuous_usage:
+            chunk["usage"] = self._usage([t.last for t in timers])
+        return chunk
 
     def _chunk(self, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
