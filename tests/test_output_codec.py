@@ -172,7 +172,7 @@ def test_sender_folds_outputs_queued_behind_a_slow_reader(engine):
     sender.send(("result", 7, "value", None))
     for increment, _ in run[5:]:
         sender.send_outputs([(increment, True)])
-    apart = [(("s", False, (None, [1]), ((0, at, [4 + at], at, "ab"[at], 0, None, None, None, None, None, None),),
+    apart = [(("s", False, (None, [1], None), ((0, at, [4 + at], at, "ab"[at], 0, None, None, None, None, None, None),),
                None, None), False) for at in (0, 1)]
     sender.send_outputs(apart[:1])
     sender.send_outputs(apart[1:])
