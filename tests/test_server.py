@@ -244,7 +244,7 @@ BAD_REQUESTS = [  # (body or raw bytes, status, the field the error names)
     ({"n": 0}, 400, "n"),
     ({"temperature": -1}, 400, "temperature"),
     ({"logprobs": 50}, 400, "logprobs"),
-    ({"echo": True}, 400, "echo"),
+    ({"suffix": "x"}, 400, "suffix"),
     ({"model": "other"}, 404, "model"),
     (b'{"prompt": "x", ', 400, "body"),
     (b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}', 413, "body"),

@@ -66,7 +66,8 @@ class OutputProcessor:
             start = max(0, len(text) - new_chars - len(stop) + 1)
             index = text.find(stop, start)
             if index != -1:
-                request.output_text = text[:index]
+                request.output_text = text[:index + len(stop)] if request.params.include_stop_str_in_output \
+                    else text[:index]
                 request.finish_reason = "stop"
                 request.stop_reason = stop
                 return True

@@ -111,6 +111,12 @@ class StepBuilder:
         for i, (request, p) in enumerate(zip(requests, params)):
             if request.num_output_tokens < p.min_tokens and request.stop_token_ids:
                 sampling.suppress[i] = np.array(sorted(request.stop_token_ids), dtype=np.int64)
+            if p.row_bias is not None:  # logit_bias / allowed_token_ids
+                bias_ids, biases, allowed = p.row_bias
+                if bias_ids is not None:
+                    sampling.logit_bias[i] = (bias_ids, biases)
+                if allowed is not None:
+                    sampling.allowed[i] = allowed
             if p.has_penalties:
                 sampling.penalties.append(PenaltyInput(i, np.array(request.prompt_token_ids, dtype=np.int64),
                                                        np.array(request.output_token_ids, dtype=np.int64),

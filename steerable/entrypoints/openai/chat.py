@@ -13,7 +13,7 @@ from steerable.entrypoints.openai.protocol import ChatCompletionRequest
 from steerable.entrypoints.openai.serving import Generation, token_logprobs
 from steerable.entrypoints.openai.state import ServerState, server_state
 from steerable.errors import InvalidRequestError
-from steerable.outputs import CompletionOutput
+from steerable.outputs import CompletionOutput, Logprob, RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_user)])
 
@@ -61,11 +61,20 @@ class Chat(Generation):
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    prompt_fields_on_choice = False
     body: ChatCompletionRequest
 
     def tokenized_prompts(self) -> list[list[int]]:
         body = self.body
-        return [apply_template(self.state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)]
+        kwargs = {**(body.chat_template_kwargs or {}), "continue_final_message": body.continue_final_message}
+        if body.tools is not None:  # the template decides how the model sees them
+            kwargs["tools"] = body.tools
+        return [apply_template(self.state, body.messages, body.add_generation_prompt, kwargs)]
+
+    def echoed(self) -> str:
+        """``echo``: the last message's content prepended to each choice, when it is the assistant's."""
+        last = self.body.messages[-1] if self.body.echo and self.body.messages else {}
+        return _message(last, len(self.body.messages) - 1)["content"] if last.get("role") == "assistant" else ""
 
     def requested_max_tokens(self) -> int | None:
         body = self.body
@@ -77,28 +86,32 @@ class Chat(Generation):
     def logprobs(self) -> int | None:
         return self.body.chat_logprobs()
 
-    def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": _logprobs(completion, 0, len(completion.token_ids), self.body.top_logprobs or 0)}
+    def choice(self, index: int, completion: CompletionOutput, out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": self.echoed() + completion.text},
+                "logprobs": self._logprobs(completion, 0)}
 
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int,
+              out: RequestOutput) -> dict[str, Any]:
+        if start == 0:
+            text = self.echoed() + text
         return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": _logprobs(completion, start, len(completion.token_ids), self.body.top_logprobs or 0),
-                "finish_reason": None}
+                "logprobs": self._logprobs(completion, start), "finish_reason": None}
+
+    def _logprobs(self, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
+        """OpenAI's chat format for tokens from ``start`` with the ``top_logprobs`` most likely alternatives."""
+        if completion.logprobs is None or start >= len(completion.token_ids):
+            return None
+        top = self.body.top_logprobs or 0
+
+        def entry(token: int, lp: Logprob) -> dict[str, Any]:
+            name = self.token_name(token, lp)
+            return {"token": name, "logprob": lp.logprob, "bytes": list(name.encode())}
+
+        tokens = token_logprobs(completion.token_ids[start:], completion.logprobs[start:])
+        return {"content": [{**entry(token, sampled),
+                             "top_logprobs": [entry(t, lp) for t, lp in ranked if lp.rank <= top]}
+                            for token, sampled, ranked in tokens]}
 
     def opening(self) -> list[list[dict[str, Any]]]:
         return [[{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}] for k in range(self.body.n)]
-
-
-def _logprobs(completion: CompletionOutput, start: int, end: int, top: int) -> dict[str, Any] | None:
-    """OpenAI's chat format for tokens ``start:end`` with the ``top`` most likely alternatives."""
-    if completion.logprobs is None or start >= end:
-        return None
-
-    def entry(lp: Any) -> dict[str, Any]:
-        token = lp.decoded_token or ""
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
-
-    return {"content": [{**entry(sampled), "top_logprobs": [entry(lp) for lp in ranked if lp.rank <= top]}
-                        for sampled, ranked in token_logprobs(completion, start, end)]}

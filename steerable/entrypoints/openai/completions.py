@@ -13,7 +13,7 @@ from steerable.entrypoints.openai.protocol import CompletionRequest
 from steerable.entrypoints.openai.serving import Generation, token_logprobs
 from steerable.entrypoints.openai.state import server_state
 from steerable.errors import InvalidRequestError
-from steerable.outputs import CompletionOutput
+from steerable.outputs import CompletionOutput, RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_user)])
 
@@ -45,7 +45,15 @@ class Completion(Generation):
             if not ids:
                 raise InvalidRequestError("prompt: must contain at least one token")
             out.append(ids)
+        self.texts = [p if isinstance(p, str) else None for p in prompts]
         return out
+
+    def prompt_text(self, i: int) -> str:
+        """What ``echo`` prepends: the prompt as given, or its tokens decoded (token ids, truncated)."""
+        text = self.texts[i]
+        if text is None or self.body.truncate_prompt_tokens is not None:
+            text = self.state.llm.tokenizer.decode(self.prompts[i], skip_special_tokens=False)
+        return text
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return min(DEFAULT_MAX_TOKENS, self.state.llm.max_model_len - prompt_len)
@@ -53,26 +61,48 @@ class Completion(Generation):
     def logprobs(self) -> int | None:
         return self.body.logprobs
 
-    def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
-        return {"index": index, "text": completion.text,
-                "logprobs": _logprobs(completion, 0, len(completion.token_ids))}
+    def prompt_logprobs(self) -> int | None:
+        return self.body.logprobs if self.body.echo else None  # echo scores the prompt's tokens too
 
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": _logprobs(completion, start, len(completion.token_ids)),
+    def choice(self, index: int, completion: CompletionOutput, out: RequestOutput) -> dict[str, Any]:
+        echo = self.body.echo
+        text = self.prompt_text(index // self.body.n) + completion.text if echo else completion.text
+        return {"index": index, "text": text, "logprobs": self._logprobs(completion, 0, out if echo else None)}
+
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int,
+              out: RequestOutput) -> dict[str, Any]:
+        echo = self.body.echo and start == 0  # the prompt rides on a choice's first chunk
+        if echo:
+            text = self.prompt_text(index // self.body.n) + text
+        return {"index": index, "text": text, "logprobs": self._logprobs(completion, start, out if echo else None),
                 "finish_reason": None}
 
-
-def _logprobs(completion: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
-    """OpenAI's completions format for tokens ``start:end``; offsets count from the completion's start."""
-    if completion.logprobs is None or start >= end:
-        return None
-    offset = sum(len(completion.logprobs[j][t].decoded_token or "")
-                 for j, t in enumerate(completion.token_ids[:start]))
-    tokens, values, tops, offsets = [], [], [], []
-    for sampled, ranked in token_logprobs(completion, start, end):
-        tokens.append(sampled.decoded_token)
-        values.append(sampled.logprob)
-        tops.append({lp.decoded_token: lp.logprob for lp in ranked})
-        offsets.append(offset)
-        offset += len(sampled.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    def _logprobs(self, completion: CompletionOutput, start: int, echo: RequestOutput | None) -> dict[str, Any] | None:
+        """OpenAI's completions format for tokens from ``start``, after the prompt's tokens when
+        echoing (the first has no logprob); offsets count from the start of the choice's text."""
+        if completion.logprobs is None:
+            return None
+        entries = token_logprobs(completion.token_ids[start:], completion.logprobs[start:])
+        if echo is None and not entries:
+            return None
+        name = self.token_name
+        offset = sum(len(name(t, lps[t])) for t, lps in zip(completion.token_ids[:start], completion.logprobs))
+        tokens, values, tops, offsets = [], [], [], []
+        if echo is not None:
+            offset = 0
+            first = echo.prompt_token_ids[0]
+            tokens.append(self.state.llm.tokenizer.token_text(first) if not self.body.return_tokens_as_token_ids
+                          else f"token_id:{first}")
+            values.append(None)
+            tops.append(None)
+            offsets.append(0)
+            offset += len(tokens[0])
+            entries = token_logprobs(echo.prompt_token_ids[1:], echo.prompt_logprobs[1:]) + entries
+        top = self.body.logprobs or 0
+        for token, sampled, ranked in entries:
+            tokens.append(name(token, sampled))
+            values.append(sampled.logprob)
+            tops.append({name(t, lp): lp.logprob for t, lp in ranked if lp.rank <= top or t == token})
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -62,12 +62,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise InvalidRequestError("prompt: give either prompt or messages")
     tokenizer = state.llm.tokenizer
     if body.messages is not None:
-        ids = apply_template(state, body.messages, body.add_generation_prompt)
+        kwargs = {**(body.chat_template_kwargs or {}), "continue_final_message": body.continue_final_message}
+        if body.tools is not None:
+            kwargs["tools"] = body.tools
+        ids = apply_template(state, body.messages, body.add_generation_prompt, kwargs)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
-    if body.return_token_strs:
-        out["token_strs"] = tokenizer.hf.convert_ids_to_tokens(ids)
+    out["token_strs"] = tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return out
 
 

@@ -3,7 +3,7 @@ ignored, as vLLM does; fields this server cannot honour are refused rather than 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -13,6 +13,9 @@ from steerable.sampling_params import SamplingParams
 from steerable.steering.wire import steering_from_json
 
 MAX_LOGPROBS = 20  # as OpenAI and vLLM
+# Guided decoding (vLLM's fields): refused by name, never accepted with unconstrained output.
+GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "guided_whitespace_pattern")
 # Bounds of the vector-toolkit routes: each pair or item is one prompt's forward pass (per scale,
 # for a sweep), so these keep one request's work near that of a long completions batch.
 MAX_TRAIN_PAIRS = 256
@@ -27,6 +30,7 @@ class OpenAIBase(BaseModel):
 
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class GenerationRequest(OpenAIBase):
@@ -48,8 +52,15 @@ class GenerationRequest(OpenAIBase):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] = "left"
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,14 +71,33 @@ class GenerationRequest(OpenAIBase):
     def check(self) -> None:
         """Refusals pydantic cannot express: ``steer*``/``capture*`` typos, unsupported fields."""
         reject_unknown_extensions(self.model_extra or {})
+        extra = self.model_extra or {}
+        for name in GUIDED_FIELDS:
+            if extra.get(name) is not None:
+                raise InvalidRequestError(f"{name}: guided decoding is not supported by this server (it would "
+                                          "return unconstrained text)")
+        fmt = extra.get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+            raise InvalidRequestError(f"response_format: {kind!r} needs guided decoding, which this server does not "
+                                      "support; only {'type': 'text'}")
         for name, value in self.unsupported().items():
             if value:
                 raise InvalidRequestError(f"{name}: not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options: only allowed with stream=true")
 
     def unsupported(self) -> dict[str, Any]:
-        return {name: (self.model_extra or {}).get(name) for name in ("logit_bias", "tools", "functions")}
+        return {name: (self.model_extra or {}).get(name) for name in ("functions",)}
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """``prompt_logprobs``: what the request's form needs (completions ``echo`` with logprobs)
+        when it asks for more than ``prompt_logprobs`` does."""
+        if prompt_logprobs is None or (self.prompt_logprobs is not None and self.prompt_logprobs < 0):
+            prompt_logprobs = self.prompt_logprobs  # a negative value is refused by SamplingParams, naming it
+        elif self.prompt_logprobs is not None:
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs)
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
@@ -75,6 +105,8 @@ class GenerationRequest(OpenAIBase):
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             steering_vectors=steering_from_json(self.steering_vectors),
             steering_module_ref=module_ref_from_json(self.steering_module_ref),
             capture=capture_from_json(self.capture))
@@ -82,6 +114,10 @@ class GenerationRequest(OpenAIBase):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(GenerationRequest):
@@ -92,8 +128,9 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = None
 
     def unsupported(self) -> dict[str, Any]:
-        return {**super().unsupported(), "echo": self.echo, "suffix": self.suffix,
-                "best_of": self.best_of not in (None, 1)}
+        extra = self.model_extra or {}
+        return {**super().unsupported(), "suffix": self.suffix, "best_of": self.best_of not in (None, self.n),
+                "tools": extra.get("tools")}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -102,11 +139,21 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> dict[str, Any]:
-        fmt = (self.model_extra or {}).get("response_format")
-        return {**super().unsupported(), "response_format": fmt not in (None, {"type": "text"})}
+    def check(self) -> None:
+        super().check()
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError(f"tool_choice: only 'none' and 'auto' are supported ({self.tool_choice!r} "
+                                      "needs tool-call parsing of the output, which this server does not do yet)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message: needs add_generation_prompt=false")
+        if self.continue_final_message and (not self.messages or self.messages[-1].get("role") != "assistant"):
+            raise InvalidRequestError("continue_final_message: the last message must be the assistant's")
 
     def chat_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -120,6 +167,9 @@ class TokenizeRequest(OpenAIBase):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -42,6 +42,7 @@ class Generation(abc.ABC):
     id_prefix = "cmpl"
     object_name = "text_completion"
     chunk_object = "text_completion"
+    prompt_fields_on_choice = True  # vLLM: completions choices carry the prompt's ids and logprobs, chat answers do
 
     def __init__(self, state: ServerState, body: GenerationRequest, request: Request):
         self.state = state
@@ -69,12 +70,17 @@ class Generation(abc.ABC):
     def logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` from the request's own logprobs fields."""
 
+    def prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs`` the request's form needs beyond its own field."""
+        return None
+
     @abc.abstractmethod
-    def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
+    def choice(self, index: int, completion: CompletionOutput, out: RequestOutput) -> dict[str, Any]:
         """A finished choice of the non-streaming answer."""
 
     @abc.abstractmethod
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int) -> dict[str, Any]:
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int,
+              out: RequestOutput) -> dict[str, Any]:
         """One choice's part of a stream chunk: ``text`` is new since the last one, tokens from ``start``."""
 
     def opening(self) -> list[list[dict[str, Any]]]:
@@ -87,7 +93,7 @@ class Generation(abc.ABC):
         body = self.body
         body.check()
         self.state.check_model(body.model)
-        self.prompts = self.tokenized_prompts()
+        self.prompts = [self._truncated(prompt) for prompt in self.tokenized_prompts()]
         self.params = [self._params(prompt) for prompt in self.prompts]
         self._check_capture_size()
         streams = await self._submit()
@@ -96,6 +102,34 @@ class Generation(abc.ABC):
             return StreamingResponse(self._events(streams, timers), media_type="text/event-stream")
         outputs = await until_disconnect(self.request, self._collect(streams, timers))
         return JSONResponse(self._response(outputs))
+
+    def _truncated(self, prompt: list[int]) -> list[int]:
+        """``truncate_prompt_tokens``: the last (``truncation_side='left'``) or first k tokens; -1: as
+        many as ``max_model_len`` leaves room for."""
+        keep = self.body.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.state.llm.max_model_len - 1
+        if keep < 1:
+            raise InvalidRequestError(f"truncate_prompt_tokens: must be >= 1 or -1, got {keep}")
+        if len(prompt) <= keep:
+            return prompt
+        return prompt[len(prompt) - keep:] if self.body.truncation_side == "left" else prompt[:keep]
+
+    def token_name(self, token: int, logprob: Logprob) -> str:
+        """A logprob entry's token as the client asked: ``token_id:N`` or its text."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token}"
+        return logprob.decoded_token or ""
+
+    def prompt_logprobs_json(self, out_prompt_logprobs: list | None) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token ``{id: {logprob, rank, decoded_token}}``, the first null."""
+        if out_prompt_logprobs is None or self.body.prompt_logprobs is None:
+            return None
+        return [None if entries is None else
+                {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_name(t, lp)}
+                 for t, lp in entries.items()} for entries in out_prompt_logprobs]
 
     def _params(self, prompt: list[int]) -> SamplingParams:
         limit = self.state.llm.max_model_len
@@ -108,7 +142,7 @@ class Generation(abc.ABC):
         elif max_tokens > 0 and len(prompt) + max_tokens > limit:
             raise InvalidRequestError(f"max_tokens: {max_tokens} plus the prompt's {len(prompt)} tokens exceed "
                                       f"max_model_len={limit}")
-        return self.body.sampling_params(max_tokens, self.logprobs())
+        return self.body.sampling_params(max_tokens, self.logprobs(), self.prompt_logprobs())
 
     def _check_capture_size(self) -> None:
         """413 before anything runs: the captures this answer could carry exceed ``--max-capture-bytes``."""
@@ -184,9 +218,11 @@ class Generation(abc.ABC):
             if end == state.chars and not token_news and not finished:
                 continue
             index = i * self.body.n + completion.index
-            choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens)
+            choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens, out)
             if self.body.return_token_ids:  # in a stream, each chunk's new tokens
                 choice["token_ids"] = completion.token_ids[state.tokens:tokens]
+            if state.tokens == 0 and self.prompt_fields_on_choice and self.body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
             state.chars, state.tokens, state.finished = end, tokens, finished
             if finished:
                 choice.update(self._final_fields(completion, i, whole=False))
@@ -198,10 +234,13 @@ class Generation(abc.ABC):
         fields: dict[str, Any] = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
         if completion.captures:
             fields["captures"] = self.state.capture.to_json(completion)
-        if self.body.return_token_ids:
-            fields["prompt_token_ids"] = self.prompts[i]
-            if whole:
-                fields["token_ids"] = list(completion.token_ids)
+        if not whole:
+            if self.body.return_token_ids:
+                fields["prompt_token_ids"] = self.prompts[i]
+            return fields
+        fields["token_ids"] = list(completion.token_ids) if self.body.return_token_ids else None
+        if self.prompt_fields_on_choice:
+            fields["prompt_token_ids"] = self.prompts[i] if self.body.return_token_ids else None
         return fields
 
     def _stream_chunk(self, choices: list[dict], timers: list[RequestTimer]) -> dict[str, Any]:
@@ -216,10 +255,17 @@ class Generation(abc.ABC):
                 "model": self.state.settings.served_model_name, "choices": choices}
 
     def _response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{**self.choice(i * self.body.n + c.index, c), **self._final_fields(c, i)}
+        choices = [{**self.choice(i * self.body.n + c.index, c, out), **self._final_fields(c, i)}
                    for i, out in enumerate(outputs) for c in out.outputs]
-        return {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.state.settings.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+        answer = {"id": self.id, "object": self.object_name, "created": self.created,
+                  "model": self.state.settings.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+        if self.prompt_fields_on_choice:
+            for choice, out in zip(choices, [out for out in outputs for _ in out.outputs]):
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
+        else:  # one prompt
+            answer["prompt_logprobs"] = self.prompt_logprobs_json(outputs[0].prompt_logprobs)
+            answer["prompt_token_ids"] = self.prompts[0] if self.body.return_token_ids else None
+        return answer
 
     def _usage(self, outputs: list[RequestOutput | None]) -> dict[str, int]:
         prompt = sum(map(len, self.prompts))
@@ -229,12 +275,12 @@ class Generation(abc.ABC):
 
 # ---------------------------------------------------------------- logprobs, both formats
 
-def token_logprobs(completion: CompletionOutput, start: int, end: int) -> list[tuple[Logprob, list[Logprob]]]:
-    """(sampled, alternatives by rank) for tokens ``start:end`` of a completion with logprobs."""
+def token_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
+                   ) -> list[tuple[int, Logprob, list[tuple[int, Logprob]]]]:
+    """(token, its logprob, (id, logprob) alternatives by rank) for tokens with logprob entries."""
     out = []
-    for token, entries in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
-        ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)
-        out.append((entries[token], [lp for _, lp in ranked]))
+    for token, entries in zip(token_ids, logprobs):
+        out.append((token, entries[token], sorted(entries.items(), key=lambda kv: kv[1].rank)))
     return out
 
 
