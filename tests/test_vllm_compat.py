@@ -193,3 +193,19 @@ def test_invocations_route(http, offline):
 def test_offline_fields_refused_by_name(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_offline_prompt_types_chat_prompt_and_version(offline):
+    from steerable.inputs import TextPrompt, TokensPrompt
+
+    ids = offline.get_tokenizer()(PROMPT).input_ids
+    a, b = offline.generate([TextPrompt(prompt=PROMPT), TokensPrompt(prompt_token_ids=ids)],
+                            SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.prompt_token_ids == ids
+    out = offline.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt == offline.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                      tokenize=False)
+    from steerable.entrypoints.cli import main
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0

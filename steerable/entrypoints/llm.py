@@ -127,9 +127,13 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+        tokenizer = self.engine.tokenizer
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
                    for c in conversations]
-        return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+        outputs = self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+        for out in outputs:  # as vLLM: the templated conversation the model saw
+            out.prompt = tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return outputs
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import steerable
 from steerable.entrypoints.cli import capture, demo, generate, serve, vectors
 
 VERBS = [generate, serve, vectors, capture, demo]
@@ -14,6 +15,7 @@ VERBS = [generate, serve, vectors, capture, demo]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steerable", description="An LLM inference engine where activation "
                                      "steering and capture are first-class.")
+    parser.add_argument("--version", action="version", version=f"steerable {steerable.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for verb in VERBS:
         verb.register(sub)
