@@ -8,14 +8,28 @@ try:
 except PackageNotFoundError:  # a source tree on sys.path without an install
     __version__ = "0.0.0+unknown"
 
-from steerable import capture
-from steerable.capture import CaptureSpec, capture_batches
-from steerable.entrypoints.async_llm import AsyncLLM, StreamingInput
-from steerable.entrypoints.llm import LLM
-from steerable.outputs import CompletionOutput, Logprob, RequestOutput
-from steerable.sampling_params import SamplingParams
-from steerable.selection import SelectSpec
-from steerable.steering.spec import Add, Clamp, SteeringSpec
+# The public names load on first use (PEP 562), so ``steerable --help`` answers before torch is imported.
+_EXPORTS = {
+    "capture": "steerable.capture", "CaptureSpec": "steerable.capture", "capture_batches": "steerable.capture",
+    "AsyncLLM": "steerable.entrypoints.async_llm", "StreamingInput": "steerable.entrypoints.async_llm",
+    "LLM": "steerable.entrypoints.llm", "CompletionOutput": "steerable.outputs", "Logprob": "steerable.outputs",
+    "RequestOutput": "steerable.outputs", "SamplingParams": "steerable.sampling_params",
+    "SelectSpec": "steerable.selection", "Add": "steerable.steering.spec", "Clamp": "steerable.steering.spec",
+    "SteeringSpec": "steerable.steering.spec",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'steerable' has no attribute {name!r}")
+    import importlib
+
+    loaded = importlib.import_module(module)
+    value = loaded if name == "capture" else getattr(loaded, name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]

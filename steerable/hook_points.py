@@ -16,11 +16,8 @@ import torch
 from torch import nn
 
 from steerable.errors import InvalidRequestError
+from steerable.hook_names import POST_ATTN, POST_MLP, PRE_ATTN, RESIDUAL_POINTS  # noqa: F401 (re-exported)
 
-PRE_ATTN = "pre_attn"  # residual stream entering layer L (HF hidden_states[L])
-POST_ATTN = "post_attn"  # residual after the attention residual add
-POST_MLP = "post_mlp"  # layer output (HF hidden_states[L + 1], before any final norm)
-RESIDUAL_POINTS = (PRE_ATTN, POST_ATTN, POST_MLP)
 HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated
 ROUTER_LOGITS = "router_logits"  # MoE gate logits before top-k

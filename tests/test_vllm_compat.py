@@ -209,3 +209,19 @@ def test_offline_prompt_types_chat_prompt_and_version(offline):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["--version"]])
+def test_cli_help_answers_before_importing_torch(argv):
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, runpy; sys.argv = ['steerable', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('steerable.entrypoints.cli', run_name='__main__')\n"
+            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 5  # about 0.3 s alone; generous on a loaded 2-core machine
+    assert "steerable" in done.stdout

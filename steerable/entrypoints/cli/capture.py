@@ -13,7 +13,7 @@ from steerable.entrypoints.cli.common import (
     layer_list,
     run_checked,
 )
-from steerable.hook_points import POST_MLP, RESIDUAL_POINTS
+from steerable.hook_names import POST_MLP, RESIDUAL_POINTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from steerable.config import EngineConfig
-from steerable.models.loader import DEFAULT_MODEL
+from steerable.models.demo import DEFAULT_MODEL
 
 
 class CliError(Exception):
@@ -61,6 +60,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   enforce_eager=args.enforce_eager, seed=args.seed,
                   tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size)
+    from steerable.config import EngineConfig  # imports torch: only once the arguments are parsed
+
     try:
         EngineConfig(**kwargs).validate()
     except ValueError as err:
