@@ -95,6 +95,7 @@ class LLMEngine(ResumableRequests):
         self.groups: dict[str, RequestGroup] = {}  # by client id
         self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
         self._prompt_logprobs: set[str] = set()  # engine ids whose prompt logprobs are not all recorded
+        self._fanning_out: deque[RequestGroup] = deque()  # n-requests with completions still to create
         # Launched, not finished, oldest first: one on a single stage (host work overlaps the
         # device), each micro-batch on a pipeline.
         self._inflight: deque[_InFlight] = deque()
@@ -178,7 +179,7 @@ class LLMEngine(ResumableRequests):
 
     def has_unfinished_requests(self) -> bool:
         """Work a step can do (a paused streaming-input request waiting for its next chunk is none)."""
-        return (self.scheduler.has_unfinished() or bool(self._inflight)
+        return (self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._fanning_out)
                 or any(r.chunks for r in self._paused.values()))
 
     def _check_open(self) -> None:
@@ -281,23 +282,19 @@ class LLMEngine(ResumableRequests):
         self._check_token_ids(params)
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
+        limit = self.config.max_n
+        if limit is not None and params.n > limit:
+            raise InvalidRequestError(f"n: {params.n} is above this engine's cap of {limit} completions per request "
+                                      "(max_n)")
         prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
-        children: list[Request] = []
-        try:
-            for index in range(params.n):
-                children.append(self._admit(client_id, index, prompt_text, token_ids, _child_params(params, index)))
-        except BaseException:
-            for child in children:
-                self.steering.release(child)
-                self.capture.finish(child, aborted=True)
-            raise
-        group = RequestGroup(client_id, children, stream, increments)
+        if params.n == 1:
+            group = RequestGroup(client_id, [self._admit(client_id, 0, prompt_text, token_ids, params)], stream,
+                                 increments)
+        else:
+            group = self._admit_group(client_id, prompt_text, token_ids, params, stream, increments)
         self.groups[client_id] = group
-        for child in children:
-            child.group = group
-            child.resumable = resumable
-            self.requests[child.request_id] = child
-            self.scheduler.add(child)
+        for child in group.children:
+            self._enqueue(child, group, resumable)
         return group
 
     def _check_token_ids(self, params: SamplingParams) -> None:
@@ -312,12 +309,15 @@ class LLMEngine(ResumableRequests):
             raise InvalidRequestError(f"prompt_logprobs: {params.prompt_logprobs} exceeds the vocabulary size {vocab}")
 
     def _admit(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
-               params: SamplingParams) -> Request:
-        request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
-        eos = self.model_config.eos_token_ids
-        request = Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63), eos,
-                          index)
-        self.steering.admit(request)
+               params: SamplingParams, template: Request | None = None) -> Request:
+        """One completion's request, its steering and capture admitted (``template``: a sibling's
+        steering snapshot is shared, as the group was admitted with it)."""
+        request = self._new_request(client_id, index, prompt_text, token_ids, params)
+        if template is None:
+            self.steering.admit(request)
+        else:
+            self.steering.share(request, template)
+            request.hash_keys = list(template.hash_keys)
         try:
             self.capture.admit(request)
         except BaseException:
@@ -325,8 +325,78 @@ class LLMEngine(ResumableRequests):
             raise
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
         if request.prompt_logprobs is not None and len(token_ids) > 1:
-            self._prompt_logprobs.add(request_id)
+            self._prompt_logprobs.add(request.request_id)
         return request
+
+    def _new_request(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
+                     params: SamplingParams) -> Request:
+        request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
+        return Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63),
+                       self.model_config.eos_token_ids, index)
+
+    def _admit_group(self, client_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
+                     stream: bool, increments: bool) -> RequestGroup:
+        """``n`` > 1: the steering snapshot is taken once, on a template request that is never
+        scheduled, and the first completion admitted now (so bad input fails here); the others
+        are created from the template as the scheduler has room (``_fan_out``)."""
+        template = self._new_request(client_id, -1, prompt_text, token_ids, params)
+        self.steering.admit(template)
+        try:
+            first = self._admit(client_id, 0, prompt_text, token_ids, _child_params(params, 0), template)
+        except BaseException:
+            self.steering.release(template)
+            raise
+        group = RequestGroup(client_id, [first], stream, increments, n=params.n)
+        group.template = template
+        block = self.config.block_size
+        caching = self.config.enable_prefix_caching and not params.skip_reading_prefix_cache
+        group.shared_blocks = (len(token_ids) - 1) // block if caching else 0
+        self._fanning_out.append(group)
+        return group
+
+    def _enqueue(self, child: Request, group: RequestGroup, resumable: bool = False) -> None:
+        child.group = group
+        child.resumable = resumable
+        self.requests[child.request_id] = child
+        self.scheduler.add(child)
+
+    def _fan_out(self) -> None:
+        """Create the next siblings of ``n``-requests, oldest first, while the batch has free
+        sequence slots not claimed by requests already waiting: a request that arrives later
+        waits behind at most one such batch. One request's live completions stay within
+        ``max_fanout_seqs``, so the others keep the rest of the batch. Siblings wait until the
+        first one's prompt blocks are in the prefix cache, so they share its KV instead of
+        computing the prompt again."""
+        room = self.config.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting)
+        cap = self.config.max_fanout_seqs or self.config.max_num_seqs
+        for group in list(self._fanning_out):
+            if room <= 0:
+                return
+            first = group.children[0]
+            if group.shared_blocks and not first.finished and self.kv.num_published(first) < group.shared_blocks:
+                continue
+            take = min(room, group.num_uncreated, cap - (group.num_unfinished - group.num_uncreated))
+            if take <= 0:
+                continue
+            self._fanning_out.remove(group)
+            template = group.template
+            for _ in range(take):
+                index = len(group.children)
+                child = self._admit(group.client_id, index, template.prompt, template.prompt_token_ids,
+                                    _child_params(template.params, index), template)
+                group.children.append(child)
+                group.changed[index] = child
+                self._enqueue(child, group)
+                room -= 1
+            if group.num_uncreated:
+                self._fanning_out.append(group)  # behind the others, and behind requests that arrive meanwhile
+            else:
+                self._release_template(group)
+
+    def _release_template(self, group: RequestGroup) -> None:
+        if group.template is not None:
+            self.steering.release(group.template)
+            group.template = None
 
     def _tokenize(self, prompt: str | Sequence[int], continuation: bool = False,
                   truncate: int | None = None) -> tuple[str | None, list[int]]:
@@ -397,6 +467,8 @@ class LLMEngine(ResumableRequests):
 
     def _launch_next(self) -> bool:
         """Schedule and launch a step; False when there was nothing to run."""
+        if self._fanning_out:
+            self._fan_out()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             for request in sched.preempted:  # nothing runs, but its worker row must be rewritten on resume
@@ -470,6 +542,7 @@ class LLMEngine(ResumableRequests):
                 continue
             self.outputs.accept_token(request, token, token_logprobs)
             group = request.group
+            group.changed[request.index] = request
             if request.finish_reason is not None and request.more_input:  # a chunk ended: wait for the next
                 self._pause(request)
                 reports[group.client_id] = group
@@ -480,24 +553,38 @@ class LLMEngine(ResumableRequests):
                 reports[group.client_id] = group
         return [self.outputs.report(group) for group in reports.values()]
 
-    def _finish(self, request: Request, aborted: bool = False) -> None:
+    def _finish(self, request: Request, aborted: bool = False, dequeued: bool = False) -> None:
+        """``dequeued``: the scheduler has already let go of it (``Scheduler.finish_all``)."""
         request.drop_pending()  # tokens of steps still in flight will be discarded
         self._paused.pop(request.request_id, None)
         self._prompt_logprobs.discard(request.request_id)
-        self.scheduler.finish(request)
+        if not dequeued:
+            self.scheduler.finish(request)
         self.builder.release(request.request_id)
         self.steering.release(request)
         self.requests.pop(request.request_id, None)
-        if request.group.finished:
+        group = request.group
+        group.child_finished(request)
+        if group.finished:
             self.groups.pop(request.client_id, None)
         # Last: this hands captures to consumers, user code that may raise.
         request.captures, request.capture_meta = self.capture.finish(request, aborted)
 
     def _finish_group(self, group: RequestGroup, reason: str) -> None:
-        for child in group.children:
-            if not child.finished:
-                child.finish_reason = reason
-                self._finish(child, aborted=True)
+        """Every completion ends as ``reason``: those not yet created at once, the others leave the
+        queues in one pass and free what they hold. Costs the completions created, not ``n``."""
+        if group.num_uncreated:
+            group.cancel_uncreated(reason)
+            if group in self._fanning_out:
+                self._fanning_out.remove(group)
+            self._release_template(group)
+            if group.finished:
+                self.groups.pop(group.client_id, None)
+        live = [child for child in group.children if not child.finished]
+        self.scheduler.finish_all(live)
+        for child in live:
+            child.finish_reason = reason
+            self._finish(child, aborted=True, dequeued=True)
 
     def _fail_all(self) -> None:
         """After a failed step: finish everything with 'error' so nothing stays half-updated."""
@@ -528,7 +615,7 @@ class LLMEngine(ResumableRequests):
                 "num_free_blocks": self.kv.num_free_blocks,
                 "num_blocks": self.kv.num_blocks,
                 "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
+                "num_waiting": len(self.scheduler.waiting) + sum(g.num_uncreated for g in self._fanning_out),
                 "num_paused": len(self._paused),
                 "num_requests": len(self.requests),
                 "steering_rows_in_use": steering["rows_in_use"],

@@ -204,6 +204,10 @@ class KVCacheManager:
                     self._publish(request, g, i)
         self.num_cached_blocks[request.request_id] = num_full
 
+    def num_published(self, request: Request) -> int:
+        """How many of the request's leading blocks other requests can find in the cache now."""
+        return self.num_cached_blocks.get(request.request_id, 0)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks; cached ones stay findable until their memory is reused."""
         for own in request.block_ids:

@@ -16,23 +16,48 @@ from steerable.request import Request
 
 class RequestGroup:
     """What a caller submitted under one client id: ``n`` sibling requests sharing the prompt,
-    reported together as one ``RequestOutput`` with ``n`` completions."""
+    reported together as one ``RequestOutput`` with ``n`` completions.
 
-    def __init__(self, client_id: str, children: list[Request], stream: bool, increments: bool = False):
+    Siblings are created as the scheduler has room (``LLMEngine._fan_out``), so an ``n`` of
+    thousands costs nothing before its first step: ``children`` holds those created so far, by
+    index. Every cost per step or per finish is in the children created and changed, never ``n``:
+    a count of unfinished children answers ``finished``, and increments carry only the children
+    that changed since the last one (``changed``)."""
+
+    def __init__(self, client_id: str, children: list[Request], stream: bool, increments: bool = False,
+                 n: int | None = None):
         self.client_id = client_id
         self.children = children
+        self.n = n if n is not None else len(children)
         self.stream = stream
         self.increments = increments  # report increments (``OutputProcessor.increment``), not RequestOutputs
+        self.num_unfinished = self.n
+        self.template: Request | None = None  # siblings are made from it while some are not yet created
+        self.shared_blocks = 0  # prompt blocks siblings wait to find in the prefix cache
+        self.cancelled: str | None = None  # finish reason of the siblings never created (abort, error)
+        self.changed: dict[int, Request] = {child.index: child for child in children}
 
     @property
     def request_ids(self) -> list[str]:
         return [child.request_id for child in self.children]
 
     @property
+    def num_uncreated(self) -> int:
+        return 0 if self.cancelled is not None else self.n - len(self.children)
+
+    @property
     def finished(self) -> bool:
-        if len(self.children) == 1:  # asked for every output of every step: keep it cheap
-            return self.children[0].finished
-        return all(child.finished for child in self.children)
+        return self.num_unfinished == 0
+
+    def child_finished(self, child: Request) -> None:
+        self.num_unfinished -= 1
+        self.changed[child.index] = child
+
+    def cancel_uncreated(self, reason: str) -> None:
+        """The siblings not yet created finish as ``reason`` without running."""
+        if self.num_uncreated:
+            self.num_unfinished -= self.num_uncreated
+            self.cancelled = reason
 
 
 class OutputProcessor:
@@ -80,15 +105,18 @@ class OutputProcessor:
     @staticmethod
     def output(group: RequestGroup) -> RequestOutput:
         """The group's cumulative state, a snapshot that later steps leave alone (its lists are
-        copies); captures (of every completion, by index) once all finished."""
+        copies): a completion per child created so far (all ``n`` once finished); captures (of
+        every completion, by index) once all finished."""
         completions = [CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason,
                                         None if r.logprobs is None else list(r.logprobs), r.stop_reason,
                                         r.cumulative_logprob if r.logprobs is not None else None,
                                         r.captures, r.capture_meta)
                        for r in group.children]
+        if group.cancelled is not None:
+            completions += [CompletionOutput(i, "", [], group.cancelled) for i in range(len(group.children), group.n)]
         first = group.children[0]
         finished = group.finished
-        captures, capture_meta = _merge_captures(group.children) if finished else ({}, {})
+        captures, capture_meta = _merge_captures(group.children) if finished and group.cancelled is None else ({}, {})
         prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
         return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
                              capture_meta, prompt_logprobs)
@@ -98,7 +126,7 @@ class OutputProcessor:
         """What ``output(group)`` gained since the group's last increment, as plain tuples (the
         format ``steerable.entrypoints.output_codec`` decodes and folds). ``output`` copies every
         token and character so far, O(length) per request per step; this costs O(new) and pickles
-        at C speed.
+        at C speed, and carries only the completions that changed.
 
         ``(client_id, finished, prompt, completions, captures, capture_meta)``: ``prompt`` is
         ``(text, token_ids, prompt_logprobs)`` in a completion's first increment (its prefill is
@@ -110,9 +138,13 @@ class OutputProcessor:
         children = group.children
         first = children[0]
         prompt = (first.prompt, first.prompt_token_ids, first.prompt_logprobs) if first.reported is None else None
-        completions = tuple(_completion_increment(r) for r in children)
+        completions = tuple(_completion_increment(r) for r in group.changed.values())
+        group.changed = {}
         finished = group.finished
-        captures, capture_meta = _merge_captures(children) if finished else ({}, {})
+        if finished and group.cancelled is not None:
+            completions += tuple((i, 0, [], 0, "", 0, None, group.cancelled, None, None, None, None)
+                                 for i in range(len(children), group.n))
+        captures, capture_meta = _merge_captures(children) if finished and group.cancelled is None else ({}, {})
         return group.client_id, finished, prompt, completions, captures or None, capture_meta or None
 
 
@@ -134,6 +166,8 @@ def _merge_captures(children: list[Request]) -> tuple[dict, dict]:
     row still labelled with its own engine request id."""
     if len(children) == 1:
         return children[0].captures, children[0].capture_meta
+    if any(c.finish_reason in ("abort", "error") for c in children):  # an ended group delivers none
+        return {}, {}
     tensors: dict[str, dict[int, Any]] = {}
     metas: dict[str, dict[int, Any]] = {}
     for stream in children[0].captures:

@@ -21,11 +21,15 @@ from steerable.outputs import CompletionOutput, RequestOutput
 
 
 class OutputDecoder:
-    """Server side: ``decode`` an increment into a cumulative ``RequestOutput``."""
+    """Server side: ``decode`` an increment into a cumulative ``RequestOutput``. An increment
+    carries only the completions that changed; the others are those decoded before (unchanged
+    ``CompletionOutput`` objects are shared between snapshots, so a request of many completions
+    costs per increment what changed, plus one list of references)."""
 
     def __init__(self) -> None:
         self._prompts: dict[str, tuple[Any, list[int]]] = {}
         self._held: dict[tuple[str, int], tuple[list[int], str, list | None]] = {}
+        self._outputs: dict[str, list[CompletionOutput | None]] = {}  # by completion index
 
     def decode(self, increment: tuple) -> RequestOutput:
         rid, finished, prompt, completions, captures, capture_meta = increment
@@ -33,9 +37,16 @@ class OutputDecoder:
             prompt = self._prompts[rid]
         else:
             self._prompts[rid] = prompt
-        outputs = [self._completion(rid, c) for c in completions]
+        held = self._outputs.setdefault(rid, [])
+        for c in completions:
+            out = self._completion(rid, c)
+            if out.index >= len(held):
+                held.extend([None] * (out.index + 1 - len(held)))
+            held[out.index] = out
+        outputs = [c for c in held if c is not None]
         if finished:
             self._prompts.pop(rid, None)
+            del self._outputs[rid]
             for c in outputs:
                 self._held.pop((rid, c.index), None)
         return RequestOutput(rid, prompt[0], prompt[1], outputs, finished, captures or {}, capture_meta or {},

@@ -195,6 +195,13 @@ class SteeringManager:
             keys.append((len(prompt), b"steer-decode:" + config_identity(decode_items)))
         return keys
 
+    def share(self, request: Request, template: Request) -> None:
+        """Give ``request`` the steering ``template`` was admitted with (an ``n``-request's later
+        completions keep the group's snapshot, whatever the global spec became since)."""
+        if template.steering is not None:
+            template.steering.config.refcount += 1
+            request.steering = RequestSteering(template.steering.config)
+
     def release(self, request: Request) -> None:
         """Drop the request's references; rows and configs nobody uses any more are freed."""
         state = request.steering
