@@ -79,6 +79,7 @@ class LLMEngine(ResumableRequests):
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
             max_len = kv_capacity
         self.max_model_len = max_len
+        self.kv_capacity = self.worker.num_blocks * config.block_size  # tokens, every sequence's together
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_groups.windows)
         cfg = self.model_config

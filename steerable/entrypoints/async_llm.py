@@ -228,6 +228,12 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV cache holds (every live sequence's together): what a server bounds
+        ``n`` x prompt and ``n`` x ``max_tokens`` by."""
+        return self.engine.kv_capacity
+
+    @property
     def dead(self) -> EngineDeadError | None:
         """Why the engine takes no more work (shut down, or a step failed); None while it runs."""
         return self._dead

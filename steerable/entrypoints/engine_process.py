@@ -70,12 +70,11 @@ class ProcessAsyncLLM(AsyncLLM):
         """The engine's description once its ``LLM`` is built; its error if that failed."""
         while not self._conn.poll(1.0):
             if not self._proc.is_alive():
-                raise EngineDeadError(f"the engine process exited with {self._proc.exitcode} while loading")
+                raise EngineDeadError(f"the engine process {self._exit_description()} while loading")
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            self._proc.join(30)
-            raise EngineDeadError(f"the engine process exited with {self._proc.exitcode} while loading") from None
+            raise EngineDeadError(f"the engine process {self._exit_description()} while loading") from None
         if kind == "failed":
             self._proc.join(30)
             raise payload
@@ -97,6 +96,10 @@ class ProcessAsyncLLM(AsyncLLM):
     @property
     def max_model_len(self) -> int:
         return self._info["max_model_len"]
+
+    @property
+    def kv_capacity(self) -> int:
+        return self._info["kv_capacity"]
 
     @property
     def dtype(self) -> Any:
@@ -181,8 +184,23 @@ class ProcessAsyncLLM(AsyncLLM):
                     break
         except (EOFError, OSError):
             if not self._closing:
-                error = EngineDeadError(f"the engine process exited with {self._proc.exitcode}")
+                error = EngineDeadError(f"the engine process {self._exit_description()}")
         self._stop(error)
+
+    def _exit_description(self, timeout: float = 5.0) -> str:
+        """How the engine process ended ("was killed by signal 9 (SIGKILL)", "exited with code 1"),
+        once it is reaped: its pipe closes a moment before the process is gone."""
+        self._proc.join(timeout)
+        code = self._proc.exitcode
+        if code is None:
+            return "closed its pipe and is still running"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = "unknown signal"
+            return f"was killed by signal {-code} ({name})"
+        return f"exited with code {code}"
 
     def _finish_call(self, call_id: int, value: Any, error: BaseException | None) -> None:
         with self._send_lock:
@@ -369,7 +387,7 @@ class _EngineCore:
     def describe(self) -> dict[str, Any]:
         engine = self.engine
         return {"tokenizer": engine.tokenizer, "model_config": engine.model_config,
-                "max_model_len": engine.max_model_len, "dtype": engine.dtype,
+                "max_model_len": engine.max_model_len, "kv_capacity": engine.kv_capacity, "dtype": engine.dtype,
                 "capture_layouts": capture_layouts(engine)}
 
     def run(self, conn: Any) -> None:

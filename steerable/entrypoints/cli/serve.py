@@ -44,6 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--max-capture-bytes", type=int, default=64 * 2**20,
                        help="a request whose captures could exceed this many bytes per response gets 413 up front "
                             "(default: 64 MiB); larger captures belong in a capture stream")
+    group.add_argument("--max-n", type=int, default=128,
+                       help="completions per request at most (n); above it a request gets 400 (default: 128, "
+                            "OpenAI's limit)")
+    group.add_argument("--max-fanout-seqs", type=int, default=None,
+                       help="batch slots the completions of one n-request hold at once, so requests behind it keep "
+                            "the rest (default: --max-num-seqs, no limit; on a CPU, where a step's time grows with "
+                            "the batch, a few)")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, "
                        "used instead of the tokenizer's")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -55,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
-    kwargs = engine_kwargs(args)
+    kwargs = {**engine_kwargs(args), "max_n": args.max_n, "max_fanout_seqs": args.max_fanout_seqs}
     steering = control_vector(args)
     from steerable.entrypoints.engine_process import ProcessAsyncLLM
     from steerable.entrypoints.openai import build_app, run_server
@@ -82,8 +89,8 @@ def server_settings(args: argparse.Namespace) -> "ServerSettings":
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port: {args.port} is not a TCP port")
-    for flag in ("max_body_bytes", "max_capture_bytes"):
-        if getattr(args, flag) <= 0:
+    for flag in ("max_body_bytes", "max_capture_bytes", "max_n", "max_fanout_seqs"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
     keys = args.api_key or ([os.environ["STEERABLE_API_KEY"]] if os.environ.get("STEERABLE_API_KEY") else [])
     if any(not key for key in keys) or args.admin_api_key == "":

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from steerable.entrypoints.async_llm import RequestStream
 from steerable.entrypoints.openai.errors import APIError, ClientDisconnected, classify, error_body
+from steerable.entrypoints.openai.limits import check_kv_fit
 from steerable.entrypoints.openai.metrics import RequestTimer
 from steerable.entrypoints.openai.protocol import GenerationRequest
 from steerable.entrypoints.openai.state import ServerState
@@ -137,6 +138,7 @@ class Generation(abc.ABC):
             raise InvalidRequestError(f"prompt: {len(prompt)} tokens leave no room to generate within "
                                       f"max_model_len={limit}")
         max_tokens = self.requested_max_tokens()
+        check_kv_fit(self.body.n, len(prompt), max_tokens, self.state.llm.kv_capacity)
         if max_tokens is None:
             max_tokens = self.default_max_tokens(len(prompt))
         elif max_tokens > 0 and len(prompt) + max_tokens > limit:
