@@ -120,3 +120,37 @@ def test_engine_killed_is_named_by_its_signal(big_server, big_http):
     assert r.status_code == 503, r.text
     assert "killed by signal 9 (SIGKILL)" in r.json()["error"]["message"], r.text
     assert big_http.get("/health").status_code == 503
+
+
+def test_offline_fan_out_keeps_its_snapshot_and_aborts_in_one_step(offline):
+    """In the engine: 300 completions (more than a batch) are created as room allows, all with the
+    steering the request was admitted with; an abort mid-way frees everything at once."""
+    import torch
+
+    from steerable import SamplingParams
+
+    engine = offline.engine
+    params = SamplingParams(n=300, max_tokens=3, temperature=0, ignore_eos=True)
+    plain = offline.generate(["Hello world"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("fan", "Hello world", params)
+    offline.set_steering_vectors({1: torch.full((64,), 8.0)})  # later requests only
+    try:
+        outs = []
+        while engine.has_unfinished_requests():
+            assert engine.stats()["num_requests"] <= engine.config.max_num_seqs
+            outs += engine.step()
+        assert len(outs[-1].outputs) == 300 and all(c.token_ids == plain for c in outs[-1].outputs)
+        engine.add_request("gone", "Hello world", params)
+        engine.step()
+        out = engine.abort_request("gone")[0]
+        assert out.finished and len(out.outputs) == 300 and {c.finish_reason for c in out.outputs} == {"abort"}
+        engine.finish_inflight()
+        stats = engine.stats()
+        assert stats["num_requests"] == stats["num_waiting"] == stats["steering_rows_in_use"] == 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        steered = offline.generate(["Hello world"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                   use_tqdm=False)[0].outputs[0].token_ids
+        assert steered != plain  # the global steering does change what later requests generate
+    finally:
+        offline.clear_steering_vectors()
