@@ -42,6 +42,7 @@ class EngineConfig:
     shared_prefix_min_requests: int = 8
     max_n: int | None = None  # completions per request at most (a server's cap; None: no cap)
     max_fanout_seqs: int | None = None  # batch slots one n-request's completions hold at most (None: all)
+    cpu_threads: int | None = None  # intra-op threads of a CPU engine (None: the cores free at start; steerable/cpu_threads.py)
 
     def validate(self) -> None:
         for name in ("revision", "gguf_file"):
@@ -74,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size} tokens)")
-        for name in ("max_n", "max_fanout_seqs"):
+        for name in ("max_n", "max_fanout_seqs", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")

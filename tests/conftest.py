@@ -11,6 +11,7 @@ import torch
 
 # Tiny models: one intra-op thread is as fast and immune to oversubscription on shared CPUs.
 torch.set_num_threads(1)
+os.environ.setdefault("STEERABLE_CPU_THREADS", "1")  # engines and the servers tests start do the same
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and importlib.util.find_spec("triton"):
     # Triton's CPU interpreter (<= 3.6 at least) converts loop bounds with int(array_of_shape_1),

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from steerable import cpu_threads
 from steerable.config import EngineConfig, ModelConfig
 from steerable.distributed.channel import ControlChannel, Kind, ReportChannel
 from steerable.distributed.codec import decode, encode
@@ -57,7 +58,7 @@ def run_spawned(args: WorkerArgs, errors: Connection) -> None:
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     try:
         if config.resolve_device().type == "cpu":  # the ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            cpu_threads.apply(config.cpu_threads and max(1, config.cpu_threads // world), world)
         else:  # a rank only feeds its GPU: a pool of CPU threads would contend with the others' (as vLLM)
             torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", args.store_port, world, is_master=False, timeout=DATA_TIMEOUT)

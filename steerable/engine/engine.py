@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from steerable import cpu_threads
 from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
@@ -62,6 +63,8 @@ class LLMEngine(ResumableRequests):
         self.layout = model_cls.hook_layout(self.model_config)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(hf_config, self.device)
+        if self.device.type == "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+            cpu_threads.apply(config.cpu_threads)
         max_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > max_len:

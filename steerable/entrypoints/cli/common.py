@@ -44,6 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype"
                        help="do not reuse the KV cache of shared prompt prefixes")
     group.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="intra-op threads of a CPU engine (default: the cores free at start)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks that split every layer's weights (default: 1); docs/parallel.md")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -57,7 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                   kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=args.enable_prefix_caching,
-                  enforce_eager=args.enforce_eager, seed=args.seed,
+                  enforce_eager=args.enforce_eager, seed=args.seed, cpu_threads=args.cpu_threads,
                   tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size)
     from steerable.config import EngineConfig  # imports torch: only once the arguments are parsed
