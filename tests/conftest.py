@@ -108,7 +108,7 @@ FAMILIES = {
     # layer (HF initialises them to 1 / 0), so a dropped bias or a norm without one would show.
     # GPT-2: tied head, learned positions (n_positions is max_position_embeddings), gelu_new.
     # (init_scale: at the shared scale its random stack repeats one token; larger weights vary.)
-    "gpt2": dict(cls="GPT2Config", layer_norm=True, init_scale=2.5, drop=_UNUSED_BY_LAYERNORM_FAMILIES,
+    "gpt2": dict(cls="GPT2Config", layer_norm=True, no_rope=True, init_scale=2.5, drop=_UNUSED_BY_LAYERNORM_FAMILIES,
                  extra=dict(n_inner=128, layer_norm_epsilon=1e-5)),
     # Pythia's layout: parallel residual, a quarter of each head rotated, exact GELU, untied head.
     "gpt_neox": dict(cls="GPTNeoXConfig", own_rope=True, layer_norm=True, drop=("num_key_value_heads", "rms_norm_eps"),
@@ -147,10 +147,10 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
     for key in spec.get("drop", ()):
         kwargs.pop(key)
     own_rope = spec.get("own_rope", False)  # the config class converts its RoPE keyword arguments itself
-    if own_rope:
+    if own_rope and rope is not None:
         kwargs["rope_scaling"] = rope
     config = getattr(transformers, spec["cls"])(**kwargs)
-    if not own_rope:
+    if not own_rope and not spec.get("no_rope"):
         _set_rope(config, 10000.0, rope)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
