@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: a random-weight checkpoint of a known shape (Qwen3-0.6B by
 default; ``--shape qwen3-8b`` for the tensor/pipeline-parallel targets; ``gemma3-270m`` or
-``gemma3-4b`` for Gemma 3's text models, ``gemma2-2b`` for Gemma 2's; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
+``gemma3-4b`` for Gemma 3's text models, ``gemma2-2b`` for Gemma 2's, ``gpt2`` for GPT-2 small,
+whose 1024 positions cap the workload's lengths at 512 in and 512 out; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
 Qwen3-30B-A3B-shaped MoE whose 61 GB of random bf16 weights are drawn on the device
 (``load_format="dummy"``: the checkpoint would not fit the disk), a seeded workload of token-id
 prompts, CUDA-synchronised timing and JSON-line output.
@@ -68,13 +69,20 @@ GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, nu
                  sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                  final_logit_softcapping=30.0, bos_token_id=2, eos_token_id=1)
 GEMMA2_SMOKE = dict(GEMMA3_SMOKE, num_hidden_layers=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+# GPT-2 small (124M): learned positions, so a request's prompt and output must fit n_positions.
+GPT2_124M = dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024, bos_token_id=50256,
+                 eos_token_id=50256)
+GPT2_SMOKE = dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
 # --shape -> (transformers config class, full shape, --smoke shape)
 SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_06B, QWEN3_SMOKE),
           "qwen3-8b": ("Qwen3Config", QWEN3_8B, QWEN3_SMOKE),
           "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M, GEMMA3_SMOKE),
           "gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B, GEMMA3_SMOKE),
           "gemma2-2b": ("Gemma2Config", GEMMA2_2B, GEMMA2_SMOKE),
-          "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B, QWEN3_MOE_SMOKE)}
+          "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B, QWEN3_MOE_SMOKE),
+          "gpt2": ("GPT2Config", GPT2_124M, GPT2_SMOKE)}
+# The longest input (and output) length a shape's workload may draw: both must fit its positions.
+SHAPE_MAX_LEN = {"gpt2": 512}
 
 
 # ---------------------------------------------------------------- model
@@ -85,6 +93,8 @@ def _config(config_name: str, shape: dict):
     import transformers
 
     cls = getattr(transformers, config_name)
+    if config_name == "GPT2Config":  # no RoPE; tied head
+        return cls(**shape, initializer_range=0.02, architectures=["GPT2LMHeadModel"])
     if config_name == "Gemma3TextConfig":  # takes the flat RoPE keys and builds its per-layer-type table
         return cls(**shape, rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True,
                    architectures=["Gemma3ForCausalLM"])
@@ -117,8 +127,8 @@ def build_random_model(path: str, config_name: str, shape: dict, seed: int = 0) 
         with torch.device(device), torch.no_grad():
             model = transformers.AutoModelForCausalLM.from_config(config)
             for name, p in model.named_parameters():  # explicit: N(0, 0.02) matrices, unit norms
-                if "norm" in name:
-                    p.fill_(unit)
+                if "norm" in name or ".ln_" in name:  # GPT-2's LayerNorms: ln_1, ln_2, ln_f (bias 0)
+                    p.fill_(0.0 if name.endswith("bias") else unit)
                 else:
                     p.normal_(0.0, 0.02)
     finally:
@@ -409,6 +419,8 @@ def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None, mo
     False), print the header; returns the model path."""
     global _BENCH, _OUT
     _BENCH, _OUT = bench, args.out
+    if args.max_len is None and not args.smoke and args.shape in SHAPE_MAX_LEN and not args.model:
+        args.max_len = SHAPE_MAX_LEN[args.shape]
     for key, (full, smoke) in {**COMMON_DEFAULTS, **(defaults or {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, smoke if args.smoke else full)

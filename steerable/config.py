@@ -148,9 +148,10 @@ class ModelConfig:
         return architectures[0]
 
     @classmethod
-    def common(cls, hf_config: Any) -> dict[str, Any]:
+    def common(cls, hf_config: Any, eps_name: str = "rms_norm_eps") -> dict[str, Any]:
         """The fields every decoder-only family names the same way (from ``text_config`` when the
-        checkpoint is multimodal, keeping the outer config's architecture and EOS ids)."""
+        checkpoint is multimodal, keeping the outer config's architecture and EOS ids). ``eps_name``:
+        the HF key of the norms' epsilon (``rms_norm_eps`` holds a LayerNorm family's too)."""
         text = getattr(hf_config, "text_config", None) or hf_config
         heads = text.num_attention_heads
         hidden = text.hidden_size
@@ -168,7 +169,7 @@ class ModelConfig:
             head_dim=getattr(text, "head_dim", None) or hidden // heads,
             intermediate_size=getattr(text, "intermediate_size", 0),
             vocab_size=text.vocab_size,
-            rms_norm_eps=text.rms_norm_eps,
+            rms_norm_eps=getattr(text, eps_name),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=getattr(text, "max_position_embeddings", 4096),

@@ -132,6 +132,13 @@ class HookPoints:
             hidden = self.residual(point, layer, hidden, ctx)
         return hidden, norm(hidden)
 
+    @staticmethod
+    def in_use(site: Site, ctx: Any) -> bool:
+        """Whether steering writes or capture reads at ``site`` this step: where neither does, a
+        model need not form the value there (GPT-NeoX's parallel ``post_attn``)."""
+        return ((ctx.steering is not None and ctx.steering.acts_at(site))
+                or (ctx.capture is not None and ctx.capture.wants(site)))
+
     def observe(self, component: str, layer: int, value: torch.Tensor, ctx: Any) -> None:
         if ctx.capture is not None:
             ctx.capture.record((component, layer), value)

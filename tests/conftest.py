@@ -78,6 +78,7 @@ def _longrope(half: int) -> dict:
 
 
 LONGROPE = _longrope(8)  # head_dim 16 (hidden 64 over 4 heads)
+_UNUSED_BY_LAYERNORM_FAMILIES = ("num_key_value_heads", "rms_norm_eps", "intermediate_size")
 
 FAMILIES = {
     "llama": dict(cls="LlamaConfig", extra=dict(
@@ -104,6 +105,21 @@ FAMILIES = {
     # original length) that are not one, and a cos/sin scale.
     "phi3": dict(cls="Phi3Config", own_rope=True, extra=dict(
         tie_word_embeddings=False, original_max_position_embeddings=512, rope_scaling=LONGROPE)),
+    # LayerNorm families: random LayerNorm weights and biases, and random biases in every linear
+    # layer (HF initialises them to 1 / 0), so a dropped bias or a norm without one would show.
+    # GPT-2: tied head, learned positions (n_positions is max_position_embeddings), gelu_new.
+    # (init_scale: at the shared scale its random stack repeats one token; larger weights vary.)
+    "gpt2": dict(cls="GPT2Config", layer_norm=True, no_rope=True, init_scale=2.5, drop=_UNUSED_BY_LAYERNORM_FAMILIES,
+                 extra=dict(n_inner=128, layer_norm_epsilon=1e-5)),
+    # Pythia's layout: parallel residual, a quarter of each head rotated, exact GELU, untied head.
+    "gpt_neox": dict(cls="GPTNeoXConfig", own_rope=True, layer_norm=True, drop=("num_key_value_heads", "rms_norm_eps"),
+                     extra=dict(rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
+                                hidden_act="gelu", layer_norm_eps=1e-5, tie_word_embeddings=False)),
+    # The flag's other value (sequential residual, as GPT-J-style NeoX checkpoints), tied, half rotated.
+    "gpt_neox_seq": dict(cls="GPTNeoXConfig", own_rope=True, layer_norm=True,
+                         drop=("num_key_value_heads", "rms_norm_eps"),
+                         extra=dict(rotary_pct=0.5, rotary_emb_base=10000, use_parallel_residual=False,
+                                    hidden_act="gelu_new", layer_norm_eps=1e-5, tie_word_embeddings=True)),
 }
 
 
@@ -126,13 +142,16 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
     rope = extra.pop("rope_scaling", None)
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init)
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                  initializer_range=init * spec.get("init_scale", 1.0))
     kwargs.update(extra)
+    for key in spec.get("drop", ()):
+        kwargs.pop(key)
     own_rope = spec.get("own_rope", False)  # the config class converts its RoPE keyword arguments itself
-    if own_rope:
+    if own_rope and rope is not None:
         kwargs["rope_scaling"] = rope
     config = getattr(transformers, spec["cls"])(**kwargs)
-    if not own_rope:
+    if not own_rope and not spec.get("no_rope"):
         _set_rope(config, 10000.0, rope)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -141,6 +160,13 @@ def build_model(family: str, path: str, vocab_size: int, seed: int = 0, init: fl
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(spec.get("norm_mean", 0.0), 0.3)
+    if spec.get("layer_norm"):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.2)
+                elif param.dim() == 1:  # LayerNorm weights around 1
+                    param.normal_(1, 0.2)
     if family == "qwen2":
         with torch.no_grad():  # give the qkv biases values so a dropped bias would show
             for layer in model.model.layers:

@@ -2,7 +2,8 @@
 
 pre_attn  L = input of decoder layer L (forward pre-hook on the layer)
 post_attn L = residual after the attention add (hook on the output of the branch added to the residual:
-              self_attn, or post_attention_layernorm where a norm follows it, as in Gemma and OLMo-2)
+              self_attn, or post_attention_layernorm where a norm follows it, as in Gemma and OLMo-2;
+              for parallel-residual GPT-NeoX the layer input + the attention output)
 post_mlp  L = output of decoder layer L (forward hook on the layer)
 Greedy decoding recomputes the whole sequence each step (no KV cache), so a hook sees every
 position with its absolute index and the oracle shares no code or state with the engine.
@@ -36,6 +37,28 @@ def clamp_edit(direction, lo=None, hi=None, strength=1.0) -> Callable[[torch.Ten
     return fn
 
 
+def decoder_layers(model) -> list:
+    """The decoder layers of an HF causal LM: ``model.layers`` (the text tower's in a multimodal
+    model), GPT-2's ``transformer.h``, GPT-NeoX's ``gpt_neox.layers``."""
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    body = model.gpt_neox if hasattr(model, "gpt_neox") else model.model
+    return getattr(body, "language_model", body).layers
+
+
+def attention_parts(layer) -> tuple:
+    """(the module whose output is added to the residual as the attention branch, the output
+    projection whose input is the per-head attention output) of one HF decoder layer. With
+    post-normed branches (Gemma, OLMo-2) the branch is the post-attention norm; for parallel-residual GPT-NeoX
+    the attention itself, so ``post_attn`` = layer input + attention output."""
+    if hasattr(layer, "attn"):  # GPT-2
+        return layer.attn, layer.attn.c_proj
+    if hasattr(layer, "attention"):  # GPT-NeoX
+        return layer.attention, layer.attention.dense
+    sandwich = hasattr(layer, "post_feedforward_layernorm")  # Gemma, OLMo-2: post-normed branches
+    return (layer.post_attention_layernorm if sandwich else layer.self_attn), layer.self_attn.o_proj
+
+
 class HFSteered:
     """Install edits on an HF model for one forward over ``ids`` (prompt length ``prompt_len``)."""
 
@@ -50,8 +73,7 @@ class HFSteered:
         return select.mask(torch.arange(n), prompt_len, ids[0])
 
     def forward(self, ids: torch.Tensor, prompt_len: int, capture: dict | None = None):
-        body = self.model.model
-        layers = getattr(body, "language_model", body).layers  # the text tower of a multimodal model
+        layers = decoder_layers(self.model)
         handles = []
         layer_inputs: dict[int, torch.Tensor] = {}
 
@@ -95,11 +117,10 @@ class HFSteered:
                     capture[("attention_heads", i)] = args[0][0].detach().clone()
 
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            sandwich = hasattr(layer, "post_feedforward_layernorm")  # Gemma, OLMo-2: post-normed branches
-            branch = layer.post_attention_layernorm if sandwich else layer.self_attn
+            branch, out_proj = attention_parts(layer)
             handles.append(branch.register_forward_hook(attn_out))
             handles.append(layer.register_forward_hook(post))
-            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads))
+            handles.append(out_proj.register_forward_pre_hook(heads))
         try:
             with torch.no_grad():
                 return self.model(ids, use_cache=False).logits[0].float()

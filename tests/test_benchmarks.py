@@ -194,6 +194,18 @@ def test_kv_bytes_read_respects_windows():
     assert common.kv_bytes_read(cfg, torch.bfloat16, w) == per_position * ((4 + 4 + 4) + (4 + 5 + 6))
 
 
+def test_gpt2_shape_throughput(cache_dir):
+    """The GPT-2 shape builds, runs, and its full-size workload fits its 1024 positions."""
+    r = run("throughput", cache_dir, "--shape", "gpt2", "--hf-requests", "2")
+    positive(r["steerable"][0], "seconds", "output_tok_s")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    assert common.SHAPE_MAX_LEN["gpt2"] * 2 <= common.GPT2_124M["n_positions"]
+
+
 def test_parallel(cache_dir, monkeypatch):
     """TP=1, TP=2 and PP=2 on CPU (gloo): every record and the summary's ratios are there."""
     monkeypatch.setenv("STEERABLE_WORKER_START_METHOD", "forkserver")  # ranks start without re-importing torch

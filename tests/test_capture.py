@@ -22,7 +22,8 @@ from steerable.capture import (
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "phi3", "gpt2",
+                                        "gpt_neox", "gpt_neox_seq"])
 def pair(request, capture_dirs):
     path = capture_dirs[request.param]
     return LLM(path, device="cpu", kv_cache_tokens=8192), hf_model(path)

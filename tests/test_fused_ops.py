@@ -130,6 +130,48 @@ def test_add_rms_norm(dtype, sites, with_delta):
         assert not torch.equal(out, start)  # the writes did act
 
 
+def _ref_layer_norm(x, w, b, eps):
+    return torch.nn.functional.layer_norm(x.float(), w.shape, w.float(), b.float(), eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 768), (4, 1000)])
+def test_layer_norm(dtype, rows, width):
+    """GPT-2 / GPT-NeoX's LayerNorm: centred, biased variance, weight and bias before one rounding;
+    rows with a large mean (where a one-pass variance would lose digits) included."""
+    g = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=g) * 3 + torch.randn(rows, 1, generator=g) * 20).to(DEVICE, dtype)
+    w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
+    b = torch.randn(width, generator=g).to(DEVICE, dtype)
+    out = fused.layer_norm(x, w, b, 1e-5)
+    assert _close(out, _ref_layer_norm(x.float(), w, b, 1e-5), dtype)
+    assert not _close(out, _ref_rms(x.float(), w.float(), 1e-5), dtype)
+    strided = torch.randn(rows, 2 * width, generator=g).to(DEVICE, dtype)[:, :width]
+    assert _close(fused.layer_norm(strided, w, b, 1e-5), _ref_layer_norm(strided.float(), w, b, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sites", SITES[:4] + SITES[5:], ids=lambda s: "-".join(f"{'a' if a else ''}c{c}" for a, c in s) or "none")
+def test_add_layer_norm(dtype, sites):
+    """The LayerNorm variant of the fused kernel: the same residual (bit for bit, as the standalone
+    steering kernel), then LayerNorm of it."""
+    g = torch.Generator().manual_seed(11 + len(sites))
+    rows, width = 9, 768
+    residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
+    delta = torch.randn(rows, width, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
+    b = torch.randn(width, generator=g).to(DEVICE, dtype)
+    writes = [_site_write(g, rows, width, dtype, add, clamps) for add, clamps in sites]
+    unfused = residual + delta
+    for write in writes:
+        unfused = fused.steer(unfused, write)
+    out, normed = fused.add_layer_norm(residual, delta, writes, w, b, 1e-5)
+    assert torch.equal(out, unfused)
+    assert _close(normed, _ref_layer_norm(out.float(), w, b, 1e-5), dtype)
+    rms_out, _ = fused.add_rms_norm(residual, delta, writes, w, 1e-5)
+    assert torch.equal(rms_out, out)  # the norm differs, not the residual
+
+
 def test_clamp_kernel_clips_the_projection():
     """After a clamp slot with strength 1 the projection on its direction lies within [lo, hi]."""
     g = torch.Generator().manual_seed(5)

@@ -26,9 +26,9 @@ def _vec(seed, scale=1.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-# Gemma 2: the soft-capped attention kernel. (OLMo-2 and Phi-3 run the kernels Llama does, OLMo-2 its q/k norm in
-# PyTorch; each takes a minute under the interpreter.)
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "gemma2"])
+# Gemma 2: the soft-capped attention kernel; GPT-2: the LayerNorm kernels. (OLMo-2 and Phi-3 run the
+# kernels Llama does, OLMo-2 its q/k norm in PyTorch, GPT-NeoX GPT-2's; each takes a minute under the interpreter.)
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "gemma2", "gpt2"])
 def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family, monkeypatch):
     assert fused.enabled(torch.zeros(1))  # the switch is on: CPU tensors take the fused kernels
     one_row = []  # projections that took the one-row GEMV kernel (every batch-1 decode step's)

@@ -21,7 +21,8 @@ def _vec(seed, scale=3.0):
     return (torch.randn(64, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "phi3", "gpt2",
+                                    "gpt_neox", "gpt_neox_seq"])
 def test_greedy_matches_hf_on_gpu(model_dirs, family):
     llm = LLM(model_dirs[family], dtype="float32", device="cuda", kv_cache_tokens=8192)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -65,6 +66,39 @@ def test_capture_matches_hf_on_gpu(capture_dirs):
             assert (out.captures["hidden_states"][layer].cpu() - cap[("post_mlp", layer)][:n]).abs().max() <= 1e-4
         assert (out.captures["attention_heads"][1].cpu() - cap[("attention_heads", 1)][:n]).abs().max() <= 1e-4
     assert llm.capture_status()["graph_replays"] > 0
+
+
+def test_gpt2_bf16_greedy_matches_hf_and_graphs_match_eager(model_dirs):
+    """GPT-2 in bfloat16 (fused residual + steering + LayerNorm, CUDA graphs): 16 greedy tokens equal
+    HF's in bfloat16 on the same weights, and graph replay equals eager with steering and capture."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs["gpt2"]
+    prompts = PROMPTS[:4]
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    steered = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                             steering_vectors=SteeringSpec(vectors={"post_attn": {1: _vec(5, 1.0)}},
+                                                           clamps=[Clamp(2, _vec(6), hook="pre_attn", min=-0.5,
+                                                                         max=0.5)]),
+                             capture=CaptureSpec(layers=[0, 2], select="all_generated"))
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_tokens=8192, enforce_eager=eager)
+        results[eager] = (llm.generate(prompts, plain, use_tqdm=False), llm.generate(prompts, steered, use_tqdm=False),
+                          llm.llm_engine.stats()["graph_replays"])
+        llm.shutdown()
+    assert results[False][2] > 0 and results[True][2] == 0
+    for a, b in zip(results[True][1], results[False][1]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for layer, t in a.captures["hidden_states"].items():
+            assert torch.equal(t, b.captures["hidden_states"][layer])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    for out in results[False][0]:
+        ids = torch.tensor([out.prompt_token_ids], device="cuda")
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == ref
 
 
 def test_graph_replay_is_bit_identical_to_eager(model_dirs):

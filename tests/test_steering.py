@@ -12,7 +12,7 @@ from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap
 from steerable import LLM, Add, Clamp, SamplingParams, SelectSpec, SteeringSpec
 
 N = 10
-FAMILIES = ["llama", "qwen3", "gemma3", "gemma2", "olmo2", "phi3"]
+FAMILIES = ["llama", "qwen3", "gemma3", "gemma2", "olmo2", "phi3", "gpt2", "gpt_neox"]
 
 
 def greedy(**kw):

@@ -87,17 +87,29 @@ if triton is not None:
         return w * xhat.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    def _norm_row(x, w_ptr, b_ptr, offs, mask, H, eps, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                  LAYER_NORM: tl.constexpr):
+        """The norm of one float32 row ``x`` (0 where masked), before its one rounding. RMSNorm:
+        ``_norm_scale``; LayerNorm (GPT-2, GPT-NeoX): ``(x - mean) / sqrt(var + eps) * w + b`` in
+        float32 with the biased variance, as torch's kernel computes it."""
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if LAYER_NORM:
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            centred = tl.where(mask, x - tl.sum(x, axis=0) / H, 0.0)
+            return centred * tl.rsqrt(tl.sum(centred * centred, axis=0) / H + eps) * w + b
+        return _norm_scale(x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps), w, dtype, UNIT_OFFSET)
+
+    @triton.jit
+    def _norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
+        dtype = y_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _norm_scale(xhat, w, y_ptr.dtype.element_ty, UNIT_OFFSET)
-        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = _norm_row(x, w_ptr, b_ptr, offs, mask, H, eps, dtype, UNIT_OFFSET, LAYER_NORM)
+        tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
     @triton.jit
     def _add_row(row, index_ptr, add_ptr, stride_add, offs, mask, ADD: tl.constexpr):
@@ -146,13 +158,13 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(res_ptr, delta_ptr, w_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
-                             stride_y, H, eps,
-                             i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k,
-                             i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k,
-                             HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
-                             ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr,
-                             UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    def _add_norm_kernel(res_ptr, delta_ptr, w_ptr, bias_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
+                         stride_y, H, eps,
+                         i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k,
+                         i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k,
+                         HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
+                         ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr,
+                         UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -167,9 +179,7 @@ if triton is not None:
         x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, stride_d1r, stride_d1k, offs, mask, dtype, ADD1, CLAMPS1)
         x = _steer_site(x, add2, row, i2_ptr, d2_ptr, b2_ptr, stride_d2r, stride_d2k, offs, mask, dtype, ADD2, CLAMPS2)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
-        xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _norm_scale(xhat, w, dtype, UNIT_OFFSET)
+        y = _norm_row(x, w_ptr, bias_ptr, offs, mask, H, eps, dtype, UNIT_OFFSET, LAYER_NORM)
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
     @triton.jit
@@ -260,15 +270,26 @@ if triton is not None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of a [N, H] (or [..., H]) tensor; ``unit_offset``: Gemma's (1 + w)."""
+    return _norm(x, weight, None, eps, unit_offset)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm (with bias) over the last dim of a [N, H] (or [..., H]) tensor."""
+    return _norm(x, weight, bias, eps, False)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+          unit_offset: bool) -> torch.Tensor:
+    """RMSNorm, or LayerNorm where there is a ``bias``, one program per row."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                         BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
-                                         num_warps=_num_warps(shape[-1]), **pdl_args(x2))
+        _norm_kernel[(x2.shape[0],)](x2, weight, bias if bias is not None else weight, y, x2.stride(0), y.stride(0),
+                                     shape[-1], eps, BLOCK=triton.next_power_of_2(shape[-1]), UNIT_OFFSET=unit_offset,
+                                     LAYER_NORM=bias is not None, num_warps=_num_warps(shape[-1]), **pdl_args(x2))
     return y.view(shape)
 
 
@@ -309,6 +330,18 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Seq
     additive table row and projection clamps, rounded to the activation dtype as the separate ops
     round), and ``rms_norm(h)``, in one kernel: the residual add and steering cost no pass of their
     own. residual/delta: [N, H]; each write's index covers at least N rows."""
+    return _add_norm(residual, delta, writes, weight, None, eps, unit_offset)
+
+
+def add_layer_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+                   weight: torch.Tensor, bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` with a LayerNorm (GPT-2, GPT-NeoX) at the end."""
+    return _add_norm(residual, delta, writes, weight, bias, eps, False)
+
+
+def _add_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+              weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+              unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if len(writes) > 2:
         raise ValueError(f"add_rms_norm takes the writes of at most two hook points, got {len(writes)}")
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
@@ -320,11 +353,11 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Seq
     if n:
         (args1, add1, clamps1), (args2, add2, clamps2) = [_site_args(w, residual)
                                                           for w in [*writes, *[None] * (2 - len(writes))]]
-        _add_rms_norm_kernel[(n,)](
-            residual, delta if delta is not None else residual, weight, out, y, residual.stride(0),
-            delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps, *args1, *args2,
-            HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
-            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset,
+        _add_norm_kernel[(n,)](
+            residual, delta if delta is not None else residual, weight, bias if bias is not None else weight, out, y,
+            residual.stride(0), delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps,
+            *args1, *args2, HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
+            BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, LAYER_NORM=bias is not None,
             num_warps=_num_warps(width), **pdl_args(residual))
     return out, y
 

@@ -104,6 +104,25 @@ class QKVLinear(MergedLinear):
         self.num_kv_heads = kv_len
 
 
+class HeadInterleavedQKVLinear(QKVLinear):
+    """GPT-NeoX's fused projection: the checkpoint keeps each head's q, k and v rows together
+    (``[h0: q k v | h1: q k v | ...]``, multi-head attention only). A rank reads the rows of its
+    own heads, one contiguous block, and regroups them into ``QKVLinear``'s ``[q | k | v]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, bias: bool = False):
+        super().__init__(hidden_size, num_heads, num_heads, head_dim, bias=bias)
+        self.head_dim = head_dim
+
+    def _load_shard(self, param: torch.Tensor, tensor: Weight, shard: int | None) -> None:
+        if shard is not None:
+            raise ValueError("a head-interleaved qkv projection loads from one fused tensor")
+        check_shape(tensor, [sum(self.full_sizes), *param.shape[1:]])
+        start, length = self.shards[0]  # this rank's heads, the same for q, k and v
+        mine = materialize(tensor.narrow(0, 3 * start, 3 * length))
+        per_head = mine.reshape(length // self.head_dim, 3, self.head_dim, *mine.shape[1:])
+        param.data.copy_(per_head.transpose(0, 1).reshape(param.shape))
+
+
 class RowLinear(nn.Linear):
     """``y = x W^T (+ b)`` where ``x`` holds this rank's share of the input features; the partial
     products are summed over the ranks, then the (replicated) bias is added once."""

@@ -1,11 +1,14 @@
-"""RMSNorms with the same float32 arithmetic as Hugging Face's implementations: Llama/Qwen scale the
-downcast normalised value by ``weight``; Gemma scales by ``1 + weight`` in float32, then downcasts."""
+"""Norms with the same float32 arithmetic as Hugging Face's implementations. RMSNorm: Llama/Qwen scale
+the downcast normalised value by ``weight``; Gemma scales by ``1 + weight`` in float32, then
+downcasts. LayerNorm (GPT-2, GPT-NeoX): ``torch.nn.LayerNorm``'s, mean and variance in float32 and
+``weight``, ``bias`` applied before the one rounding."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from steerable.hook_points import SiteWrite
@@ -65,3 +68,25 @@ class PassThrough(nn.Module):
     def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
                        ) -> None:
         return None
+
+
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm`` with a bias, and the same fused residual + steering + norm kernel as RMSNorm."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.enabled(x):
+            return fused.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As ``RMSNorm.fused_add_norm``, with a LayerNorm at the end."""
+        if not fused.enabled(residual):
+            return None
+        return fused.add_layer_norm(residual, delta, writes, self.weight, self.bias, self.eps)

@@ -79,6 +79,11 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def embed_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: the token embedding, plus the position embedding in families
+        that learn one (GPT-2)."""
+        return self.embed(input_ids)
+
     # ------------------------------------------------------------ forward
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -86,7 +91,7 @@ class CausalLM(nn.Module):
         sampled rows); on an earlier stage, ``(h, delta)`` stacked for the next stage, which
         receives them as ``ctx.pipeline_in``."""
         if self.embed_tokens is not None:
-            h, delta = self.embed(input_ids), None
+            h, delta = self.embed_at(input_ids, positions), None
         else:
             h, delta = ctx.pipeline_in[0], ctx.pipeline_in[1]
         for layer in self.stage_layers:

@@ -33,6 +33,17 @@ class CheckpointTensor:
     def load(self) -> torch.Tensor:
         return self._read(self._box)
 
+    def t(self) -> CheckpointTensor:
+        """The transpose of a matrix, still unread: narrowing it narrows the other dimension here
+        (GPT-2's ``Conv1D`` weights are stored ``[in, out]``)."""
+        if len(self.shape) != 2:
+            raise ValueError(f"t() takes a matrix, got shape {tuple(self.shape)}")
+
+        def read(box: Box) -> torch.Tensor:
+            (r0, r1), (c0, c1) = box
+            return self.narrow(0, c0, c1 - c0).narrow(1, r0, r1 - r0).load().t()
+        return CheckpointTensor((self.shape[1], self.shape[0]), read)
+
 
 def materialize(tensor: torch.Tensor | CheckpointTensor) -> torch.Tensor:
     return tensor.load() if isinstance(tensor, CheckpointTensor) else tensor

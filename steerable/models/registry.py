@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from steerable.config import ModelConfig
-from steerable.models import gemma2, gemma3, llama, olmo2, phi3, qwen3_moe
+from steerable.models import gemma2, gemma3, gpt2, gpt_neox, llama, olmo2, phi3, qwen3_moe
 from steerable.models.base import CausalLM
 
 _MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
@@ -24,6 +24,8 @@ _MODELS: dict[str, tuple[type[CausalLM], Callable[[Any], ModelConfig]]] = {
     "Gemma2ForCausalLM": (gemma2.Gemma2ForCausalLM, gemma2.gemma2_config),
     "Olmo2ForCausalLM": (olmo2.Olmo2ForCausalLM, olmo2.olmo2_config),
     "Phi3ForCausalLM": (phi3.Phi3ForCausalLM, phi3.phi3_config),
+    "GPT2LMHeadModel": (gpt2.GPT2LMHeadModel, gpt2.gpt2_config),
+    "GPTNeoXForCausalLM": (gpt_neox.GPTNeoXForCausalLM, gpt_neox.gpt_neox_config),
 }
 
 
