@@ -182,3 +182,20 @@ def test_bad_pattern_input(capture_dirs, spec, field):
         llm.start_capture(ATTENTION_PATTERNS)
     assert llm.llm_engine.stats()["num_requests"] == 0
     assert len(llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_wire_round_trip_is_bit_exact(capture_dirs):
+    from steerable.capture import deserialize_captured
+    from steerable.capture.serialization import serialize_captured
+
+    llm = LLM(capture_dirs["mistral"], device="cpu", kv_cache_tokens=2048)
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0, capture=CaptureSpec(
+        stream=ATTENTION_PATTERNS, layers=[0, 2], heads=[2], select="all")), use_tqdm=False)[0]
+    for text in (False, True):
+        wire = serialize_captured(out.captures[ATTENTION_PATTERNS], out.capture_meta[ATTENTION_PATTERNS], text=text)
+        tensors, metas = deserialize_captured(wire)
+        for layer, pat in out.captures[ATTENTION_PATTERNS].items():
+            back = tensors[layer]
+            assert metas[layer] == out.capture_meta[ATTENTION_PATTERNS][layer] and back.heads == [2]
+            assert torch.equal(back.key_starts, pat.key_starts) and torch.equal(back.key_lens, pat.key_lens)
+            assert all(torch.equal(a, b) for a, b in zip(back.rows, pat.rows))
