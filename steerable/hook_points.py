@@ -21,7 +21,8 @@ from steerable.hook_names import POST_ATTN, POST_MLP, PRE_ATTN, RESIDUAL_POINTS 
 HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated
 ROUTER_LOGITS = "router_logits"  # MoE gate logits before top-k
-COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS)
+ATTENTION_PATTERNS = "attention_patterns"  # per-head attention probabilities of selected query rows
+COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS, ATTENTION_PATTERNS)
 
 Site = tuple[str, int]
 
@@ -40,10 +41,11 @@ class ComponentLayout:
     layers: tuple[int, ...]
     width: int
     shape: dict[str, int] = field(default_factory=dict)  # e.g. num_heads/head_size, num_experts
+    per_layer: dict[int, dict[str, Any]] = field(default_factory=dict)  # e.g. a layer's sliding window
 
-    def describe(self) -> dict[int, dict[str, int]]:
+    def describe(self) -> dict[int, dict[str, Any]]:
         """Per layer, the layout reported with captured rows."""
-        return {layer: {**self.shape, "width": self.width} for layer in self.layers}
+        return {layer: {**self.shape, **self.per_layer.get(layer, {}), "width": self.width} for layer in self.layers}
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,18 @@ class HookLayout:
 
     @classmethod
     def build(cls, num_layers: int, hidden_size: int, num_heads: int, head_dim: int,
-              router_layers: Sequence[int] = (), num_experts: int = 0) -> "HookLayout":
+              router_layers: Sequence[int] = (), num_experts: int = 0,
+              windows: Sequence[int | None] = ()) -> "HookLayout":
+        """``windows``: each layer's sliding window (None: full attention), which bounds the keys
+        of its attention patterns; a pattern row's width is its head count times its key length."""
         layers = tuple(range(num_layers))
+        windows = list(windows) or [None] * num_layers
         components = {
             HIDDEN_STATES: ComponentLayout(layers, hidden_size),
             ATTENTION_HEADS: ComponentLayout(layers, num_heads * head_dim,
                                              {"num_heads": num_heads, "head_size": head_dim}),
+            ATTENTION_PATTERNS: ComponentLayout(layers, num_heads, {"num_heads": num_heads},
+                                                {layer: {"sliding_window": windows[layer]} for layer in layers}),
         }
         if router_layers:
             components[ROUTER_LOGITS] = ComponentLayout(tuple(router_layers), num_experts,
@@ -96,6 +104,8 @@ class CaptureView(Protocol):
     def wants(self, site: Site) -> bool: ...
 
     def record(self, site: Site, value: torch.Tensor) -> None: ...
+
+    def record_patterns(self, site: Site, q: torch.Tensor, attn: nn.Module, meta: Any) -> None: ...
 
 
 class HookPoints:
@@ -142,6 +152,13 @@ class HookPoints:
     def observe(self, component: str, layer: int, value: torch.Tensor, ctx: Any) -> None:
         if ctx.capture is not None:
             ctx.capture.record((component, layer), value)
+
+    def attention_patterns(self, layer: int, q: torch.Tensor, attn: nn.Module, ctx: Any) -> None:
+        """After ``attn`` (a paged ``Attention``) has written this step's K/V: the probabilities of
+        the rows a capture selects are computed from ``q`` and the cache, only when some are."""
+        site = (ATTENTION_PATTERNS, layer)
+        if ctx.capture is not None and ctx.capture.wants(site):
+            ctx.capture.record_patterns(site, q, attn, ctx.attn)
 
     @staticmethod
     def _fusable_writes(sites: Sequence[Site], ctx: Any) -> list[SiteWrite] | None:

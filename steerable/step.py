@@ -112,16 +112,18 @@ class SteeringPlan:
 
 @dataclass
 class CaptureGroup:
-    """Rows to gather at ``hook`` of each of ``layers``, stored as ``dtype`` (None: the model's)."""
+    """Rows to gather at ``hook`` of each of ``layers``, stored as ``dtype`` (None: the model's);
+    ``heads``: the query heads an attention-pattern group keeps (None: all)."""
 
     hook: str
     layers: tuple[int, ...]
     dtype: str | None
     rows: np.ndarray  # int64, sorted step rows
+    heads: tuple[int, ...] | None = None
 
     @property
     def signature(self) -> tuple:
-        return self.hook, self.layers, self.dtype
+        return self.hook, self.layers, self.dtype, self.heads
 
 
 @dataclass

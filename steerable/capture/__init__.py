@@ -10,13 +10,14 @@ import sys
 import types
 
 from steerable.capture.api import CaptureResult, capture, capture_batches
+from steerable.capture.patterns import AttentionPatterns
 from steerable.capture.consumers import CaptureConsumer, FilesystemConsumer, LoggingConsumer, read_capture_shard
 from steerable.capture.serialization import CaptureMeta, deserialize_captured, match_capture_request_id
 from steerable.capture.session import CaptureSession, CaptureSpec
 from steerable.capture.store import StreamConfig, StreamStore
-from steerable.hook_points import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
+from steerable.hook_points import ATTENTION_HEADS, ATTENTION_PATTERNS, HIDDEN_STATES, ROUTER_LOGITS
 
-__all__ = ["HIDDEN_STATES", "ATTENTION_HEADS", "ROUTER_LOGITS", "CaptureMeta", "CaptureSpec", "CaptureResult",
+__all__ = ["HIDDEN_STATES", "ATTENTION_HEADS", "ROUTER_LOGITS", "ATTENTION_PATTERNS", "AttentionPatterns", "CaptureMeta", "CaptureSpec", "CaptureResult",
            "CaptureSession", "StreamConfig", "StreamStore", "CaptureConsumer", "FilesystemConsumer",
            "LoggingConsumer", "read_capture_shard", "deserialize_captured", "match_capture_request_id", "capture",
            "capture_batches"]

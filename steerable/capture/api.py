@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from steerable.capture.patterns import AttentionPatterns, concat_captured
 from steerable.capture.serialization import CaptureMeta
 from steerable.capture.session import CaptureSpec
 from steerable.hook_points import HIDDEN_STATES, POST_MLP
@@ -27,13 +28,14 @@ class CaptureResult:
     def layer_ids(self) -> list[int]:
         return sorted(self.outputs[0].captures.get(self.stream, {})) if self.outputs else []
 
-    def sample(self, i: int) -> dict[int, torch.Tensor]:
-        """{layer: Tensor[rows, width]} of prompt i."""
+    def sample(self, i: int) -> dict[int, torch.Tensor | AttentionPatterns]:
+        """{layer: Tensor[rows, width]} (or ``AttentionPatterns``) of prompt i."""
         return dict(self.outputs[i].captures.get(self.stream, {}))
 
-    def rows(self, layer: int) -> torch.Tensor:
-        """Every prompt's rows at ``layer``, stacked (labels in ``meta(layer)``)."""
-        return torch.cat([out.captures[self.stream][layer] for out in self.outputs])
+    def rows(self, layer: int) -> torch.Tensor | AttentionPatterns:
+        """Every prompt's rows at ``layer``, stacked (labels in ``meta(layer)``); attention patterns
+        as one ``AttentionPatterns``."""
+        return concat_captured([out.captures[self.stream][layer] for out in self.outputs])
 
     def meta(self, layer: int) -> CaptureMeta:
         return CaptureMeta.concat([out.capture_meta[self.stream][layer] for out in self.outputs])

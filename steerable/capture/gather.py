@@ -11,7 +11,7 @@ host.
 Under tensor parallelism every rank holds the same plan. Replicated activations (the residual
 stream, router logits) are recorded by tensor-parallel rank 0 alone; a component split over the
 ranks (per-head attention outputs) is gathered from all of them into rank 0's block, in the layout
-one rank would have. Under pipeline parallelism a stage fills only its own layers of a block (a
+one rank would have; attention patterns likewise, each rank computing its own heads. Under pipeline parallelism a stage fills only its own layers of a block (a
 group with none there has no block); the driver merges the stages' blocks.
 
 On CUDA the copy to the host must neither stall the next step nor race it: the blocks are copied
@@ -24,11 +24,16 @@ launches step N + 2, and a threaded sink may read step N's rows until it launche
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+from steerable.capture.pattern_pass import PatternRows, layer_patterns
 from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
-from steerable.step import CapturePlan, Site
+from steerable.hook_points import ATTENTION_PATTERNS
+from steerable.step import CapturePlan, Site, StepInput
 
 OUTBOX_SETS = 3
 
@@ -39,8 +44,10 @@ class CaptureBuffers:
     rank is its slice of the row (gathered over ``tp``)."""
 
     def __init__(self, max_tokens: int, device: torch.device, tp: TPGroup | None = None,
-                 sharded: frozenset[str] = frozenset()):
+                 sharded: frozenset[str] = frozenset(), windows: Sequence[int | None] = ()):
+        """``windows``: every model layer's sliding window (None: full), for attention patterns."""
         self.max_tokens = max_tokens
+        self.windows = list(windows)
         self.device = device
         self.tp = tp if tp is not None else TPGroup()
         self.sharded = sharded if self.tp.size > 1 else frozenset()
@@ -51,7 +58,12 @@ class CaptureBuffers:
         self._turn = 0
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def step_view(self, plan: CapturePlan, padded_tokens: int, graphed: bool) -> "StepCapture":
+    def step_view(self, plan: CapturePlan, padded_tokens: int, graphed: bool,
+                  step: StepInput | None = None) -> "StepCapture":
+        """``step``: the step's input, which places attention-pattern rows (never graphed)."""
+        patterns = {g: PatternRows.build(group.rows, step.positions, step.query_start,
+                                         [self.windows[layer] for layer in group.layers], self.device)
+                    for g, group in enumerate(plan.groups) if group.hook == ATTENTION_PATTERNS}
         while len(self.index) < len(plan.groups):
             self.index.append(torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device))
         views = []
@@ -61,7 +73,7 @@ class CaptureBuffers:
             if graphed:  # the graph gathers padded_tokens rows; the extra ones read row 0 and are dropped
                 buffer[n:padded_tokens].zero_()
             views.append(buffer[:padded_tokens] if graphed else buffer[:n])
-        return StepCapture(plan, views, self.tp, self.sharded)
+        return StepCapture(plan, views, self.tp, self.sharded, patterns)
 
     def copy_to_host(self, blocks: list[torch.Tensor | None], plan: CapturePlan
                      ) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
@@ -121,9 +133,11 @@ class _Outbox:
 class StepCapture:
     """What the hook points ask of capture in one step: is a site read, and record it."""
 
-    def __init__(self, plan: CapturePlan, index: list[torch.Tensor], tp: TPGroup, sharded: frozenset[str]):
+    def __init__(self, plan: CapturePlan, index: list[torch.Tensor], tp: TPGroup, sharded: frozenset[str],
+                 patterns: dict[int, PatternRows] | None = None):
         self.plan = plan
         self.index = index
+        self.patterns = patterns or {}  # group -> its attention-pattern rows
         self.tp = tp
         self.sharded = sharded
         self.dtypes = [FLOAT_DTYPES[g.dtype] if g.dtype is not None else None for g in plan.groups]
@@ -149,17 +163,36 @@ class StepCapture:
                 if rows is None:
                     continue
                 index = None
-            block = self.blocks[g]
-            if block is None:
-                block = self.blocks[g] = torch.empty(len(self.plan.groups[g].layers), len(self.index[g]),
-                                                     rows.shape[-1], dtype=self.dtypes[g] or rows.dtype,
-                                                     device=rows.device)
-            if index is None:
-                block[i].copy_(rows)
-            elif block.dtype == rows.dtype:
-                torch.index_select(rows, 0, index, out=block[i])
-            else:
-                block[i].copy_(rows.index_select(0, index))
+            self._store(g, i, rows, index)
+
+    def record_patterns(self, site: Site, q: torch.Tensor, attn: Any, meta: Any) -> None:
+        """The planned rows' attention probabilities at ``attn`` (its K/V of this step written),
+        ``[rows, heads * width]`` per layer; under tensor parallelism each rank computes its heads
+        and rank 0 gathers them in head order."""
+        for g, i in self.sites.get(site, ()):
+            value = layer_patterns(q, attn, meta.block_table[attn.kv_group], self.patterns[g])
+            if self.tp.size > 1:
+                value = self.tp.gather(value, dim=1)
+                if value is None:
+                    continue
+            heads = self.plan.groups[g].heads
+            if heads is not None:
+                value = value[:, list(heads)]
+            self._store(g, i, value.flatten(1), None)
+
+    def _store(self, g: int, i: int, rows: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Layer ``i`` of group ``g``'s block: ``rows`` (or its ``index`` rows)."""
+        block = self.blocks[g]
+        if block is None:
+            block = self.blocks[g] = torch.empty(len(self.plan.groups[g].layers), len(self.index[g]),
+                                                 rows.shape[-1], dtype=self.dtypes[g] or rows.dtype,
+                                                 device=rows.device)
+        if index is None:
+            block[i].copy_(rows)
+        elif block.dtype == rows.dtype:
+            torch.index_select(rows, 0, index, out=block[i])
+        else:
+            block[i].copy_(rows.index_select(0, index))
 
     def staged(self) -> list[torch.Tensor | None]:
         """The step's blocks, one per group; None for a group this rank records nothing of (another

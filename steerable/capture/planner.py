@@ -83,10 +83,11 @@ class Destination:
     sink: Any  # the StreamStore, or the request's RequestCapture
     reduce: str = "all"  # a request's own reduction (a stream's is in its StreamStore)
     budget_rows: int | None = None
+    heads: tuple[int, ...] | None = None  # attention patterns: the query heads kept (None: all)
     group: tuple = field(init=False)  # destinations with equal keys share one gather
 
     def __post_init__(self) -> None:
-        self.group = (self.hook, tuple(self.layers), self.dtype)
+        self.group = (self.hook, tuple(self.layers), self.dtype, self.heads)
 
 
 @dataclass
@@ -157,10 +158,10 @@ def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, toke
     if not picks:
         return None
     groups, planned = [], []
-    for (hook, layers, dtype), entries in picks.items():
+    for (hook, layers, dtype, heads), entries in picks.items():
         rows, takers = _merge(entries)
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        groups.append(CaptureGroup(hook, layers, dtype_name, rows))
+        groups.append(CaptureGroup(hook, layers, dtype_name, rows, heads))
         planned.append(PlannedGroup(positions[rows].astype(np.int32), token_ids[rows].astype(np.int32), takers))
     return CapturePlan(groups), Delivery(planned)
 

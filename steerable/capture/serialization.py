@@ -16,6 +16,10 @@ Per layer::
 
 Label columns are little-endian int32; ``req_idx`` indexes ``req_table``. In JSON (an HTTP
 response) the four byte fields are base64 strings, which ``deserialize_captured`` reads as well.
+
+Attention patterns (``AttentionPatterns``) are ragged: ``"shape": [rows, heads]``, ``"data"`` the
+rows' ``[heads, key_len]`` values one after another, and a ``"ragged"`` entry with the kept
+``heads`` and the int32 ``key_starts`` / ``key_lens`` columns (base64 in JSON too).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from steerable.capture.patterns import AttentionPatterns
 from steerable.errors import InvalidRequestError
 
 __all__ = ["CaptureMeta", "WIRE_DTYPES", "serialize_capture_layer", "serialize_captured", "deserialize_captured",
@@ -151,21 +156,25 @@ def serialize_capture_layer(tensor: torch.Tensor, labels: torch.Tensor, req_tabl
     labels = labels.detach().cpu()
     if rows and (int(labels[:, 0].min()) < 0 or int(labels[:, 0].max()) >= len(table)):
         raise InvalidRequestError(f"capture req_idx outside req_table of {len(table)} entries")
-    raw = _RAW[tensor.dtype]
-    data = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
     out: dict[str, Any] = {
         "encoding": ENCODING,
         "dtype": _WIRE_NAMES[tensor.dtype],
         "shape": [int(rows), int(tensor.shape[1])],
-        "data": data.numpy().astype(raw, copy=False).tobytes(),
+        "data": _raw_bytes(tensor),
         "meta": {"req_table": table, "req_idx": _i32_bytes(labels[:, 0]),
                  "positions": _i32_bytes(labels[:, 1]), "token_ids": _i32_bytes(labels[:, 2])},
     }
     if layout is not None:
         out["layout"] = dict(layout)
     return out
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's values as the wire's little-endian bytes of its dtype (bf16 as int16 bits)."""
+    data = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    return data.numpy().astype(_RAW[tensor.dtype], copy=False).tobytes()
 
 
 def serialize_captured(tensors: Mapping[int, torch.Tensor], metas: Mapping[int, CaptureMeta],
@@ -179,10 +188,19 @@ def serialize_captured(tensors: Mapping[int, torch.Tensor], metas: Mapping[int, 
         table, req_idx = _req_index(meta.req_ids)
         labels = torch.stack([req_idx, meta.positions, meta.token_ids], dim=1) if len(meta) else \
             torch.empty(0, 3, dtype=torch.int32)
+        ragged = tensor if isinstance(tensor, AttentionPatterns) else None
+        if ragged is not None:  # labels and dtype checked on an empty [rows, heads] stand-in
+            tensor = torch.empty(len(ragged), len(ragged.heads), dtype=ragged.dtype or torch.float32)
         wire = serialize_capture_layer(tensor, labels, table, (layouts or {}).get(layer))
+        if ragged is not None:  # the rows' values one after another
+            wire["data"] = _raw_bytes(torch.cat([r.reshape(-1) for r in ragged.rows])) if len(ragged) else b""
+            wire["ragged"] = {"heads": list(ragged.heads), "key_starts": _i32_bytes(ragged.key_starts),
+                              "key_lens": _i32_bytes(ragged.key_lens)}
         if text:
             wire["data"] = _b64(wire["data"])
             wire["meta"] = {k: _b64(v) if isinstance(v, bytes) else v for k, v in wire["meta"].items()}
+            if ragged is not None:
+                wire["ragged"] = {k: _b64(v) if isinstance(v, bytes) else v for k, v in wire["ragged"].items()}
         out[str(layer) if text else layer] = wire
     return out
 
@@ -246,14 +264,23 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
         rows, width = shape
         data = _as_bytes(info.get("data"), f"capture layer {layer} data")
         raw = _RAW[dtype]
-        if len(data) != rows * width * raw.itemsize:
+        ragged = _ragged(info.get("ragged"), layer, rows, width) if "ragged" in info else None
+        values = rows * width if ragged is None else width * int(ragged[2].sum())
+        if len(data) != values * raw.itemsize:
             raise InvalidRequestError(f"capture layer {layer} carries {len(data)} bytes, expected "
-                             f"{rows}x{width}x{raw.itemsize}")
+                             f"{values}x{raw.itemsize}")
         # astype to the native dtype copies: the result is writable and owns its memory.
         arr = np.frombuffer(data, dtype=raw).astype(raw.newbyteorder("="))
-        tensor = torch.from_numpy(arr).reshape(rows, width)
+        tensor = torch.from_numpy(arr)
         if dtype == torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)
+        if ragged is None:
+            tensor = tensor.reshape(rows, width)
+        else:
+            heads, starts, lens = ragged
+            pieces = torch.split(tensor, (lens.astype(np.int64) * width).tolist()) if rows else []
+            tensor = AttentionPatterns([p.view(width, -1) for p, n in zip(pieces, lens.tolist())],
+                                       torch.from_numpy(starts), torch.from_numpy(lens), heads)
         meta = info.get("meta")
         if not isinstance(meta, Mapping):
             raise InvalidRequestError(f"capture layer {layer} is missing its row labels ('meta'); unlabelled "
@@ -270,6 +297,20 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
         metas[layer] = CaptureMeta([table[i] for i in req_idx.tolist()], torch.from_numpy(positions),
                                    torch.from_numpy(token_ids))
     return tensors, metas
+
+
+def _ragged(info: Any, layer: int, rows: int, heads: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(heads, key_starts, key_lens) of an attention-pattern layer, checked against its shape."""
+    if not isinstance(info, Mapping):
+        raise InvalidRequestError(f"capture layer {layer} has an invalid 'ragged' entry")
+    kept = info.get("heads")
+    if not isinstance(kept, list) or len(kept) != heads or not all(isinstance(h, int) for h in kept):
+        raise InvalidRequestError(f"capture layer {layer}: 'ragged.heads' must list its {heads} heads")
+    starts = _column(info, "key_starts", layer, rows)
+    lens = _column(info, "key_lens", layer, rows)
+    if rows and (lens.min() < 1 or starts.min() < 0):
+        raise InvalidRequestError(f"capture layer {layer}: key ranges must be non-empty and start at >= 0")
+    return kept, starts, lens
 
 
 def match_capture_request_id(label: str, request_id: str) -> bool:

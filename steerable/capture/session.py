@@ -31,7 +31,17 @@ from steerable.capture.store import (
     resolve_storage_dtype,
 )
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import COMPONENTS, HIDDEN_STATES, POST_MLP, ROUTER_LOGITS, HookLayout, check_residual_point
+from steerable.capture.patterns import AttentionPatterns, assemble
+from steerable.checks import is_int
+from steerable.hook_points import (
+    ATTENTION_PATTERNS,
+    COMPONENTS,
+    HIDDEN_STATES,
+    POST_MLP,
+    ROUTER_LOGITS,
+    HookLayout,
+    check_residual_point,
+)
 from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
 from steerable.step import PLACEHOLDER, CapturePlan
@@ -40,9 +50,10 @@ from steerable.step import PLACEHOLDER, CapturePlan
 @dataclass(frozen=True)
 class CaptureSpec:
     """Per-request capture: rows of ``stream`` at ``layers`` (None = all) picked by ``select``
-    (None = every row), stored as ``dtype`` (None = the model's), hidden states read at ``hook``.
-    When the request finishes, ``reduce="last"`` keeps its last selected row and ``"mean"`` their
-    float32 mean (as a stream's reductions), and ``budget_rows`` keeps at most that many rows."""
+    (None = every row), stored as ``dtype`` (None = the model's; float32 for attention patterns),
+    hidden states read at ``hook``. When the request finishes, ``reduce="last"`` keeps its last
+    selected row and ``"mean"`` their float32 mean (as a stream's reductions), and ``budget_rows``
+    keeps at most that many rows. ``heads``: the query heads attention patterns keep (None: all)."""
 
     stream: str = HIDDEN_STATES
     layers: Sequence[int] | None = None
@@ -51,6 +62,7 @@ class CaptureSpec:
     hook: str = POST_MLP
     reduce: str = "all"
     budget_rows: int | None = None
+    heads: Sequence[int] | None = None
 
 
 class CaptureSession:
@@ -68,6 +80,9 @@ class CaptureSession:
         self.available = {name: list(c.layers) for name, c in layout.components.items()}
         self.widths = {name: c.width for name, c in layout.components.items()}
         self.layouts = {name: c.describe() for name, c in layout.components.items()}
+        patterns = self.layouts.get(ATTENTION_PATTERNS, {})
+        self.windows = {layer: info["sliding_window"] for layer, info in patterns.items()}
+        self.num_heads = next(iter(patterns.values()))["num_heads"] if patterns else 0
         self.dtype = dtype
         self.streams: dict[str, Destination] = {}
         self.stopped: dict[str, StreamStore] = {}
@@ -105,6 +120,20 @@ class CaptureSession:
     def _hook(self, component: str, hook: str, field_name: str) -> str:
         return component if component != HIDDEN_STATES else check_residual_point(hook, field_name)
 
+    def _heads(self, component: str, heads: Any, field_name: str) -> tuple[int, ...] | None:
+        """The query heads an attention-pattern capture keeps, sorted (None: all of them)."""
+        if heads is None:
+            return None
+        if component != ATTENTION_PATTERNS:
+            raise InvalidRequestError(f"{field_name}: only {ATTENTION_PATTERNS!r} selects heads")
+        if isinstance(heads, int) and not isinstance(heads, bool):
+            heads = [heads]
+        if (not isinstance(heads, (list, tuple)) or not heads
+                or not all(is_int(h) and 0 <= h < self.num_heads for h in heads)):
+            raise InvalidRequestError(f"{field_name}: expected query-head indices in [0, {self.num_heads}), "
+                                      f"got {heads!r}")
+        return tuple(sorted(set(int(h) for h in heads)))
+
     # ------------------------------------------------------------ streams (control plane)
 
     def start(self, stream: str, layers: Sequence[int] | None = None, dtype: str | None = None, reduce: str = "all",
@@ -118,6 +147,9 @@ class CaptureSession:
         with ``threaded = True`` is fed on a background thread, in step order, where the worker's
         host rows outlive later launches; ``stop`` returns once it has taken every row."""
         component = self._component(stream)
+        if component == ATTENTION_PATTERNS:  # ragged rows: a request's own CaptureSpec carries them
+            raise InvalidRequestError(f"stream: {ATTENTION_PATTERNS!r} is captured per request "
+                                      "(SamplingParams(capture=CaptureSpec(...))), not as a stream")
         hook = self._hook(component, hook, "hook")
         layer_list = self._layers(component, layers, "layers")
         config = StreamConfig(layer_list, dtype, reduce, select, budget_rows)  # errors name their field
@@ -210,12 +242,17 @@ class CaptureSession:
             layers = self._layers(component, spec.layers, "capture.layers")
             dtype = resolve_storage_dtype(spec.dtype, "capture.dtype")
             check_reduction(spec.reduce, spec.budget_rows, "capture.")
+            heads = self._heads(component, spec.heads, "capture.heads")
+            if component == ATTENTION_PATTERNS:
+                if spec.reduce != "all":
+                    raise InvalidRequestError(f"capture.reduce: {ATTENTION_PATTERNS!r} keeps its rows (reduce='all')")
+                dtype = dtype or torch.float32
             try:
                 select = SelectSpec.parse(spec.select) if spec.select is not None else None
             except ValueError as err:
                 raise InvalidRequestError(f"capture.{err}") from None  # "capture.select...: ..."
             destinations.append(Destination(("request", request.request_id, component), component, hook,
-                                            layers, dtype, select, None, spec.reduce, spec.budget_rows))
+                                            layers, dtype, select, None, spec.reduce, spec.budget_rows, heads))
         state = RequestCapture(destinations)
         state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
                                            for d in destinations)
@@ -346,6 +383,10 @@ class CaptureSession:
             parts = state.rows.get(component, [])
             positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
             token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
+            if component == ATTENTION_PATTERNS:
+                tensors[component], metas[component] = self._patterns(request, destination, parts, positions,
+                                                                      token_ids)
+                continue
             for i, layer in enumerate(destination.layers):
                 if parts:
                     tensor = torch.cat([p[0][i] for p in parts])
@@ -358,8 +399,28 @@ class CaptureSession:
                                                       torch.from_numpy(kept_positions), torch.from_numpy(kept_tokens))
         for consumer in self.consumers:
             for component in tensors:
-                consumer.on_capture(request.request_id, component, tensors[component], metas[component])
+                if component != ATTENTION_PATTERNS:  # consumers write [rows, width] tensors
+                    consumer.on_capture(request.request_id, component, tensors[component], metas[component])
         return tensors, metas
+
+    def _patterns(self, request: Request, destination: Destination, parts: list, positions: np.ndarray,
+                  token_ids: np.ndarray) -> tuple[dict[int, AttentionPatterns], dict[int, CaptureMeta]]:
+        """A request's attention patterns per layer, cut from the padded step blocks into rows (at
+        most ``budget_rows`` of them), with their labels."""
+        keep = len(positions) if destination.budget_rows is None else min(len(positions), destination.budget_rows)
+        heads = list(destination.heads) if destination.heads is not None else list(range(self.num_heads))
+        blocks_per_layer: list[list[torch.Tensor]] = [[] for _ in destination.layers]
+        left = keep
+        for block, _, _ in parts:
+            take = min(left, block.shape[1])
+            for i in range(len(destination.layers)):
+                blocks_per_layer[i].append(block[i, :take])
+            left -= take
+        meta = CaptureMeta([request.request_id] * keep, torch.from_numpy(positions[:keep].copy()),
+                           torch.from_numpy(token_ids[:keep].copy()))
+        patterns = {layer: assemble(blocks_per_layer[i], positions[:keep], self.windows[layer], heads)
+                    for i, layer in enumerate(destination.layers)}
+        return patterns, {layer: meta for layer in destination.layers}
 
 
 def _fill_pending_tokens(group: Any) -> None:

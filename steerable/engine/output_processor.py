@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from steerable.capture.patterns import concat_captured
 from steerable.capture.serialization import CaptureMeta
 from steerable.engine.tokenizer import Tokenizer
 from steerable.outputs import CompletionOutput, Logprob, RequestOutput
@@ -173,6 +174,6 @@ def _merge_captures(children: list[Request]) -> tuple[dict, dict]:
     for stream in children[0].captures:
         tensors[stream], metas[stream] = {}, {}
         for layer in children[0].captures[stream]:
-            tensors[stream][layer] = torch.cat([c.captures[stream][layer] for c in children])
+            tensors[stream][layer] = concat_captured([c.captures[stream][layer] for c in children])
             metas[stream][layer] = CaptureMeta.concat([c.capture_meta[stream][layer] for c in children])
     return tensors, metas

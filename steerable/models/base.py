@@ -73,8 +73,9 @@ class CausalLM(nn.Module):
 
     @classmethod
     def hook_layout(cls, cfg: ModelConfig) -> HookLayout:
-        """The residual points of every layer and the per-head attention output."""
-        return HookLayout.build(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+        """The residual points of every layer, the per-head attention output and patterns."""
+        return HookLayout.build(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_dim,
+                                windows=[cfg.attention_window(layer) for layer in range(cfg.num_layers)])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -87,6 +87,7 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         heads = self.attn(q, k, v, ctx)
+        self.hooks.attention_patterns(self.layer, q, self.attn, ctx)
         self.hooks.observe(ATTENTION_HEADS, self.layer, heads, ctx)
         return self.o_proj(heads)
 

@@ -191,7 +191,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def hook_layout(cls, cfg: MoeConfig) -> HookLayout:
         """Router logits at the sparse layers only (the dense ``mlp_only`` ones have no router)."""
         return HookLayout.build(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.router_layers,
-                                cfg.num_experts)
+                                cfg.num_experts, [cfg.attention_window(layer) for layer in range(cfg.num_layers)])
 
     def locate(self, name: str) -> tuple[str, int | None]:
         parts = name.split(".")

@@ -23,7 +23,7 @@ import torch
 from steerable.capture.gather import CaptureBuffers
 from steerable.config import EngineConfig, ModelConfig
 from steerable.distributed.groups import ParallelContext, building
-from steerable.hook_points import HookPoints
+from steerable.hook_points import ATTENTION_PATTERNS, HookPoints
 from steerable.kv_groups import KVGroups
 from steerable.layers import fused
 from steerable.layers.attention import Attention, value_cache_view
@@ -119,7 +119,8 @@ class ModelRunner:
         self.num_shared_prefix_steps = 0
         self.sampler = Sampler()
         self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
-        self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components)
+        self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components,
+                                      [model_config.attention_window(layer) for layer in range(model_config.num_layers)])
         self.host_block_lifetime = self.capture.host_block_lifetime
         self.parallel.tp.warm_up(device)
         self.num_blocks = self.parallel.agree_min(self._kv_cache_blocks())  # every rank holds the same blocks
@@ -300,7 +301,7 @@ class ModelRunner:
             buf.write_blocks(step.block_update)
         num_tokens = step.num_tokens
         padded, graphed = num_tokens, False
-        if self.graphs is not None and step.max_query_len == 1:
+        if self.graphs is not None and step.max_query_len == 1 and not _captures_patterns(step):
             size = self.graphs.padded_size(step.num_requests)
             if size is not None:
                 padded, graphed = size, True
@@ -320,7 +321,7 @@ class ModelRunner:
         if step.steering is not None:
             ctx.steering = self.steering.step_view(step.steering, views.steer_index)
         if step.capture is not None:
-            ctx.capture = self.capture.step_view(step.capture, padded, graphed)
+            ctx.capture = self.capture.step_view(step.capture, padded, graphed, step)
         key = None
         if graphed:
             key = (padded, step.steering.signature if step.steering is not None else None,
@@ -358,3 +359,8 @@ class ModelRunner:
         self.attention_layers = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _captures_patterns(step: StepInput) -> bool:
+    """A step with attention-pattern rows runs eagerly: their padded width changes every step."""
+    return step.capture is not None and any(g.hook == ATTENTION_PATTERNS for g in step.capture.groups)

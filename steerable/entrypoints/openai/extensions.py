@@ -21,12 +21,12 @@ from steerable.capture.serialization import serialize_captured
 from steerable.capture.session import COMPONENTS, HIDDEN_STATES, CaptureSpec
 from steerable.capture.store import resolve_storage_dtype
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import POST_MLP
+from steerable.hook_points import ATTENTION_PATTERNS, POST_MLP
 from steerable.outputs import CompletionOutput
 from steerable.selection import SelectSpec
 
 EXTENSION_FIELDS = ("steering_vectors", "steering_module_ref", "capture")
-CAPTURE_KEYS = ("component", "layers", "hook", "select", "reduce", "dtype", "budget_rows")
+CAPTURE_KEYS = ("component", "layers", "hook", "select", "reduce", "dtype", "budget_rows", "heads")
 
 
 def reject_unknown_extensions(extra: Iterable[str]) -> None:
@@ -69,7 +69,8 @@ def capture_from_json(value: Any) -> list[CaptureSpec] | None:
                                       f"{list(COMPONENTS)}")
         out.append(CaptureSpec(stream=component, layers=spec.get("layers"), select=spec.get("select"),
                                dtype=spec.get("dtype"), hook=spec.get("hook", POST_MLP),
-                               reduce=spec.get("reduce", "all"), budget_rows=spec.get("budget_rows")))
+                               reduce=spec.get("reduce", "all"), budget_rows=spec.get("budget_rows"),
+                               heads=spec.get("heads")))
     return out
 
 
@@ -107,6 +108,10 @@ class CaptureInfo:
             rows = prompt_rows + (max_tokens - 1 if generated else 0)
         if spec.budget_rows is not None:
             rows = min(rows, int(spec.budget_rows))
+        if spec.stream == ATTENTION_PATTERNS:  # a row: its heads times at most every key before it
+            heads = self.widths.get(spec.stream, 0) if spec.heads is None else len(set(spec.heads))
+            keys = len(prompt) + max(max_tokens, 1)
+            return rows * count * heads * keys * (resolve_storage_dtype(spec.dtype) or torch.float32).itemsize
         dtype = resolve_storage_dtype(spec.dtype) or (torch.float32 if spec.reduce == "mean" else self.dtype)
         return rows * count * self.widths.get(spec.stream, 0) * dtype.itemsize
 
