@@ -217,10 +217,11 @@ class LLMEngine(ResumableRequests):
             return self.steering.status()
 
     def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
-                      budget_rows: int | None, hook: str, sink: Any = None) -> None:
+                      budget_rows: int | None, hook: str, sink: Any = None, saes: Sequence[str] | None = None,
+                      top_k: int = 32) -> None:
         """``sink``: see ``CaptureSession.start`` (in-process callers only)."""
         with self.lock.hold():
-            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook, sink)
+            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook, sink, saes, top_k)
 
     def stop_capture(self, stream: str) -> None:
         with self.lock.hold():
@@ -405,6 +406,7 @@ class LLMEngine(ResumableRequests):
         step = self.builder.build(self.num_steps, sched)
         step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
         step.steering_update = self.steering.take_update()
+        step.sae_update = self.capture.features.take_update()
         planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
         delivery = None
         if planned is not None:

@@ -88,9 +88,11 @@ class LLM:
 
     def start_capture(self, stream: str = "hidden_states", layers: Sequence[int] | None = None,
                       dtype: str | None = None, reduce: str = "all", select: Any = None,
-                      budget_rows: int | None = None, hook: str = "post_mlp") -> None:
-        """Record ``stream`` for every request from now on until ``stop_capture``."""
-        self.engine.start_capture(stream, layers, dtype, reduce, select, budget_rows, hook)
+                      budget_rows: int | None = None, hook: str = "post_mlp", saes: Sequence[str] | None = None,
+                      top_k: int = 32) -> None:
+        """Record ``stream`` for every request from now on until ``stop_capture``; ``sae_features``
+        records the ``top_k`` highest features of each registered SAE named in ``saes``."""
+        self.engine.start_capture(stream, layers, dtype, reduce, select, budget_rows, hook, saes=saes, top_k=top_k)
 
     def stop_capture(self, stream: str = "hidden_states") -> None:
         self.engine.stop_capture(stream)
