@@ -36,6 +36,8 @@ from steerable.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
 from steerable.request import Request, SchedulerOutput
+from steerable.sae.model import SAE
+from steerable.sae.registry import SaeRegistry
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.steering.spec import SteeringSpec
@@ -82,7 +84,8 @@ class LLMEngine(ResumableRequests):
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_groups.windows)
         cfg = self.model_config
-        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
+        self.saes = SaeRegistry(cfg.hidden_size, cfg.num_layers, self.dtype)
+        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs, self.saes)
         self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda",
                                       host_block_lifetime=self.worker.host_block_lifetime)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
@@ -215,6 +218,23 @@ class LLMEngine(ResumableRequests):
     def get_steering_status(self) -> dict[str, Any]:
         with self.lock.hold():
             return self.steering.status()
+
+    def register_sae(self, name: str, sae: SAE) -> None:
+        with self.lock.hold():
+            self.saes.register(name, sae)
+
+    def list_saes(self) -> dict[str, dict[str, Any]]:
+        with self.lock.hold():
+            return self.saes.describe()
+
+    def unregister_sae(self, name: str) -> None:
+        """Refused while steering (global, a module, a live request) uses the SAE."""
+        with self.lock.hold():
+            self.saes.get(name, "name")
+            users = self.steering.sae_users(name)
+            if users:
+                raise InvalidRequestError(f"name: SAE {name!r} is in use by {', '.join(users)}")
+            self.saes.remove(name)
 
     def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
                       budget_rows: int | None, hook: str, sink: Any = None, saes: Sequence[str] | None = None,

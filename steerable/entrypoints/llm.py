@@ -13,6 +13,7 @@ from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
+from steerable.sae.model import SAE
 from steerable.sampling_params import SamplingParams
 from steerable.steering.spec import SteeringSpec
 
@@ -85,6 +86,21 @@ class LLM:
         return self.engine.get_steering_status()
 
     # ------------------------------------------------------------ capture streams
+
+    # ------------------------------------------------------------ SAEs
+
+    def register_sae(self, name: str, sae: SAE) -> None:
+        """Name an SAE (``SAE.load`` or in memory) for feature steering and capture; its ``d_in``
+        must be the hidden size and its layer one of the model's."""
+        self.engine.register_sae(name, sae)
+
+    def list_saes(self) -> dict[str, dict[str, Any]]:
+        """``{name: {"layer", "hook", "d_sae", "architecture"}}``."""
+        return self.engine.list_saes()
+
+    def unregister_sae(self, name: str) -> None:
+        """Refused (``ValueError`` naming it) while global steering, a module or a live request uses it."""
+        self.engine.unregister_sae(name)
 
     def start_capture(self, stream: str = "hidden_states", layers: Sequence[int] | None = None,
                       dtype: str | None = None, reduce: str = "all", select: Any = None,
