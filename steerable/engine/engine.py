@@ -221,20 +221,22 @@ class LLMEngine(ResumableRequests):
 
     def register_sae(self, name: str, sae: SAE) -> None:
         with self.lock.hold():
-            self.saes.register(name, sae)
+            self.capture.features.register(name, self.saes.register(name, sae))  # shipped with the next step
 
     def list_saes(self) -> dict[str, dict[str, Any]]:
         with self.lock.hold():
             return self.saes.describe()
 
     def unregister_sae(self, name: str) -> None:
-        """Refused while steering (global, a module, a live request) uses the SAE."""
+        """Refused while steering (global, a module, a live request) or capture uses the SAE."""
         with self.lock.hold():
             self.saes.get(name, "name")
-            users = self.steering.sae_users(name)
+            capturing = self.capture.features.in_use(name)
+            users = [*self.steering.sae_users(name), *([capturing] if capturing else [])]
             if users:
                 raise InvalidRequestError(f"name: SAE {name!r} is in use by {', '.join(users)}")
             self.saes.remove(name)
+            self.capture.features.unregister(name)
 
     def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
                       budget_rows: int | None, hook: str, sink: Any = None, saes: Sequence[str] | None = None,
