@@ -15,7 +15,8 @@ _EXPORTS = {
     "LLM": "steerable.entrypoints.llm", "CompletionOutput": "steerable.outputs", "Logprob": "steerable.outputs",
     "RequestOutput": "steerable.outputs", "SamplingParams": "steerable.sampling_params",
     "SelectSpec": "steerable.selection", "Add": "steerable.steering.spec", "Clamp": "steerable.steering.spec",
-    "SteeringSpec": "steerable.steering.spec",
+    "SteeringSpec": "steerable.steering.spec", "SAE": "steerable.sae", "Feature": "steerable.sae",
+    "FeatureClamp": "steerable.sae",
 }
 
 
@@ -32,4 +33,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "SelectSpec", "SteeringSpec", "Add", "Clamp", "CaptureSpec", "capture", "capture_batches", "__version__"]
+           "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Feature", "FeatureClamp", "CaptureSpec", "capture",
+           "capture_batches", "__version__"]

@@ -113,17 +113,45 @@ class SteeringPlan:
 @dataclass
 class CaptureGroup:
     """Rows to gather at ``hook`` of each of ``layers``, stored as ``dtype`` (None: the model's);
-    ``heads``: the query heads an attention-pattern group keeps (None: all)."""
+    ``heads``: the query heads an attention-pattern group keeps (None: all). With ``sae`` (a key of
+    the worker's SAE tables) the rows are encoded on the device and each keeps its ``top_k`` highest
+    features: float32 ``[indices as int32 bits | values]``."""
 
     hook: str
     layers: tuple[int, ...]
     dtype: str | None
     rows: np.ndarray  # int64, sorted step rows
     heads: tuple[int, ...] | None = None
+    sae: str | None = None
+    top_k: int = 0
 
     @property
     def signature(self) -> tuple:
-        return self.hook, self.layers, self.dtype, self.heads
+        return self.hook, self.layers, self.dtype, self.heads, self.sae, self.top_k
+
+
+@dataclass
+class SaeWeights:
+    """What a worker needs to encode rows with one SAE (its decoder stays on the driver):
+    ``pre = (x - b_dec_in) @ W_enc + b_enc`` (b_dec_in None: nothing subtracted), then the
+    ``architecture``'s activation."""
+
+    layer: int
+    hook: str
+    architecture: str  # "relu" | "jumprelu" | "topk"
+    k: int  # the SAE's own k for "topk", else 0
+    W_enc: torch.Tensor  # [d_in, d_sae], the model dtype
+    b_enc: torch.Tensor  # float32 [d_sae]
+    threshold: torch.Tensor | None = None  # float32 [d_sae] for "jumprelu"
+    b_dec_in: torch.Tensor | None = None  # float32 [d_in]
+
+
+@dataclass
+class SaeUpdate:
+    """SAEs registered (``add``, by key) and unregistered (``remove``) since the last step."""
+
+    add: dict[str, SaeWeights] = field(default_factory=dict)
+    remove: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -164,6 +192,7 @@ class StepInput:
     capture: CapturePlan | None = None
     shared_prefix: SharedPrefix | None = None  # decode steps only
     prompt_logprobs: list[PromptLogprobsInput] | None = None
+    sae_update: SaeUpdate | None = None
 
     @property
     def num_tokens(self) -> int:

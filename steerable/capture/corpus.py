@@ -3,7 +3,9 @@
 ``OUT/shard-00000.safetensors`` holds examples ``[0, shard_size)``, the next shard the next
 ``shard_size`` and so on; in each, ``layer.L`` is ``Tensor[rows, width]`` at layer L and the label
 tensors ``example`` (index into the corpus), ``position`` and ``token_id`` (int64) say what each row
-is. ``OUT/index.json`` records the settings (model, layers, hook, select, dtype, shard size, corpus
+is. With an SAE (``sae=``: a registered name) a shard holds its features instead: ``indices``
+(int32) and ``values`` (float32), both ``[rows, top_k]`` (``SparseFeatures``), and the same labels.
+``OUT/index.json`` records the settings (model, layers, hook, select, dtype, shard size, corpus
 hash) and every finished shard with its example range and row count. A shard is written to a temp
 file and renamed, then listed in the index (itself replaced atomically), so a run killed at any
 point resumes (``resume=True``) by recomputing only the shards the index does not list; the result
@@ -35,9 +37,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from steerable.capture.features import SAE_FEATURES
 from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import ShardFile
-from steerable.capture.store import resolve_storage_dtype
+from steerable.capture.store import StreamRows, resolve_storage_dtype
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS
 from steerable.sampling_params import SamplingParams
@@ -57,18 +60,27 @@ def shard_name(k: int) -> str:
 def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.PathLike,
                    layers: Sequence[int] | None = None, hook: str = POST_MLP, select: Any = "last_prompt",
                    dtype: str | None = None, shard_size: int = 1000, batch_size: int = 64, resume: bool = False,
-                   model: str | None = None, use_tqdm: bool = False) -> dict[str, Any]:
+                   model: str | None = None, use_tqdm: bool = False, sae: str | None = None,
+                   top_k: int = 64) -> dict[str, Any]:
     """Capture ``hook`` at ``layers`` (default: all) on the rows ``select`` picks, for every text,
     into shards under ``out``; returns the index. ``resume=True`` continues a run with the same
     settings (anything else differing fails naming it); without it, ``out`` must hold no capture.
     ``batch_size`` texts are in the engine at a time; a few shard files are mapped at a time;
-    records through the ``hidden_states`` stream, which must not be running."""
+    records through the ``hidden_states`` stream, which must not be running. ``sae``: store the
+    ``top_k`` highest features of that registered SAE (at its own point; ``layers``, ``hook`` and
+    ``dtype`` do not apply), through the ``sae_features`` stream."""
     engine = llm.llm_engine
     cfg = engine.model_config
+    if sae is not None:
+        (_, _, found), = engine.capture.features.resolve([sae], top_k, "")
+        layers, hook, dtype = [found.layer], found.hook, None
     settings = _settings(texts, cfg.num_layers, layers, hook, select, dtype, shard_size, batch_size,
                          model or engine.config.model)
-    if engine.capture_status(HIDDEN_STATES)["enabled"]:
-        raise InvalidRequestError("capture_corpus: the hidden_states capture stream is running; stop it first "
+    if sae is not None:
+        settings.update(sae=sae, sae_sha256=found.content_hash.hex(), top_k=top_k)
+    stream = HIDDEN_STATES if sae is None else SAE_FEATURES
+    if engine.capture_status(stream)["enabled"]:
+        raise InvalidRequestError(f"capture_corpus: the {stream} capture stream is running; stop it first "
                                   "(corpus capture records through that stream)")
     out = Path(out)
     index = _open_index(out, settings, resume)
@@ -76,9 +88,12 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
     index["shards"] = [entry for entry in index["shards"] if entry["shard"] in done]
     todo = [k for k in range(-(-len(texts) // shard_size)) if k not in done]
     finished = sum(entry["stop"] - entry["start"] for entry in index["shards"])
-    storage = resolve_storage_dtype(dtype) or engine.dtype
+    if sae is None:
+        shape = dict(layers=settings["layers"], width=cfg.hidden_size, dtype=resolve_storage_dtype(dtype) or engine.dtype)
+    else:  # the staged rows' float32 [indices bits | values] halves as two tensors of the file
+        shape = dict(layers=[0, 1], width=top_k, dtype=torch.float32, names=[("indices", "I32"), ("values", "F32")])
     with tqdm(total=len(texts), initial=finished, desc="Capturing", unit="example", disable=not use_tqdm) as bar, \
-            _ShardFiles(out, index, settings["layers"], cfg.hidden_size, storage, bar) as files:
+            _ShardFiles(out, index, bar=bar, **shape) as files:
         _CorpusRun(engine, texts, settings, batch_size, files, bar).run(todo)
     index["complete"] = True
     _write_index(out, index)
@@ -168,8 +183,14 @@ class _CorpusRun:
             self._prepare(next(upcoming, None))
         feed = self._examples(len(todo), upcoming)
         engine = self.engine
-        engine.start_capture(HIDDEN_STATES, self.settings["layers"], self.settings["dtype"], "all", self.select, None,
-                             self.settings["hook"], sink=self.router)
+        sae = self.settings.get("sae")
+        stream = HIDDEN_STATES if sae is None else SAE_FEATURES
+        if sae is None:
+            engine.start_capture(HIDDEN_STATES, self.settings["layers"], self.settings["dtype"], "all", self.select,
+                                 None, self.settings["hook"], sink=self.router)
+        else:
+            engine.start_capture(SAE_FEATURES, None, None, "all", self.select, None, self.settings["hook"],
+                                 sink=_SplitFeatures(self.router), saes=[sae], top_k=self.settings["top_k"])
         try:
             try:
                 while True:
@@ -187,7 +208,7 @@ class _CorpusRun:
                 engine.abort_request(list(self.in_engine))
                 raise
         finally:
-            engine.stop_capture(HIDDEN_STATES)  # returns once the sink thread has stored every row
+            engine.stop_capture(stream)  # returns once the sink thread has stored every row
         self._finish_ready()
         for shard in self.open:  # every request is done and every row delivered
             shard.buffer.check_complete()
@@ -233,6 +254,22 @@ class _CorpusRun:
                                                             "rows": shard.buffer.rows})
 
 
+class _SplitFeatures:
+    """A sink that hands the router a step's feature rows ``[1, rows, 2 * top_k]`` as the two
+    tensors of a shard, ``[indices bits, values]`` (``[2, rows, top_k]``, a view)."""
+
+    threaded = True
+
+    def __init__(self, router: ShardRouter):
+        self.router = router
+
+    def append(self, rows: StreamRows) -> None:
+        block = rows.block[0]
+        split = block.view(block.shape[0], 2, block.shape[1] // 2).permute(1, 0, 2)
+        self.router.append(StreamRows(split, rows.where, rows.request_ids, rows.counts, rows.positions,
+                                      rows.token_ids))
+
+
 class _ShardFiles:
     """Shard files in the making: ``prepare`` creates the next one (a ``.part`` file) and reserves
     its space in a background thread, ``take`` hands out the oldest, ``finish`` renames a filled
@@ -241,8 +278,9 @@ class _ShardFiles:
     are removed. A failed allocation is raised where the capture waits for its rows."""
 
     def __init__(self, out: Path, index: dict[str, Any], layers: list[int], width: int, dtype: torch.dtype,
-                 bar: tqdm):
+                 bar: tqdm, names: list[tuple[str, str]] | None = None):
         self.out, self.index, self.layers, self.width, self.dtype, self.bar = out, index, layers, width, dtype, bar
+        self.names = names
         self.pool = ThreadPoolExecutor(FILES_AHEAD, thread_name_prefix="corpus-files")
         self.pending: deque[tuple[_Job, Future]] = deque()
         self.parts: set[Path] = set()  # created, not yet renamed
@@ -253,7 +291,8 @@ class _ShardFiles:
         os.close(fd)
         job = _Job(shard, prompts, counts, Path(name))
         self.parts.add(job.part)
-        job.file = ShardFile(job.part, self.layers, sum(counts), self.width, self.dtype, {"format": FORMAT})
+        job.file = ShardFile(job.part, self.layers, sum(counts), self.width, self.dtype, {"format": FORMAT},
+                             self.names)
         self.pending.append((job, self.pool.submit(job.file.allocate)))
 
     def take(self) -> tuple[_Job, Future]:

@@ -11,7 +11,9 @@ host.
 Under tensor parallelism every rank holds the same plan. Replicated activations (the residual
 stream, router logits) are recorded by tensor-parallel rank 0 alone; a component split over the
 ranks (per-head attention outputs) is gathered from all of them into rank 0's block, in the layout
-one rank would have; attention patterns likewise, each rank computing its own heads. Under pipeline parallelism a stage fills only its own layers of a block (a
+one rank would have; attention patterns likewise, each rank computing its own heads. A group with
+an SAE encodes its gathered rows there and then (``SaeTables``) and stages each row's top features
+instead of the row. Under pipeline parallelism a stage fills only its own layers of a block (a
 group with none there has no block); the driver merges the stages' blocks.
 
 On CUDA the copy to the host must neither stall the next step nor race it: the blocks are copied
@@ -33,6 +35,7 @@ from steerable.capture.pattern_pass import PatternRows, layer_patterns
 from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
 from steerable.hook_points import ATTENTION_PATTERNS
+from steerable.sae.worker_tables import SaeTables
 from steerable.step import CapturePlan, Site, StepInput
 
 OUTBOX_SETS = 3
@@ -44,10 +47,12 @@ class CaptureBuffers:
     rank is its slice of the row (gathered over ``tp``)."""
 
     def __init__(self, max_tokens: int, device: torch.device, tp: TPGroup | None = None,
-                 sharded: frozenset[str] = frozenset(), windows: Sequence[int | None] = ()):
+                 sharded: frozenset[str] = frozenset(), windows: Sequence[int | None] = (),
+                 saes: SaeTables | None = None):
         """``windows``: every model layer's sliding window (None: full), for attention patterns."""
         self.max_tokens = max_tokens
         self.windows = list(windows)
+        self.saes = saes
         self.device = device
         self.tp = tp if tp is not None else TPGroup()
         self.sharded = sharded if self.tp.size > 1 else frozenset()
@@ -73,7 +78,7 @@ class CaptureBuffers:
             if graphed:  # the graph gathers padded_tokens rows; the extra ones read row 0 and are dropped
                 buffer[n:padded_tokens].zero_()
             views.append(buffer[:padded_tokens] if graphed else buffer[:n])
-        return StepCapture(plan, views, self.tp, self.sharded, patterns)
+        return StepCapture(plan, views, self.tp, self.sharded, patterns, self.saes)
 
     def copy_to_host(self, blocks: list[torch.Tensor | None], plan: CapturePlan
                      ) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
@@ -134,8 +139,9 @@ class StepCapture:
     """What the hook points ask of capture in one step: is a site read, and record it."""
 
     def __init__(self, plan: CapturePlan, index: list[torch.Tensor], tp: TPGroup, sharded: frozenset[str],
-                 patterns: dict[int, PatternRows] | None = None):
+                 patterns: dict[int, PatternRows] | None = None, saes: SaeTables | None = None):
         self.plan = plan
+        self.saes = saes
         self.index = index
         self.patterns = patterns or {}  # group -> its attention-pattern rows
         self.tp = tp
@@ -157,6 +163,10 @@ class StepCapture:
         if not sharded and self.tp.rank != 0:
             return
         for g, i in self.sites.get(site, ()):
+            group = self.plan.groups[g]
+            if group.sae is not None:
+                self._record_features(g, value)
+                continue
             index, rows = self.index[g], value
             if sharded:  # every rank's slice of the rows, side by side on rank 0 (None elsewhere)
                 rows = self.tp.gather(value.index_select(0, index), dim=-1)
@@ -193,6 +203,14 @@ class StepCapture:
             torch.index_select(rows, 0, index, out=block[i])
         else:
             block[i].copy_(rows.index_select(0, index))
+
+    def _record_features(self, g: int, value: torch.Tensor) -> None:
+        """An SAE group's block ``[1, rows, 2 * top_k]``: the planned rows' top features."""
+        group = self.plan.groups[g]
+        rows = value.index_select(0, self.index[g])
+        block = self.blocks[g] = torch.empty(1, len(self.index[g]), 2 * group.top_k, dtype=torch.float32,
+                                             device=value.device)
+        self.saes.top_features(group.sae, rows, group.top_k, block[0])
 
     def staged(self) -> list[torch.Tensor | None]:
         """The step's blocks, one per group; None for a group this rank records nothing of (another

@@ -74,7 +74,7 @@ _NO_ROWS = np.empty(0, np.int64)
 class Destination:
     """A stream or one request's spec: what to read and where it goes."""
 
-    key: tuple  # ("stream", name, serial) or ("request", request_id, stream)
+    key: tuple  # ("stream", name, serial) or ("request", request_id, stream), + the SAE name for sae_features
     component: str
     hook: str  # hook point name read (residual point, attention_heads or router_logits)
     layers: list[int]
@@ -84,10 +84,13 @@ class Destination:
     reduce: str = "all"  # a request's own reduction (a stream's is in its StreamStore)
     budget_rows: int | None = None
     heads: tuple[int, ...] | None = None  # attention patterns: the query heads kept (None: all)
+    sae: str | None = None  # sae_features: the worker's key of the SAE that encodes the rows
+    top_k: int = 0
+    name: str | None = None  # sae_features: the SAE's registered name (the rows' key for callers)
     group: tuple = field(init=False)  # destinations with equal keys share one gather
 
     def __post_init__(self) -> None:
-        self.group = (self.hook, tuple(self.layers), self.dtype, self.heads)
+        self.group = (self.hook, tuple(self.layers), self.dtype, self.heads, self.sae, self.top_k)
 
 
 @dataclass
@@ -101,11 +104,11 @@ class RequestCapture:
     next_position: float = 0
     plan_version: int = -1
     reads_generated_tokens: bool = False
-    # Per component, one part per step: rows of every layer [layers, n, width], positions, token ids.
-    rows: dict[str, list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    # Per destination key, one part per step: rows of every layer [layers, n, width], positions, token ids.
+    rows: dict[tuple, list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
-    def add(self, component: str, rows: torch.Tensor, positions: np.ndarray, token_ids: np.ndarray) -> None:
-        self.rows.setdefault(component, []).append((rows, positions, token_ids))
+    def add(self, key: tuple, rows: torch.Tensor, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        self.rows.setdefault(key, []).append((rows, positions, token_ids))
 
 
 @dataclass
@@ -128,7 +131,7 @@ class Delivery:
 def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,
               query_start: np.ndarray, destinations_of: Any, selector_of: Any,
               serial: int) -> tuple[CapturePlan, Delivery] | None:
-    """Rows per (hook, layers, dtype) group for one step, or None when nothing is recorded.
+    """Rows per (hook, layers, dtype, SAE, top_k) group for one step, or None when nothing is recorded.
 
     ``destinations_of(request)`` and ``selector_of(request, destination)`` come from the session;
     ``serial`` invalidates each request's cached lower bound on the next position it needs."""
@@ -158,10 +161,10 @@ def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, toke
     if not picks:
         return None
     groups, planned = [], []
-    for (hook, layers, dtype, heads), entries in picks.items():
+    for (hook, layers, dtype, heads, sae, top_k), entries in picks.items():
         rows, takers = _merge(entries)
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        groups.append(CaptureGroup(hook, layers, dtype_name, rows, heads))
+        groups.append(CaptureGroup(hook, layers, dtype_name, rows, heads, sae, top_k))
         planned.append(PlannedGroup(positions[rows].astype(np.int32), token_ids[rows].astype(np.int32), takers))
     return CapturePlan(groups), Delivery(planned)
 

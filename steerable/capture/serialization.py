@@ -20,6 +20,8 @@ response) the four byte fields are base64 strings, which ``deserialize_captured`
 Attention patterns (``AttentionPatterns``) are ragged: ``"shape": [rows, heads]``, ``"data"`` the
 rows' ``[heads, key_len]`` values one after another, and a ``"ragged"`` entry with the kept
 ``heads`` and the int32 ``key_starts`` / ``key_lens`` columns (base64 in JSON too).
+SAE features are keyed by SAE name instead of layer and travel as ``SparseFeatures``
+(``steerable.capture.sparse``: ``"encoding": "sparse"``) with the same labels.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from steerable.capture.patterns import AttentionPatterns
+from steerable.capture.sparse import SPARSE_ENCODING, SparseFeatures, deserialize_sparse, serialize_sparse
 from steerable.errors import InvalidRequestError
 
 __all__ = ["CaptureMeta", "WIRE_DTYPES", "serialize_capture_layer", "serialize_captured", "deserialize_captured",
@@ -177,27 +180,36 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return data.numpy().astype(_RAW[tensor.dtype], copy=False).tobytes()
 
 
-def serialize_captured(tensors: Mapping[int, torch.Tensor], metas: Mapping[int, CaptureMeta],
-                       layouts: Mapping[int, Mapping[str, Any]] | None = None, text: bool = False
+def serialize_captured(tensors: Mapping[Any, torch.Tensor | SparseFeatures], metas: Mapping[Any, CaptureMeta],
+                       layouts: Mapping[Any, Mapping[str, Any]] | None = None, text: bool = False
                        ) -> dict[Any, dict[str, Any]]:
-    """Inverse of ``deserialize_captured``: per-layer wire dicts. With ``text=True`` the result is
-    JSON-ready (layer keys as strings, byte fields base64) for an HTTP response."""
+    """Inverse of ``deserialize_captured``: per-layer (per-SAE for ``SparseFeatures``) wire dicts.
+    With ``text=True`` the result is JSON-ready (keys as strings, byte fields base64) for an HTTP
+    response."""
     out: dict[Any, dict[str, Any]] = {}
     for layer, tensor in tensors.items():
         meta = metas[layer]
         table, req_idx = _req_index(meta.req_ids)
         labels = torch.stack([req_idx, meta.positions, meta.token_ids], dim=1) if len(meta) else \
             torch.empty(0, 3, dtype=torch.int32)
+        layout = (layouts or {}).get(layer)
         ragged = tensor if isinstance(tensor, AttentionPatterns) else None
-        if ragged is not None:  # labels and dtype checked on an empty [rows, heads] stand-in
-            tensor = torch.empty(len(ragged), len(ragged.heads), dtype=ragged.dtype or torch.float32)
-        wire = serialize_capture_layer(tensor, labels, table, (layouts or {}).get(layer))
-        if ragged is not None:  # the rows' values one after another
+        if isinstance(tensor, SparseFeatures):
+            if len(tensor) != len(meta):
+                raise InvalidRequestError(f"capture labels have {len(meta)} rows but {layer!r} has {len(tensor)}")
+            wire = serialize_sparse(tensor, {"req_table": table, "req_idx": _i32_bytes(labels[:, 0]),
+                                             "positions": _i32_bytes(labels[:, 1]),
+                                             "token_ids": _i32_bytes(labels[:, 2])}, layout)
+        elif ragged is not None:  # labels and dtype checked on an empty [rows, heads] stand-in
+            stand_in = torch.empty(len(ragged), len(ragged.heads), dtype=ragged.dtype or torch.float32)
+            wire = serialize_capture_layer(stand_in, labels, table, layout)
             wire["data"] = _raw_bytes(torch.cat([r.reshape(-1) for r in ragged.rows])) if len(ragged) else b""
             wire["ragged"] = {"heads": list(ragged.heads), "key_starts": _i32_bytes(ragged.key_starts),
                               "key_lens": _i32_bytes(ragged.key_lens)}
+        else:
+            wire = serialize_capture_layer(tensor, labels, table, layout)
         if text:
-            wire["data"] = _b64(wire["data"])
+            wire = {k: _b64(v) if isinstance(v, bytes) else v for k, v in wire.items()}
             wire["meta"] = {k: _b64(v) if isinstance(v, bytes) else v for k, v in wire["meta"].items()}
             if ragged is not None:
                 wire["ragged"] = {k: _b64(v) if isinstance(v, bytes) else v for k, v in wire["ragged"].items()}
@@ -229,7 +241,7 @@ def _layer_key(key: object) -> int:
     raise InvalidRequestError(f"capture layer key {key!r} is not a layer number")
 
 
-def _column(meta: Mapping[str, Any], name: str, layer: int, rows: int) -> np.ndarray:
+def _column(meta: Mapping[str, Any], name: str, layer: Any, rows: int) -> np.ndarray:
     buf = _as_bytes(meta.get(name), f"capture layer {layer} label column {name!r}")
     if len(buf) != rows * _I32.itemsize:
         raise InvalidRequestError(f"capture layer {layer} label column {name!r} has {len(buf)} bytes "
@@ -237,20 +249,29 @@ def _column(meta: Mapping[str, Any], name: str, layer: int, rows: int) -> np.nda
     return np.frombuffer(buf, dtype=_I32).astype(np.int32)
 
 
-def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
-                         ) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta]]:
-    """Rebuild per-layer tensors (bit-exact) and their row labels, keyed by int layer id.
+def _is_sparse(info: Any) -> bool:
+    return isinstance(info, Mapping) and info.get("encoding") == SPARSE_ENCODING
 
-    Layers come back sorted.  A ``layout`` entry is not interpreted here; read it from the wire dict.
+
+def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
+                         ) -> tuple[dict[Any, torch.Tensor | SparseFeatures], dict[Any, CaptureMeta]]:
+    """Rebuild per-layer tensors (bit-exact) and their row labels, keyed by int layer id; SAE
+    features (``"encoding": "sparse"``) come back as ``SparseFeatures`` keyed by SAE name.
+
+    Keys come back sorted.  A ``layout`` entry is not interpreted here; read it from the wire dict.
     """
-    tensors: dict[int, torch.Tensor] = {}
-    metas: dict[int, CaptureMeta] = {}
-    for key, info in sorted(serialized.items(), key=lambda kv: _layer_key(kv[0])):
-        layer = _layer_key(key)
+    tensors: dict[Any, torch.Tensor | SparseFeatures] = {}
+    metas: dict[Any, CaptureMeta] = {}
+    items = [(str(k) if _is_sparse(v) else _layer_key(k), v) for k, v in serialized.items()]
+    for layer, info in sorted(items, key=lambda kv: (isinstance(kv[0], str), kv[0])):
         if layer in tensors:
             raise InvalidRequestError(f"capture layer {layer} appears twice")
         if not isinstance(info, Mapping):
             raise InvalidRequestError(f"capture layer {layer} payload is not a mapping")
+        if _is_sparse(info):
+            tensors[layer] = deserialize_sparse(layer, info, _as_bytes)
+            metas[layer] = _labels(info.get("meta"), layer, len(tensors[layer]))
+            continue
         if info.get("encoding") != ENCODING:
             raise InvalidRequestError(f"unknown capture wire encoding {info.get('encoding')!r} for layer {layer}; "
                              "engine and client versions differ")
@@ -281,21 +302,8 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
             pieces = torch.split(tensor, (lens.astype(np.int64) * width).tolist()) if rows else []
             tensor = AttentionPatterns([p.view(width, -1) for p, n in zip(pieces, lens.tolist())],
                                        torch.from_numpy(starts), torch.from_numpy(lens), heads)
-        meta = info.get("meta")
-        if not isinstance(meta, Mapping):
-            raise InvalidRequestError(f"capture layer {layer} is missing its row labels ('meta'); unlabelled "
-                             "payloads cannot be aligned to requests")
-        table = meta.get("req_table")
-        if not isinstance(table, (list, tuple)) or not all(isinstance(r, str) for r in table):
-            raise InvalidRequestError(f"capture layer {layer} has no valid req_table")
-        req_idx = _column(meta, "req_idx", layer, rows)
-        positions = _column(meta, "positions", layer, rows)
-        token_ids = _column(meta, "token_ids", layer, rows)
-        if rows and (req_idx.min() < 0 or req_idx.max() >= len(table)):
-            raise InvalidRequestError(f"capture layer {layer} has req_idx outside its req_table of {len(table)}")
         tensors[layer] = tensor
-        metas[layer] = CaptureMeta([table[i] for i in req_idx.tolist()], torch.from_numpy(positions),
-                                   torch.from_numpy(token_ids))
+        metas[layer] = _labels(info.get("meta"), layer, rows)
     return tensors, metas
 
 
@@ -311,6 +319,21 @@ def _ragged(info: Any, layer: int, rows: int, heads: int) -> tuple[list[int], np
     if rows and (lens.min() < 1 or starts.min() < 0):
         raise InvalidRequestError(f"capture layer {layer}: key ranges must be non-empty and start at >= 0")
     return kept, starts, lens
+
+
+def _labels(meta: Any, layer: Any, rows: int) -> CaptureMeta:
+    if not isinstance(meta, Mapping):
+        raise InvalidRequestError(f"capture layer {layer} is missing its row labels ('meta'); unlabelled "
+                                  "payloads cannot be aligned to requests")
+    table = meta.get("req_table")
+    if not isinstance(table, (list, tuple)) or not all(isinstance(r, str) for r in table):
+        raise InvalidRequestError(f"capture layer {layer} has no valid req_table")
+    req_idx = _column(meta, "req_idx", layer, rows)
+    positions = _column(meta, "positions", layer, rows)
+    token_ids = _column(meta, "token_ids", layer, rows)
+    if rows and (req_idx.min() < 0 or req_idx.max() >= len(table)):
+        raise InvalidRequestError(f"capture layer {layer} has req_idx outside its req_table of {len(table)}")
+    return CaptureMeta([table[i] for i in req_idx.tolist()], torch.from_numpy(positions), torch.from_numpy(token_ids))
 
 
 def match_capture_request_id(label: str, request_id: str) -> bool:

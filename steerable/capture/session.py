@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from steerable.capture.features import SAE_FEATURES, FeatureCapture
 from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
 from steerable.capture.serialization import CaptureMeta
 from steerable.capture.sink_thread import SinkThread
@@ -53,7 +54,9 @@ class CaptureSpec:
     (None = every row), stored as ``dtype`` (None = the model's; float32 for attention patterns),
     hidden states read at ``hook``. When the request finishes, ``reduce="last"`` keeps its last
     selected row and ``"mean"`` their float32 mean (as a stream's reductions), and ``budget_rows``
-    keeps at most that many rows. ``heads``: the query heads attention patterns keep (None: all)."""
+    keeps at most that many rows. ``heads``: the query heads attention patterns keep (None: all).
+    ``stream="sae_features"`` reads each registered SAE of ``saes`` at its own point and keeps each
+    row's ``top_k`` highest features (``layers``, ``dtype`` and ``hook`` do not apply)."""
 
     stream: str = HIDDEN_STATES
     layers: Sequence[int] | None = None
@@ -63,6 +66,8 @@ class CaptureSpec:
     reduce: str = "all"
     budget_rows: int | None = None
     heads: Sequence[int] | None = None
+    saes: Sequence[str] | None = None
+    top_k: int = 32
 
 
 class CaptureSession:
@@ -84,6 +89,7 @@ class CaptureSession:
         self.windows = {layer: info["sliding_window"] for layer, info in patterns.items()}
         self.num_heads = next(iter(patterns.values()))["num_heads"] if patterns else 0
         self.dtype = dtype
+        self.features = FeatureCapture(dtype, pin_memory)
         self.streams: dict[str, Destination] = {}
         self.stopped: dict[str, StreamStore] = {}
         self.consumers: list[Any] = []
@@ -98,7 +104,8 @@ class CaptureSession:
 
     def _component(self, stream: str, field_name: str = "stream") -> str:
         if stream not in COMPONENTS:
-            raise InvalidRequestError(f"{field_name}: unknown capture stream {stream!r}; expected one of {list(COMPONENTS)}")
+            raise InvalidRequestError(f"{field_name}: unknown capture stream {stream!r}; expected one of "
+                                      f"{[*COMPONENTS, SAE_FEATURES]}")
         if not self.available.get(stream):  # a dense model has no router, every model has heads
             what = "a mixture-of-experts model" if stream == ROUTER_LOGITS else "attention heads"
             raise InvalidRequestError(f"{field_name}: {stream!r} needs {what}; this model has no such layers")
@@ -137,7 +144,8 @@ class CaptureSession:
     # ------------------------------------------------------------ streams (control plane)
 
     def start(self, stream: str, layers: Sequence[int] | None = None, dtype: str | None = None, reduce: str = "all",
-              select: Any = None, budget_rows: int | None = None, hook: str = POST_MLP, sink: Any = None) -> None:
+              select: Any = None, budget_rows: int | None = None, hook: str = POST_MLP, sink: Any = None,
+              saes: Sequence[str] | None = None, top_k: int = 32) -> None:
         """Enable a stream with a fresh store (replacing any earlier one of the same name).
 
         ``sink`` (in-process callers): an object whose ``append(StreamRows)`` takes each step's rows
@@ -145,7 +153,17 @@ class CaptureSession:
         that knows where every row belongs copies it there once (corpus capture). Such a stream
         keeps nothing to fetch; a stopped store of the same name stays fetchable meanwhile. A sink
         with ``threaded = True`` is fed on a background thread, in step order, where the worker's
-        host rows outlive later launches; ``stop`` returns once it has taken every row."""
+        host rows outlive later launches; ``stop`` returns once it has taken every row.
+        ``sae_features`` records ``saes`` (names of registered SAEs), ``top_k`` features a row."""
+        if stream == SAE_FEATURES:
+            if reduce != "all":
+                raise InvalidRequestError(f"reduce: sae_features keeps every selected row (reduce='all'), got {reduce!r}")
+            if sink is not None and budget_rows is not None:
+                raise InvalidRequestError("sink: takes every selected row as it arrives (no budget_rows)")
+            self.features.start(saes, top_k, select, budget_rows, sink, self._serial + 1)
+            self._serial += 1
+            self._start_sink_thread(sink)
+            return
         component = self._component(stream)
         if component == ATTENTION_PATTERNS:  # ragged rows: a request's own CaptureSpec carries them
             raise InvalidRequestError(f"stream: {ATTENTION_PATTERNS!r} is captured per request "
@@ -165,20 +183,29 @@ class CaptureSession:
                                             config.dtype, row_select, store)
         if sink is None:
             self.stopped.pop(stream, None)
+        self._start_sink_thread(sink)
+
+    def _start_sink_thread(self, sink: Any) -> None:
         if getattr(sink, "threaded", False) and self.host_block_lifetime is not None and self.sink_thread is None:
             self.sink_thread = SinkThread()
 
+    def _all_streams(self) -> list[Destination]:
+        return [*self.streams.values(), *self.features.streams.values()]
+
     def stop(self, stream: str) -> None:
         """Stop recording; stored rows (and reductions of running requests) stay fetchable."""
-        self._component(stream)
-        destination = self.streams.pop(stream, None)
+        if stream == SAE_FEATURES:
+            self.features.stop()
+        else:
+            self._component(stream)
+            destination = self.streams.pop(stream, None)
+            if destination is not None and isinstance(destination.sink, StreamStore):
+                store = destination.sink
+                for request_id in store.pending_requests():
+                    store.finish_request(request_id)
+                self.stopped[stream] = store
         self._serial += 1
-        if destination is not None and isinstance(destination.sink, StreamStore):
-            store = destination.sink
-            for request_id in store.pending_requests():
-                store.finish_request(request_id)
-            self.stopped[stream] = store
-        if self.sink_thread is not None and not any(getattr(d.sink, "threaded", False) for d in self.streams.values()):
+        if self.sink_thread is not None and not any(getattr(d.sink, "threaded", False) for d in self._all_streams()):
             self.close()  # a threaded sink is done once it has taken every row; its failure is raised here
 
     def close(self) -> None:
@@ -194,22 +221,31 @@ class CaptureSession:
             return destination.sink
         return self.stopped.get(stream)
 
-    def fetch(self, stream: str, clear: bool = True, layers: Sequence[int] | None = None,
-              req_ids: Sequence[str] | None = None) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta]]:
+    def fetch(self, stream: str, clear: bool = True, layers: Sequence[Any] | None = None,
+              req_ids: Sequence[str] | None = None) -> tuple[dict[Any, Any], dict[Any, CaptureMeta]]:
+        """Rows per layer (per SAE name for ``sae_features``: ``layers`` then names SAEs)."""
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        if stream == SAE_FEATURES:
+            return self.features.fetch(clear, layers, req_ids)
         store = self._store(stream)
         if store is None:
             return {}, {}
-        if isinstance(req_ids, str):
-            req_ids = [req_ids]
         return store.fetch(list(layers) if layers is not None else None,
                            list(req_ids) if req_ids is not None else None, clear_selected=clear)
 
     def clear(self, stream: str) -> None:
+        if stream == SAE_FEATURES:
+            self.features.clear()
+            return
         store = self._store(stream)
         if store is not None:
             store.clear()
 
     def status(self, stream: str) -> dict[str, Any]:
+        if stream == SAE_FEATURES:
+            return {**self.features.status(), "graph_replays": self.graph_replays,
+                    "eager_capture_forwards": self.eager_capture_forwards}
         component = self._component(stream)
         store = self._store(stream)
         base = {"enabled": stream in self.streams, "stream": stream,
@@ -235,7 +271,10 @@ class CaptureSession:
             raise InvalidRequestError("capture: expected a CaptureSpec or a list of them")
         destinations = []
         for spec in specs:
-            component = self._component(spec.stream, "capture.stream")
+            if spec.stream == SAE_FEATURES and not any(d.component == SAE_FEATURES for d in destinations):
+                destinations += self._feature_destinations(request, spec)
+                continue
+            component = self._component(spec.stream, "capture.stream") if spec.stream != SAE_FEATURES else SAE_FEATURES
             if any(d.component == component for d in destinations):
                 raise InvalidRequestError(f"capture.stream: {component!r} requested twice")
             hook = self._hook(component, spec.hook, "capture.hook")
@@ -258,10 +297,20 @@ class CaptureSession:
                                            for d in destinations)
         self._token_readers += state.reads_generated_tokens
         self.requests_in_use += bool(destinations)
+        self.features.users.update(d.name for d in destinations if d.name is not None)
         for d in destinations:
             d.sink = state
         request.capture = state
         self._build_selectors(request)
+
+    def _feature_destinations(self, request: Request, spec: CaptureSpec) -> list[Destination]:
+        try:
+            select = SelectSpec.parse(spec.select) if spec.select is not None else None
+        except ValueError as err:
+            raise InvalidRequestError(f"capture.{err}") from None
+        check_reduction(spec.reduce, spec.budget_rows, "capture.")
+        return self.features.destinations(spec.saes, spec.top_k, select, ("request", request.request_id, SAE_FEATURES),
+                                          spec.reduce, spec.budget_rows, "capture.")
 
     def prompt_extended(self, request: Request) -> None:
         """A streaming-input request resumed with a longer prompt: selections are resolved on it
@@ -291,7 +340,7 @@ class CaptureSession:
 
     def _destinations(self, request: Request) -> list[Destination]:
         own = request.capture.destinations if request.capture is not None else []
-        return [*self.streams.values(), *own]
+        return [*self.streams.values(), *self.features.streams.values(), *own]
 
     def _selector(self, request: Request, destination: Destination) -> RowSelector:
         if request.capture is None:
@@ -308,7 +357,7 @@ class CaptureSession:
              query_start: np.ndarray) -> tuple[CapturePlan, Delivery] | None:
         """Which rows each destination records this step (None when none): the plain plan for the
         worker, and what delivery needs when the rows come back."""
-        if not self.streams and not any(s.request.capture is not None and s.request.capture.destinations
+        if not self.streams and not self.features.streams and not any(s.request.capture is not None and s.request.capture.destinations
                                         for s in scheduled):
             return None
         planned = plan_step(scheduled, positions, token_ids, query_start, self._destinations, self._selector,
@@ -323,7 +372,7 @@ class CaptureSession:
     def reads_generated_tokens(self) -> bool:
         """A destination selects generated rows by token id: planning needs sampled tokens on the host."""
         return self._token_readers > 0 or any(
-            d.select is not None and d.select.reads_generated_tokens for d in self.streams.values())
+            d.select is not None and d.select.reads_generated_tokens for d in self._all_streams())
 
     def deliver(self, delivery: Delivery, captured: list[torch.Tensor], graphed: bool) -> None:
         """Hand each destination its rows of a finished step: a stream takes every request's rows of a
@@ -345,7 +394,7 @@ class CaptureSession:
                 if not isinstance(destination.sink, RequestCapture):  # a stream's store or sink
                     streams.setdefault(id(destination), (destination, []))[1].append((request, where))
                 else:
-                    destination.sink.add(destination.component, block.index_select(1, torch.from_numpy(where)),
+                    destination.sink.add(destination.key, block.index_select(1, torch.from_numpy(where)),
                                          group.positions[where], group.token_ids[where])
             for destination, takers in streams.values():
                 where = np.concatenate([w for _, w in takers]) if len(takers) > 1 else takers[0][1]
@@ -362,7 +411,7 @@ class CaptureSession:
     def finish(self, request: Request, aborted: bool = False) -> tuple[dict, dict]:
         """Close the request: reductions of streams materialise; its own captures are returned
         ({stream: {layer: Tensor}}, {stream: {layer: CaptureMeta}}) and passed to consumers."""
-        for destination in self.streams.values():
+        for destination in self._all_streams():
             store = destination.sink
             if isinstance(store, StreamStore) and aborted:
                 store.abort_request(request.request_id)
@@ -373,14 +422,20 @@ class CaptureSession:
         if state is not None:
             self._token_readers -= state.reads_generated_tokens
             self.requests_in_use -= bool(state.destinations)
+            self.features.users.subtract(d.name for d in state.destinations if d.name is not None)
         if state is None or aborted or not state.destinations:
             return {}, {}
         tensors: dict[str, dict[int, torch.Tensor]] = {}
         metas: dict[str, dict[int, CaptureMeta]] = {}
         for destination in state.destinations:
             component = destination.component
+            parts = state.rows.get(destination.key, [])
+            if destination.name is not None:  # sae_features, keyed by SAE name
+                features, meta = self.features.assemble(destination, parts, request.request_id)
+                tensors.setdefault(component, {})[destination.name] = features
+                metas.setdefault(component, {})[destination.name] = meta
+                continue
             tensors[component], metas[component] = {}, {}
-            parts = state.rows.get(component, [])
             positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
             token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
             if component == ATTENTION_PATTERNS:

@@ -44,10 +44,13 @@ class ShardFile:
     ``allocate`` (typically on another thread) reserves the space: the labels first, then the
     rows chunk by chunk in every layer. A writer calls ``wait_rows(n)`` before writing rows below
     n (and the labels: ``wait_rows(0)``), so it never touches a page the file system has not
-    granted: a full disk is then an ``OSError`` here, not a ``SIGBUS`` in the copy."""
+    granted: a full disk is then an ``OSError`` here, not a ``SIGBUS`` in the copy.
+
+    ``names`` (name, safetensors dtype of the same item size), one per entry of ``layers``, replaces
+    ``layer.L``: SAE features store ``indices`` (I32) and ``values`` (F32) through float32 slots."""
 
     def __init__(self, path: str | os.PathLike, layers: Sequence[int], rows: int, width: int, dtype: torch.dtype,
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, names: Sequence[tuple[str, str]] | None = None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: a shard stores {sorted(str(d) for d in _DTYPES)}, not {dtype}")
         header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
@@ -56,9 +59,8 @@ class ShardFile:
             header[name] = {"dtype": "I64", "shape": [rows], "data_offsets": [offset, offset + rows * 8]}
             offset += rows * 8
         self.row_bytes = width * dtype.itemsize
-        for layer in layers:
-            header[f"layer.{layer}"] = {"dtype": _DTYPES[dtype], "shape": [rows, width],
-                                        "data_offsets": [offset, offset + rows * self.row_bytes]}
+        for name, kind in names or [(f"layer.{layer}", _DTYPES[dtype]) for layer in layers]:
+            header[name] = {"dtype": kind, "shape": [rows, width], "data_offsets": [offset, offset + rows * self.row_bytes]}
             offset += rows * self.row_bytes
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         text += b" " * (-len(text) % 8)

@@ -22,6 +22,8 @@ from steerable.step import (
     CapturePlan,
     PenaltyInput,
     PromptLogprobsInput,
+    SaeUpdate,
+    SaeWeights,
     SamplingInput,
     SharedPrefix,
     SteeringPlan,
@@ -31,8 +33,8 @@ from steerable.step import (
 )
 
 _CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput,
-                                          PromptLogprobsInput, SamplingInput, SharedPrefix, StepInput, StepOutput,
-                                          SteeringPlan, SteeringUpdate)}
+                                          PromptLogprobsInput, SaeUpdate, SaeWeights, SamplingInput, SharedPrefix,
+                                          StepInput, StepOutput, SteeringPlan, SteeringUpdate)}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,
                                                              torch.int64, torch.int32)}
 _NUMPY_DTYPES = {"float32", "float64", "int64", "int32", "bool"}

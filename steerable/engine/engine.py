@@ -37,6 +37,8 @@ from steerable.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from steerable.models.registry import resolve_model_config
 from steerable.outputs import RequestOutput
 from steerable.request import Request, SchedulerOutput
+from steerable.sae.model import SAE
+from steerable.sae.registry import SaeRegistry
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.steering.spec import SteeringSpec
@@ -86,7 +88,8 @@ class LLMEngine(ResumableRequests):
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_groups.windows)
         cfg = self.model_config
-        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs)
+        self.saes = SaeRegistry(cfg.hidden_size, cfg.num_layers, self.dtype)
+        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs, self.saes)
         self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda",
                                       host_block_lifetime=self.worker.host_block_lifetime)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
@@ -221,11 +224,31 @@ class LLMEngine(ResumableRequests):
         with self.lock.hold():
             return self.steering.status()
 
+    def register_sae(self, name: str, sae: SAE) -> None:
+        with self.lock.hold():
+            self.capture.features.register(name, self.saes.register(name, sae))  # shipped with the next step
+
+    def list_saes(self) -> dict[str, dict[str, Any]]:
+        with self.lock.hold():
+            return self.saes.describe()
+
+    def unregister_sae(self, name: str) -> None:
+        """Refused while steering (global, a module, a live request) or capture uses the SAE."""
+        with self.lock.hold():
+            self.saes.get(name, "name")
+            capturing = self.capture.features.in_use(name)
+            users = [*self.steering.sae_users(name), *([capturing] if capturing else [])]
+            if users:
+                raise InvalidRequestError(f"name: SAE {name!r} is in use by {', '.join(users)}")
+            self.saes.remove(name)
+            self.capture.features.unregister(name)
+
     def start_capture(self, stream: str, layers: Sequence[int] | None, dtype: str | None, reduce: str, select: Any,
-                      budget_rows: int | None, hook: str, sink: Any = None) -> None:
+                      budget_rows: int | None, hook: str, sink: Any = None, saes: Sequence[str] | None = None,
+                      top_k: int = 32) -> None:
         """``sink``: see ``CaptureSession.start`` (in-process callers only)."""
         with self.lock.hold():
-            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook, sink)
+            self.capture.start(stream, layers, dtype, reduce, select, budget_rows, hook, sink, saes, top_k)
 
     def stop_capture(self, stream: str) -> None:
         with self.lock.hold():
@@ -481,6 +504,7 @@ class LLMEngine(ResumableRequests):
         step = self.builder.build(self.num_steps, sched)
         step.steering = self.steering.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
         step.steering_update = self.steering.take_update()
+        step.sae_update = self.capture.features.take_update()
         planned = self.capture.plan(sched.scheduled, step.positions, step.token_ids, step.query_start)
         delivery = None
         if planned is not None:

@@ -13,6 +13,7 @@ from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
+from steerable.sae.model import SAE
 from steerable.sampling_params import SamplingParams
 from steerable.steering.spec import SteeringSpec
 
@@ -86,11 +87,28 @@ class LLM:
 
     # ------------------------------------------------------------ capture streams
 
+    # ------------------------------------------------------------ SAEs
+
+    def register_sae(self, name: str, sae: SAE) -> None:
+        """Name an SAE (``SAE.load`` or in memory) for feature steering and capture; its ``d_in``
+        must be the hidden size and its layer one of the model's."""
+        self.engine.register_sae(name, sae)
+
+    def list_saes(self) -> dict[str, dict[str, Any]]:
+        """``{name: {"layer", "hook", "d_sae", "architecture"}}``."""
+        return self.engine.list_saes()
+
+    def unregister_sae(self, name: str) -> None:
+        """Refused (``ValueError`` naming it) while global steering, a module or a live request uses it."""
+        self.engine.unregister_sae(name)
+
     def start_capture(self, stream: str = "hidden_states", layers: Sequence[int] | None = None,
                       dtype: str | None = None, reduce: str = "all", select: Any = None,
-                      budget_rows: int | None = None, hook: str = "post_mlp") -> None:
-        """Record ``stream`` for every request from now on until ``stop_capture``."""
-        self.engine.start_capture(stream, layers, dtype, reduce, select, budget_rows, hook)
+                      budget_rows: int | None = None, hook: str = "post_mlp", saes: Sequence[str] | None = None,
+                      top_k: int = 32) -> None:
+        """Record ``stream`` for every request from now on until ``stop_capture``; ``sae_features``
+        records the ``top_k`` highest features of each registered SAE named in ``saes``."""
+        self.engine.start_capture(stream, layers, dtype, reduce, select, budget_rows, hook, saes=saes, top_k=top_k)
 
     def stop_capture(self, stream: str = "hidden_states") -> None:
         self.engine.stop_capture(stream)

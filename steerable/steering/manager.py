@@ -23,6 +23,7 @@ import torch
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import RESIDUAL_POINTS
 from steerable.request import Request, ScheduledRequest
+from steerable.sae.registry import SaeRegistry
 from steerable.selection import SelectSpec
 from steerable.steering.rows import RowTables
 from steerable.steering.spec import Add, Clamp, Intervention, SpecParser, SteeringSpec, config_identity
@@ -62,8 +63,9 @@ class RequestSteering:
 
 
 class SteeringManager:
-    def __init__(self, hidden_size: int, num_layers: int, max_num_seqs: int = 256):
-        self.parser = SpecParser(hidden_size, num_layers)
+    def __init__(self, hidden_size: int, num_layers: int, max_num_seqs: int = 256, saes: SaeRegistry | None = None):
+        """``saes``: the registry ``Feature``/``FeatureClamp`` names are resolved against."""
+        self.parser = SpecParser(hidden_size, num_layers, saes)
         self.num_layers = num_layers
         self.global_items: list[Intervention] = []
         self.modules: dict[str, list[Intervention]] = {}
@@ -113,6 +115,16 @@ class SteeringManager:
         if name not in self.modules:
             raise InvalidRequestError(f"name: unknown module {name!r}; registered: {sorted(self.modules)}")
         return SteeringSpec(interventions=[_as_item(item) for item in self.modules[name]])
+
+    def sae_users(self, name: str) -> list[str]:
+        """Who steers with the SAE registered as ``name``: global steering, modules, live requests."""
+        def uses(items: Sequence[Intervention]) -> bool:
+            return any(item.sae == name for item in items)
+
+        users = ["global steering"] if uses(self.global_items) else []
+        users += [f"steering module {module!r}" for module, items in self.modules.items() if uses(items)]
+        live = sum(config.refcount for config in self.configs.values() if uses(config.interventions))
+        return users + ([f"{live} live request(s)"] if live else [])
 
     def steerable_layers(self) -> dict[str, list[int]]:
         return {point: list(range(self.num_layers)) for point in RESIDUAL_POINTS}

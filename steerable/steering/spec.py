@@ -15,6 +15,7 @@ import torch
 from steerable.checks import finite_number
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import POST_MLP, check_residual_point
+from steerable.sae.registry import SaeRegistry
 from steerable.selection import SelectSpec
 
 PREFILL = SelectSpec(prompt="all")
@@ -89,6 +90,7 @@ class Intervention:
     lo: float = -math.inf
     hi: float = math.inf
     strength: float = 1.0
+    sae: str | None = None  # the registered SAE a feature item came from (its content is in vector_hash)
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,9 +140,10 @@ def _vector_hash(vector: torch.Tensor) -> bytes:
 class SpecParser:
     """Validates user specs against one model (hidden size, layer count) and normalises them."""
 
-    def __init__(self, hidden_size: int, num_layers: int):
+    def __init__(self, hidden_size: int, num_layers: int, saes: SaeRegistry | None = None):
         self.hidden_size = hidden_size
         self.num_layers = num_layers
+        self.saes = saes
 
     def parse(self, spec: Any, where: str) -> list[Intervention]:
         """Any accepted form -> interventions; ``ValueError`` names ``where`` and the bad part."""

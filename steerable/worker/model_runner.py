@@ -30,6 +30,7 @@ from steerable.layers.attention import Attention, value_cache_view
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
+from steerable.sae.worker_tables import SaeTables
 from steerable.steering.tables import SteeringTables
 from steerable.step import SamplingInput, StepInput, StepOutput
 from steerable.worker.cuda_graphs import CudaGraphRunner
@@ -119,8 +120,10 @@ class ModelRunner:
         self.num_shared_prefix_steps = 0
         self.sampler = Sampler()
         self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
+        self.saes = SaeTables(device, dtype, owns=placement.owns)
         self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components,
-                                      [model_config.attention_window(layer) for layer in range(model_config.num_layers)])
+                                      [model_config.attention_window(layer) for layer in range(model_config.num_layers)],
+                                      self.saes)
         self.host_block_lifetime = self.capture.host_block_lifetime
         self.parallel.tp.warm_up(device)
         self.num_blocks = self.parallel.agree_min(self._kv_cache_blocks())  # every rank holds the same blocks
@@ -219,6 +222,8 @@ class ModelRunner:
         Sampled tokens stay on the device, kept per request slot for the next step's inputs."""
         if step.steering_update is not None:
             self.steering.apply(step.steering_update)
+        if step.sae_update is not None:
+            self.saes.apply(step.sae_update)
         ctx, views, key, inside = self._prepare(step)
         if ctx.pipeline_in is not None:  # the previous stage's residual stream, into the buffer the forward reads
             self.parallel.pipe.receive(ctx.pipeline_in)

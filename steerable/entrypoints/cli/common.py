@@ -121,3 +121,36 @@ def control_vector(args: argparse.Namespace) -> Any:
         return None
     from steerable.vectors import combine_control_vectors
     return combine_control_vectors(args.control_vector, args.control_vector_layer_range)
+
+
+def sae_file(text: str) -> tuple[str, int | None, str | None]:
+    """``PATH[:LAYER[:HOOK]]`` -> (path, layer, hook): the arguments of ``SAE.load``."""
+    from steerable.hook_points import RESIDUAL_POINTS
+
+    parts = text.split(":")
+    hook = parts.pop() if len(parts) > 1 and parts[-1] in RESIDUAL_POINTS else None
+    layer = int(parts.pop()) if len(parts) > 1 and parts[-1].isdecimal() else None
+    if hook is not None and layer is None:
+        raise argparse.ArgumentTypeError(f"expected PATH[:LAYER[:HOOK]], got {text!r} (a hook needs its layer)")
+    path = ":".join(parts)
+    if not path:
+        raise argparse.ArgumentTypeError(f"expected PATH[:LAYER[:HOOK]], got {text!r}")
+    return path, layer, hook
+
+
+def named_sae_file(text: str) -> tuple[str, tuple[str, int | None, str | None]]:
+    """``NAME=PATH[:LAYER[:HOOK]]`` -> (name, (path, layer, hook))."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH[:LAYER[:HOOK]], got {text!r}")
+    return name, sae_file(rest)
+
+
+def load_sae(spec: tuple[str, int | None, str | None], flag: str) -> Any:
+    """``SAE.load`` of a parsed ``sae_file``; a bad file is a ``CliError`` naming ``flag``."""
+    from steerable.sae.model import SAE
+
+    try:
+        return SAE.load(*spec)
+    except (ValueError, OSError) as err:
+        raise CliError(f"{flag}: {err}") from None

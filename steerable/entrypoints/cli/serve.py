@@ -15,6 +15,8 @@ from steerable.entrypoints.cli.common import (
     add_model_arg,
     control_vector,
     engine_kwargs,
+    load_sae,
+    named_sae_file,
     run_checked,
 )
 
@@ -55,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "used instead of the tokenizer's")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: info)")
+    group.add_argument("--sae", action="append", type=named_sae_file, default=[], metavar="NAME=PATH[:LAYER[:HOOK]]",
+                       help="register an SAE (SAELens or sparsify directory, Gemma Scope params.npz) as NAME at "
+                            "start, for feature steering and capture; repeat for several (see docs/sae.md)")
     add_control_vector_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=lambda args: run_checked(serve, args))
@@ -64,6 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     kwargs = {**engine_kwargs(args), "max_n": args.max_n, "max_fanout_seqs": args.max_fanout_seqs}
     steering = control_vector(args)
+    saes = {name: load_sae(spec, "--sae") for name, spec in args.sae}  # every file read before the model loads
     from steerable.entrypoints.engine_process import ProcessAsyncLLM
     from steerable.entrypoints.openai import build_app, run_server
 
@@ -73,6 +79,8 @@ def serve(args: argparse.Namespace) -> int:
             cfg = llm.model_config
             steering.check_model(cfg.hidden_size, cfg.num_layers, "--control-vector")
             asyncio.run(llm.set_steering_vectors(steering))
+        for name, sae in saes.items():
+            asyncio.run(llm.register_sae(name, sae))
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

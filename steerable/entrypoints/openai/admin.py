@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from steerable.capture.features import SAE_FEATURES
 from steerable.capture.serialization import serialize_captured
 from steerable.checks import finite_number
 from steerable.entrypoints.async_llm import AsyncLLM
@@ -116,7 +117,7 @@ async def require_module(llm: AsyncLLM, name: str, field: str) -> None:
 async def start_stream(stream: str, body: StreamStartRequest, request: Request) -> dict[str, Any]:
     llm = server_state(request).llm
     await llm.start_capture(_stream(stream), body.layers, body.dtype, body.reduce, body.select, body.budget_rows,
-                            body.hook)
+                            body.hook, saes=body.saes, top_k=body.top_k)
     return await llm.capture_status(stream)
 
 
@@ -130,9 +131,10 @@ async def stop_stream(stream: str, request: Request) -> dict[str, Any]:
 @admin.get("/v1/capture/streams/{stream}")
 async def fetch_stream(stream: str, request: Request, clear: bool = False, layers: str | None = None
                        ) -> dict[str, Any]:
-    """``{"<layer>": wire}`` (base64 data) of the rows stored so far; ``clear=true`` drains them."""
+    """``{"<layer>": wire}`` (base64 data) of the rows stored so far; ``clear=true`` drains them.
+    For ``sae_features`` the keys are SAE names (``layers`` then lists names)."""
     state = server_state(request)
-    wanted = _layer_list(layers)
+    wanted = _layer_list(layers) if stream != SAE_FEATURES else _name_list(layers)
     tensors, metas = await state.llm.fetch_captured(_stream(stream), clear, wanted)
     return serialize_captured(tensors, metas, state.capture.layouts.get(stream), text=True)
 
@@ -150,9 +152,14 @@ async def stream_status(stream: str, request: Request) -> dict[str, Any]:
 
 
 def _stream(stream: str) -> str:
-    if stream not in COMPONENTS:
-        raise APIError(404, f"stream: no capture stream {stream!r}; the streams are {list(COMPONENTS)}", "stream")
+    if stream not in (*COMPONENTS, SAE_FEATURES):
+        raise APIError(404, f"stream: no capture stream {stream!r}; the streams are {[*COMPONENTS, SAE_FEATURES]}",
+                       "stream")
     return stream
+
+
+def _name_list(names: str | None) -> list[str] | None:
+    return None if names is None else [part.strip() for part in names.split(",") if part.strip()]
 
 
 def _layer_list(layers: str | None) -> list[int] | None:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 import steerable
 from steerable.entrypoints.async_llm import AsyncLLM
-from steerable.entrypoints.openai import admin, auth, chat, completions, info, invocations, playground, vectors
+from steerable.entrypoints.openai import admin, auth, chat, completions, info, invocations, playground, saes, vectors
 from steerable.entrypoints.openai.auth import Keys
 from steerable.entrypoints.openai.errors import error_body, install_error_handlers
 from steerable.entrypoints.openai.extensions import CaptureInfo
@@ -21,7 +21,7 @@ from steerable.entrypoints.openai.metrics import Metrics
 from steerable.entrypoints.openai.state import ServerSettings, ServerState
 
 ROUTERS = [info.open_router, info.router, auth.router, completions.router, chat.router, invocations.router,
-           admin.user, admin.admin, vectors.user, vectors.admin, playground.router]
+           admin.user, admin.admin, vectors.user, vectors.admin, saes.user, saes.admin, playground.router]
 
 Scope = dict[str, Any]
 

@@ -4,7 +4,9 @@ and the captures of a response: JSON in, engine objects out, and back.
 - ``steering_vectors``: every form ``SamplingParams(steering_vectors=...)`` takes, as JSON
   (``steerable.steering.wire``), vectors as float lists or base64.
 - ``steering_module_ref``: ``"name"`` or ``{"name": ..., "scale": ...}``.
-- ``capture``: a ``CaptureSpec`` as a dict (``component`` names the stream), or a list of them.
+- ``capture``: a ``CaptureSpec`` as a dict (``component`` or ``stream`` names the stream), or a list
+  of them; ``{"stream": "sae_features", "saes": [...], "top_k": 32, "select": ...}`` captures SAE
+  features of registered SAEs.
 Unknown keys are a 400 naming the key, and so is an unknown top-level key that begins with
 ``steer`` or ``capture``: a typo must not silently run unsteered.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from steerable.capture.features import SAE_FEATURES
 from steerable.capture.serialization import serialize_captured
 from steerable.capture.session import COMPONENTS, HIDDEN_STATES, CaptureSpec
 from steerable.capture.store import resolve_storage_dtype
@@ -26,7 +29,8 @@ from steerable.outputs import CompletionOutput
 from steerable.selection import SelectSpec
 
 EXTENSION_FIELDS = ("steering_vectors", "steering_module_ref", "capture")
-CAPTURE_KEYS = ("component", "layers", "hook", "select", "reduce", "dtype", "budget_rows", "heads")
+CAPTURE_KEYS = ("component", "stream", "layers", "hook", "select", "reduce", "dtype", "budget_rows", "heads", "saes",
+                "top_k")
 
 
 def reject_unknown_extensions(extra: Iterable[str]) -> None:
@@ -63,14 +67,18 @@ def capture_from_json(value: Any) -> list[CaptureSpec] | None:
         unknown = sorted(set(spec) - set(CAPTURE_KEYS))
         if unknown:
             raise InvalidRequestError(f"{where}.{unknown[0]}: unknown key; expected one of {list(CAPTURE_KEYS)}")
-        component = spec.get("component", HIDDEN_STATES)
-        if component not in COMPONENTS:
-            raise InvalidRequestError(f"{where}.component: unknown component {component!r}; expected one of "
-                                      f"{list(COMPONENTS)}")
+        if "component" in spec and "stream" in spec:
+            raise InvalidRequestError(f"{where}.stream: give 'stream' or its alias 'component', not both")
+        key = "stream" if "stream" in spec else "component"
+        component = spec.get(key, HIDDEN_STATES)
+        if component not in (*COMPONENTS, SAE_FEATURES):
+            raise InvalidRequestError(f"{where}.{key}: unknown component {component!r}; expected one of "
+                                      f"{[*COMPONENTS, SAE_FEATURES]}")
         out.append(CaptureSpec(stream=component, layers=spec.get("layers"), select=spec.get("select"),
                                dtype=spec.get("dtype"), hook=spec.get("hook", POST_MLP),
                                reduce=spec.get("reduce", "all"), budget_rows=spec.get("budget_rows"),
-                               heads=spec.get("heads")))
+                               heads=spec.get("heads"), saes=spec.get("saes"),
+                               top_k=spec.get("top_k", 32)))
     return out
 
 
@@ -96,9 +104,6 @@ class CaptureInfo:
         return total
 
     def _spec_bytes(self, spec: CaptureSpec, prompt: list[int], max_tokens: int) -> int:
-        layers = self.layers.get(spec.stream, [])
-        count = len(layers) if spec.layers is None else len({spec.layers} if isinstance(spec.layers, int)
-                                                            else set(spec.layers))
         if spec.reduce in ("last", "mean"):
             rows = 1
         else:
@@ -111,9 +116,22 @@ class CaptureInfo:
         if spec.stream == ATTENTION_PATTERNS:  # a row: its heads times at most every key before it
             heads = self.widths.get(spec.stream, 0) if spec.heads is None else len(set(spec.heads))
             keys = len(prompt) + max(max_tokens, 1)
-            return rows * count * heads * keys * (resolve_storage_dtype(spec.dtype) or torch.float32).itemsize
+            itemsize = (resolve_storage_dtype(spec.dtype) or torch.float32).itemsize
+            return rows * self._layer_count(spec) * heads * keys * itemsize
+        return rows * self._row_bytes(spec)
+
+    def _layer_count(self, spec: CaptureSpec) -> int:
+        layers = self.layers.get(spec.stream, [])
+        return len(layers) if spec.layers is None else len({spec.layers} if isinstance(spec.layers, int)
+                                                           else set(spec.layers))
+
+    def _row_bytes(self, spec: CaptureSpec) -> int:
+        """Bytes of one captured row over every layer (every SAE) the spec reads."""
+        if spec.stream == SAE_FEATURES:  # per SAE: top_k int32 indices and float32 values
+            return len([spec.saes] if isinstance(spec.saes, str) else spec.saes) * 2 * int(spec.top_k) * 4
+        count = self._layer_count(spec)
         dtype = resolve_storage_dtype(spec.dtype) or (torch.float32 if spec.reduce == "mean" else self.dtype)
-        return rows * count * self.widths.get(spec.stream, 0) * dtype.itemsize
+        return count * self.widths.get(spec.stream, 0) * dtype.itemsize
 
     def to_json(self, completion: CompletionOutput) -> dict[str, Any]:
         """A finished completion's captures: ``{component: {"<layer>": wire}}`` with base64 data,

@@ -196,6 +196,8 @@ class StreamStartRequest(Strict):
     select: Any = None
     budget_rows: int | None = None
     hook: str = "post_mlp"
+    saes: list[str] | None = None  # sae_features: the registered SAEs recorded
+    top_k: int = 32
 
 
 Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]

@@ -1,0 +1,71 @@
+"""SAEs over HTTP: ``POST /v1/saes`` (admin) loads SAEs from files on the server and registers
+them, ``GET /v1/saes`` lists them, ``DELETE /v1/saes/{name}`` (admin) unregisters one. Loading
+reads server-side paths, so only the admin key may ask for it; a user steers and captures with
+the registered names."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from steerable.entrypoints.openai.auth import require_admin, require_user
+from steerable.entrypoints.openai.state import server_state
+from steerable.errors import InvalidRequestError
+
+admin = APIRouter(dependencies=[Depends(require_admin)])
+user = APIRouter(dependencies=[Depends(require_user)])
+
+SAE_KEYS = ("path", "layer", "hook")
+
+
+def parse_sae_entries(body: Any) -> dict[str, dict[str, Any]]:
+    """``{"name": {"path", "layer"?, "hook"?}}`` checked (errors name the entry and key)."""
+    if not isinstance(body, dict) or not body:
+        raise InvalidRequestError('body: expected {"name": {"path": ..., "layer"?: ..., "hook"?: ...}}')
+    for name, entry in body.items():
+        where = f"saes[{name!r}]"
+        if not isinstance(entry, dict):
+            raise InvalidRequestError(f"{where}: expected an object with 'path' (and 'layer', 'hook')")
+        unknown = sorted(set(entry) - set(SAE_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"{where}.{unknown[0]}: unknown key; expected one of {list(SAE_KEYS)}")
+        if not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise InvalidRequestError(f"{where}.path: expected the path of the SAE's files on the server")
+    return body
+
+
+def load_saes(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every SAE loaded before any is registered, so a bad file registers nothing."""
+    from steerable.sae.model import SAE
+
+    return {name: SAE.load(entry["path"], entry.get("layer"), entry.get("hook")) for name, entry in entries.items()}
+
+
+@admin.post("/v1/saes")
+async def register_saes(body: dict[str, Any], request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    saes = await asyncio.to_thread(load_saes, parse_sae_entries(body))
+    registered = []
+    try:
+        for name, sae in saes.items():
+            await llm.register_sae(name, sae)
+            registered.append(name)
+    except BaseException:
+        for name in registered:  # all or nothing
+            await llm.unregister_sae(name)
+        raise
+    return {"saes": await llm.list_saes()}
+
+
+@user.get("/v1/saes")
+async def list_saes(request: Request) -> dict[str, Any]:
+    return {"saes": await server_state(request).llm.list_saes()}
+
+
+@admin.delete("/v1/saes/{name}")
+async def unregister_sae(name: str, request: Request) -> dict[str, Any]:
+    llm = server_state(request).llm
+    await llm.unregister_sae(name)
+    return {"saes": await llm.list_saes()}

@@ -1,0 +1,55 @@
+"""``LLM.register_sae`` / ``list_saes`` / ``unregister_sae``: what must fit, what is reported, and
+that a refused call registers nothing and the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from steerable import LLM, SAE, SamplingParams
+from steerable.errors import InvalidRequestError
+
+
+def random_sae(d_in: int = 64, d_sae: int = 96, architecture: str = "jumprelu", layer: int = 1,
+               hook: str = "post_mlp", seed: int = 0, **kwargs) -> SAE:
+    g = torch.Generator().manual_seed(seed)
+    extra = {"threshold": torch.rand(d_sae, generator=g) * 0.3} if architecture == "jumprelu" else {}
+    extra.update({"k": 8} if architecture == "topk" else {})
+    return SAE(torch.randn(d_in, d_sae, generator=g) * 0.3, torch.randn(d_sae, generator=g) * 0.1,
+               torch.randn(d_sae, d_in, generator=g) * 0.3, torch.randn(d_in, generator=g) * 0.1,
+               architecture=architecture, layer=layer, hook=hook, **{**extra, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    with LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=2048) as engine:
+        yield engine
+
+
+def test_register_list_unregister(llm):
+    llm.register_sae("res1", random_sae())
+    llm.register_sae("mid0", random_sae(architecture="topk", layer=0, hook="post_attn"))
+    assert llm.list_saes() == {"res1": {"layer": 1, "hook": "post_mlp", "d_sae": 96, "architecture": "jumprelu"},
+                               "mid0": {"layer": 0, "hook": "post_attn", "d_sae": 96, "architecture": "topk"}}
+    stored = llm.engine.saes.get("res1")
+    assert stored.dtype == llm.engine.dtype and stored.device.type == "cpu"
+    llm.unregister_sae("mid0")
+    llm.unregister_sae("res1")
+    assert llm.list_saes() == {}
+
+
+def test_bad_registrations_register_nothing(llm):
+    bad = [("res", random_sae(d_in=32), "sae.d_in"), ("res", random_sae(layer=3), "sae.layer"),
+           ("", random_sae(), "name"), ("res", "not an sae", "sae")]
+    for name, sae, field in bad:
+        with pytest.raises(InvalidRequestError, match=rf"^{field}:"):
+            llm.register_sae(name, sae)
+    llm.register_sae("res", random_sae())
+    with pytest.raises(InvalidRequestError, match="^name: an SAE named 'res' is registered already"):
+        llm.register_sae("res", random_sae(seed=1))
+    with pytest.raises(InvalidRequestError, match="^name: unknown SAE 'nope'"):
+        llm.unregister_sae("nope")
+    assert list(llm.list_saes()) == ["res"]
+    llm.unregister_sae("res")
+    out = llm.generate(["Hello world"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2  # still serving
