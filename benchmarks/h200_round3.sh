@@ -23,14 +23,15 @@ case $part in
     step moe-profile 80 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 256 --steps 16
     ;;
   b)
-    step gpt2 60 python3 throughput.py --shape gpt2 --skip-hf --repeats 1
     step steering 200 python3 steering_cost.py --repeats 3
     step moe 120 python3 throughput.py --shape qwen3-30b-a3b --skip-hf --repeats 1
     ;;
   c)
-    step sae 200 python3 sae_cost.py --repeats 3
-    step patterns 150 python3 capture_cost.py --repeats 2
-    step shared-prefix 240 python3 shared_prefix.py
+    (cd .. && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_shared_prefix_gpu.py \
+        tests/test_gpu.py -k "gemma2 or gpt2 or olmo2 or phi3 or gpt_neox or shared" >"$out/gpu-tests-c.txt" 2>&1;
+     echo "gpu tests rc=$?"; tail -n 5 "$out/gpu-tests-c.txt")
+    step shared-prefix 200 python3 shared_prefix.py --repeats 3
+    step gpt2 60 python3 throughput.py --shape gpt2 --skip-hf --repeats 1
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
