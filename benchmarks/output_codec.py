@@ -49,6 +49,7 @@ def main() -> None:
             request = group.children[0]
             request.all_token_ids.append(t[k - 1])
             request.output_text += "abcde"
+            group.changed[request.index] = request  # as the engine marks a child that took a token
         t0 = time.perf_counter()
         outs = [OutputProcessor.output(g) for g in groups]
         whole = pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
