@@ -219,3 +219,42 @@ def test_unregister_is_refused_while_a_live_request_uses_the_sae(shared):
         engine.step()
     llm.unregister_sae("live")
     assert "live" not in llm.list_saes()
+
+
+def test_feature_steering_over_http_equals_offline(server, http, offline, tmp_path):
+    """An SAE registered from its files on the server (``POST /v1/saes``) steers a request by
+    feature exactly as the same SAE does offline; a bad feature is a 400 naming the field."""
+    import json
+    import uuid
+
+    from safetensors.torch import save_file
+    from server_harness import ADMIN, SERVED_NAME, USER
+
+    sae = random_sae(**SAES["res1"])
+    save_file({"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec,
+               "threshold": sae.threshold}, str(tmp_path / "sae_weights.safetensors"))
+    (tmp_path / "cfg.json").write_text(json.dumps({
+        "d_in": sae.d_in, "d_sae": sae.d_sae, "architecture": "jumprelu", "apply_b_dec_to_input": True,
+        "normalize_activations": "none", "metadata": {"hook_name": "blocks.1.hook_resid_post"}}))
+    assert http.post("/v1/saes", json={"feat": {"path": str(tmp_path)}}, headers=ADMIN).status_code == 200
+    offline.register_sae("feat", SAE.load(str(tmp_path)))
+    wire = {"features": [{"sae": "feat", "index": 5, "scale": 3.0},
+                         {"sae": "feat", "index": 9, "value": 2.0, "clamp": True, "select": "all_generated"}]}
+    try:
+        salt = uuid.uuid4().hex
+        r = http.post("/v1/completions", headers=USER, json={
+            "model": SERVED_NAME, "prompt": PROMPTS[1], "max_tokens": N, "temperature": 0, "logprobs": 1,
+            "steering_vectors": wire, "return_token_ids": True, "cache_salt": salt}).json()
+        ref = offline.generate(PROMPTS[1], greedy(steering_vectors=steering_from_json(wire), cache_salt=salt),
+                               use_tqdm=False)[0].outputs[0]
+        plain = offline.generate(PROMPTS[1], greedy(), use_tqdm=False)[0].outputs[0]
+        choice = r["choices"][0]
+        assert choice["token_ids"] == ref.token_ids != plain.token_ids
+        assert choice["logprobs"]["token_logprobs"] == [ref.logprobs[i][t].logprob for i, t in enumerate(ref.token_ids)]
+        bad = http.post("/v1/completions", headers=USER, json={
+            "model": SERVED_NAME, "prompt": "x", "max_tokens": 1,
+            "steering_vectors": {"features": [{"sae": "feat", "index": 96}]}})
+        assert bad.status_code == 400 and "steering_vectors.features[0].index" in bad.text
+    finally:
+        assert http.delete("/v1/saes/feat", headers=ADMIN).status_code == 200
+        offline.unregister_sae("feat")
