@@ -83,12 +83,14 @@ class SteeringUpdate:
 
     ``capacity``: rows every table must hold (tables only grow). ``adds[site]``: rows of the additive
     table and their new vectors (zeros clear a row). ``clamps[site]``: per row, the clamp slots'
-    (unit direction, min, max, strength); an empty list clears the row's slots.
+    (read direction, min, max, strength, write direction or None for the read one, bias,
+    threshold); an empty list clears the row's slots. A slot with a write direction (a feature
+    clamp) makes the site keep write and gate tables from then on.
     """
 
     capacity: int
     adds: dict[Site, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rows [n], vectors [n, H]
-    clamps: dict[Site, dict[int, list[tuple[np.ndarray, float, float, float]]]] = field(default_factory=dict)
+    clamps: dict[Site, dict[int, list[tuple]]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

@@ -75,6 +75,16 @@ def test_throughput_moe_graphs_vs_eager(cache_dir):
     assert r["header"][0]["args"]["load_format"] == "dummy"
 
 
+def test_sae_cost(cache_dir):
+    r = run("sae_cost", cache_dir, "--repeats", "2")
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["none", "capture_top_k_every_token", "feature_steering_distinct"]
+    for x in runs.values():
+        positive(x, "seconds", "output_tok_s", "total_tok_s")
+        assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
+    assert r["sae"][0]["d_sae"] == 256 and r["steering_status"][0]["ok"]
+
+
 def test_steering_cost(cache_dir):
     r = run("steering_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}

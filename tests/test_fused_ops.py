@@ -55,9 +55,10 @@ def test_rms_norm(dtype, rows, width):
     assert _close(fused.rms_norm(strided, w, 1e-6), _ref_rms(strided.float(), w.float(), 1e-6), dtype)
 
 
-def _site_write(g, rows, width, dtype, add, clamps):
+def _site_write(g, rows, width, dtype, add, clamps, split=False):
     """Random steering writes at one site: an additive table and/or ``clamps`` clamp slots (row 0 of
-    every table is 'no steering'), indexed by a padded row index."""
+    every table is 'no steering'), indexed by a padded row index. ``split``: feature clamps, with
+    write directions and gates (row 2's first slot stays a projection clamp)."""
     index = torch.randint(0, 4, (rows + 3,), generator=g).to(DEVICE)
     table = directions = bounds = None
     if add:
@@ -71,7 +72,13 @@ def _site_write(g, rows, width, dtype, add, clamps):
         bounds[0] = torch.tensor([-float("inf"), float("inf"), 0.0])
         bounds[1, 0, :2] = 0.0  # an ablation: min = max = 0
         bounds = bounds.to(DEVICE)
-    return SiteWrite(index, table, directions, bounds)
+    if not split:
+        return SiteWrite(index, table, directions, bounds)
+    write = torch.randn(4, clamps, width, generator=g).to(DEVICE, dtype)
+    gate = torch.stack([torch.randn(4, clamps, generator=g), torch.rand(4, clamps, generator=g) * 0.5], -1)
+    write[0], gate[0] = 0, torch.tensor([0.0, -float("inf")])
+    write[2, 0], gate[2, 0] = directions[2, 0], torch.tensor([0.0, -float("inf")])
+    return SiteWrite(index, table, directions, bounds, write, gate.to(DEVICE))
 
 
 def _torch_steer(h, write):
@@ -80,7 +87,8 @@ def _torch_steer(h, write):
         h = add_rows(h, write.add, write.index[:len(h)])
     if write.clamp_dir is not None:
         b = write.clamp_bounds
-        h = clamp_rows(h, write.clamp_dir, b[..., 0], b[..., 1], b[..., 2], write.index[:len(h)])
+        h = clamp_rows(h, write.clamp_dir, b[..., 0], b[..., 1], b[..., 2], write.index[:len(h)], write.clamp_write,
+                       write.clamp_gate)
     return h
 
 
@@ -170,6 +178,51 @@ def test_add_layer_norm(dtype, sites):
     assert _close(normed, _ref_layer_norm(out.float(), w, b, 1e-5), dtype)
     rms_out, _ = fused.add_rms_norm(residual, delta, writes, w, 1e-5)
     assert torch.equal(rms_out, out)  # the norm differs, not the residual
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sites", [[(False, 1)], [(True, 2)], [(True, 1), (False, 2)]], ids=["c1", "ac2", "ac1-c2"])
+def test_feature_clamps_fused_equal_unfused(dtype, sites):
+    """Sites with feature clamps (read direction, bias and threshold apart from the written
+    direction): the fused norm equals the standalone kernel bit for bit and the PyTorch ops to
+    float32 rounding; a projection clamp in a split site's table acts as it did before."""
+    g = torch.Generator().manual_seed(11 + len(sites))
+    rows, width = 9, 576
+    residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
+    w = (torch.randn(width, generator=g) + 1).to(DEVICE, dtype)
+    writes = [_site_write(g, rows, width, dtype, add, clamps, split=True) for add, clamps in sites]
+    unfused, ref = residual, residual
+    for write in writes:
+        unfused, ref = fused.steer(unfused, write), _torch_steer(ref, write)
+    out, normed = fused.add_rms_norm(residual, None, writes, w, 1e-6)
+    assert torch.equal(out, unfused)
+    assert _close(out, ref, dtype)
+    assert _close(normed, _ref_rms(out.float(), w.float(), 1e-6), dtype)
+    assert not torch.equal(out, residual)
+    projection = SiteWrite(writes[0].index, None, writes[0].clamp_dir[:, :1].contiguous(),
+                           writes[0].clamp_bounds[:, :1].contiguous())
+    split = SiteWrite(projection.index, None, projection.clamp_dir, projection.clamp_bounds,
+                      projection.clamp_dir.clone(), torch.tensor([0.0, -float("inf")]).repeat(4, 1, 1).to(DEVICE))
+    assert torch.equal(fused.steer(residual, split), fused.steer(residual, projection))
+
+
+def test_feature_clamp_sets_the_activation():
+    """A feature clamp with strength 1 writes ``(value - a) * w``, ``a = p if p > threshold else 0``."""
+    g = torch.Generator().manual_seed(6)
+    width = 64
+    h = (torch.randn(6, width, generator=g) * 2).to(DEVICE)
+    e, wdir = torch.randn(width, generator=g), torch.randn(width, generator=g)
+    zeros = torch.zeros(1, 1, width)
+    write = SiteWrite(torch.ones(6, dtype=torch.int64, device=DEVICE), None,
+                      torch.cat([zeros, e[None, None]]).to(DEVICE),
+                      torch.tensor([[[-float("inf"), float("inf"), 0.0]], [[0.7, 0.7, 1.0]]]).to(DEVICE),
+                      torch.cat([zeros, wdir[None, None]]).to(DEVICE),
+                      torch.tensor([[[0.0, -float("inf")]], [[0.3, 0.5]]]).to(DEVICE))
+    p = h.cpu() @ e + 0.3
+    a = torch.where(p > 0.5, p, torch.zeros_like(p))
+    assert 0 < (a > 0).sum() < 6  # some rows have the feature active, some not
+    expected = h.cpu() + (0.7 - a)[:, None] * wdir
+    assert torch.allclose(fused.steer(h, write).cpu(), expected, atol=1e-5)
 
 
 def test_clamp_kernel_clips_the_projection():

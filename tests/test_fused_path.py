@@ -67,6 +67,46 @@ def test_fused_path_equals_hf_with_steering_and_capture(capture_dirs, family, mo
     assert plain.outputs[0].token_ids != tokens  # the steering had an effect
 
 
+def test_fused_path_feature_steering_equals_hf(model_dirs, monkeypatch):
+    """Feature adds and clamps in the fused norm (a split site holding a projection clamp too) and
+    in the standalone kernel (a capture reads between two writing sites) equal HF's hooks."""
+    from test_sae_registry import random_sae
+    from test_sae_steering import feature_clamp_edit
+
+    from steerable import Feature, FeatureClamp
+
+    split = []  # the SPLIT flag of every site the kernels steered
+    real_site_args = fused._site_args
+    monkeypatch.setattr(fused, "_site_args", lambda *a: (lambda r: split.append(r[3]) or r)(real_site_args(*a)))
+    path = model_dirs["gemma3"]
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=8)
+    hf = hf_model(path)
+    saes = {"j": random_sae(layer=0, hook="post_mlp", apply_b_dec_to_input=True, seed=1),
+            "t": random_sae(architecture="topk", layer=1, hook="post_attn", seed=2),
+            "r": random_sae(architecture="relu", layer=1, hook="pre_attn", seed=3)}
+    for name, sae in saes.items():
+        llm.register_sae(name, sae)
+    prompt = llm.get_tokenizer()("Steering vectors shift the residual stream").input_ids
+    proj = _vec(5)
+    spec = SteeringSpec(clamps=[Clamp(1, proj, hook="post_attn", min=-0.2, max=0.2)],
+                        features=[Feature("j", 4, scale=2.0), FeatureClamp("j", 7, value=3.0),
+                                  FeatureClamp("t", 11, value=0.0), FeatureClamp("r", 20, value=2.0)])
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, steering_vectors=spec,
+                            capture=CaptureSpec(layers=[0], select="all"))
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    edits = [("post_mlp", 0, add_edit(2.0 * saes["j"].W_dec[4]), None),
+             ("post_mlp", 0, feature_clamp_edit(saes["j"], 7, 3.0), None),
+             ("pre_attn", 1, feature_clamp_edit(saes["r"], 20, 2.0), None),
+             ("post_attn", 1, clamp_edit(proj, -0.2, 0.2), None),
+             ("post_attn", 1, feature_clamp_edit(saes["t"], 11, 0.0), None)]
+    tokens, logprobs = HFSteered(hf, edits).greedy(prompt, 5)
+    assert out.outputs[0].token_ids == tokens
+    assert max_logprob_gap(out, logprobs) <= 1e-4
+    assert any(split)  # the kernels took the feature-clamp path
+    plain_tokens, plain_lp = HFSteered(hf, []).greedy(prompt, 5)
+    assert plain_tokens != tokens or (plain_lp - logprobs).abs().max() > 0.05  # the steering had an effect
+
+
 def test_fused_sampler_is_seeded_and_batch_independent(capture_dirs):
     llm = LLM(capture_dirs["qwen3"], device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton",
               max_num_seqs=8)

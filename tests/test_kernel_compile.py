@@ -46,15 +46,19 @@ BF16, FP32, FP8, I64, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, 
 
 def _site(suffix: str) -> dict:
     return {f"i{suffix}_ptr": I64, f"a{suffix}_ptr": BF16, f"stride_a{suffix}": 1, f"d{suffix}_ptr": BF16,
-            f"b{suffix}_ptr": FP32, f"stride_d{suffix}r": 1, f"stride_d{suffix}k": 1}
+            f"b{suffix}_ptr": FP32, f"w{suffix}_ptr": BF16, f"g{suffix}_ptr": FP32, f"stride_d{suffix}r": 1,
+            f"stride_d{suffix}k": 1}
 
 
-@pytest.mark.parametrize("add1, clamps1, add2, clamps2, layer_norm", [
-    (True, 0, False, 0, False), (True, 1, True, 2, False), (False, 1, True, 0, False), (True, 1, False, 0, True)])
-def test_fused_steering_kernels(add1, clamps1, add2, clamps2, layer_norm):
+@pytest.mark.parametrize("add1, clamps1, add2, clamps2, layer_norm, split", [
+    (True, 0, False, 0, False, False), (True, 1, True, 2, False, False), (False, 1, True, 0, False, True),
+    (True, 1, False, 0, True, False), (True, 2, False, 1, False, True)])
+def test_fused_steering_kernels(add1, clamps1, add2, clamps2, layer_norm, split):
+    """``split``: feature clamps (own write direction and gate) at the clamped sites."""
     norm = dict(res_ptr=BF16, delta_ptr=BF16, w_ptr=BF16, bias_ptr=BF16, out_ptr=BF16, y_ptr=BF16, stride_res=1,
                 stride_delta=1, stride_out=1, stride_y=1, H=1, eps=1.0, **_site("1"), **_site("2"), HAS_DELTA=True,
-                ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2, BLOCK=1024,
+                ADD1=add1, CLAMPS1=clamps1, SPLIT1=split and clamps1 > 0, ADD2=add2, CLAMPS2=clamps2,
+                SPLIT2=split and clamps2 > 0, BLOCK=1024,
                 UNIT_OFFSET=add2 and not layer_norm,  # Gemma's (1 + w) as well
                 LAYER_NORM=layer_norm, PDL=add1)
     assert "ld.global" in compile_for_hopper(fused._add_norm_kernel, **norm)
@@ -62,8 +66,8 @@ def test_fused_steering_kernels(add1, clamps1, add2, clamps2, layer_norm):
                  UNIT_OFFSET=False, LAYER_NORM=layer_norm, PDL=add1)
     compile_for_hopper(fused._norm_kernel, **plain)
     steer = dict(x_ptr=BF16, out_ptr=BF16, stride_x=1, stride_out=1, H=1, index_ptr=I64, add_ptr=BF16, stride_add=1,
-                 dir_ptr=BF16, bounds_ptr=FP32, stride_dir_row=1, stride_dir_slot=1, ADD=add1, CLAMPS=clamps1,
-                 BLOCK=1024)
+                 dir_ptr=BF16, bounds_ptr=FP32, write_ptr=BF16, gate_ptr=FP32, stride_dir_row=1, stride_dir_slot=1,
+                 ADD=add1, CLAMPS=clamps1, SPLIT=split and clamps1 > 0, BLOCK=1024)
     compile_for_hopper(fused._steer_kernel, **steer)
 
 

@@ -429,6 +429,42 @@ def test_steering_batch_matches_one_rank(parallel, single):
     assert changed >= 16, changed
 
 
+def _feature_run(llm: LLM, num_layers: int):
+    """Feature adds and clamps of SAEs of each architecture at each hook point (TP: replicated
+    rows; PP: the stage owning the layer), in a batch with unsteered requests."""
+    from test_sae_registry import random_sae
+
+    from steerable import Feature, FeatureClamp
+
+    saes = {"j": random_sae(layer=num_layers - 1, hook="post_mlp", apply_b_dec_to_input=True, seed=1),
+            "t": random_sae(architecture="topk", layer=0, hook="post_attn", seed=2),
+            "r": random_sae(architecture="relu", layer=min(1, num_layers - 1), hook="pre_attn", seed=3)}
+    for name, sae in saes.items():
+        llm.register_sae(name, sae)
+    params = []
+    for i in range(12):
+        features = [Feature("j", i, scale=3.0), FeatureClamp("t", i + 1, value=2.0),
+                    FeatureClamp("r", 2 * i, value=0.0, select=SelectSpec(prompt="all"))][: i % 4]
+        params.append(_greedy(steering_vectors=SteeringSpec(features=features) if features else None))
+    try:
+        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(12)], params, use_tqdm=False)
+    finally:
+        for name in saes:
+            llm.unregister_sae(name)
+    return outs
+
+
+def test_feature_steering_matches_one_rank(parallel, single):
+    family, llm = parallel
+    ref_llm = single[family]
+    num_layers = ref_llm.engine.model_config.num_layers
+    outs, refs = _feature_run(llm, num_layers), _feature_run(ref_llm, num_layers)
+    assert _same_outputs(outs, refs) <= LOGPROB_TOL
+    plain = ref_llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(12)], _greedy(), use_tqdm=False)
+    changed = sum(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(refs, plain))
+    assert changed >= 4, changed  # effect size: feature steering changed outputs
+
+
 # ---------------------------------------------------------------- capture
 
 

@@ -122,12 +122,16 @@ if triton is not None:
         return add
 
     @triton.jit
-    def _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot, offs, mask,
-                    dtype: tl.constexpr, ADD: tl.constexpr, CLAMPS: tl.constexpr):
+    def _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, write_ptr, gate_ptr, stride_dir_row,
+                    stride_dir_slot, offs, mask, dtype: tl.constexpr, ADD: tl.constexpr, CLAMPS: tl.constexpr,
+                    SPLIT: tl.constexpr):
         """The steering writes of one hook point on one row of float32 ``x`` (holding values of the
         activation dtype): add the row's table vector ``add``, then each projection clamp slot
         ``x += strength * (clip(x.d, lo, hi) - x.d) * d`` in float32, rounding where the separate
-        ops round. Standalone and fused kernels share it, so they agree bit for bit."""
+        ops round. With SPLIT (a feature clamp at the site) a slot reads ``a = p if p > threshold
+        else 0`` for ``p = x.d + bias`` and writes along its own direction ``w``:
+        ``x += strength * (clip(a, lo, hi) - a) * w``. Standalone and fused kernels share it, so
+        they agree bit for bit."""
         if ADD:
             x = (x + add).to(dtype).to(tl.float32)
         if CLAMPS > 0:
@@ -139,31 +143,38 @@ if triton is not None:
                 hi = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 1)
                 strength = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 2)
                 p = tl.sum(x * d, axis=0)
-                x = x + (strength * (tl.minimum(tl.maximum(p, lo), hi) - p)) * d
+                w = d
+                if SPLIT:
+                    w = tl.load(write_ptr + r * stride_dir_row + k * stride_dir_slot + offs, mask=mask,
+                                other=0.0).to(tl.float32)
+                    p = p + tl.load(gate_ptr + (r * CLAMPS + k) * 2)
+                    p = tl.where(p > tl.load(gate_ptr + (r * CLAMPS + k) * 2 + 1), p, 0.0)
+                x = x + (strength * (tl.minimum(tl.maximum(p, lo), hi) - p)) * w
             x = x.to(dtype).to(tl.float32)
         return x
 
     @triton.jit
     def _steer_kernel(x_ptr, out_ptr, stride_x, stride_out, H,
-                      index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot,
-                      ADD: tl.constexpr, CLAMPS: tl.constexpr, BLOCK: tl.constexpr):
+                      index_ptr, add_ptr, stride_add, dir_ptr, bounds_ptr, write_ptr, gate_ptr, stride_dir_row,
+                      stride_dir_slot, ADD: tl.constexpr, CLAMPS: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         dtype = out_ptr.dtype.element_ty
         add = _add_row(row, index_ptr, add_ptr, stride_add, offs, mask, ADD)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, stride_dir_row, stride_dir_slot, offs, mask,
-                        dtype, ADD, CLAMPS)
+        x = _steer_site(x, add, row, index_ptr, dir_ptr, bounds_ptr, write_ptr, gate_ptr, stride_dir_row,
+                        stride_dir_slot, offs, mask, dtype, ADD, CLAMPS, SPLIT)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
 
     @triton.jit
     def _add_norm_kernel(res_ptr, delta_ptr, w_ptr, bias_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
                          stride_y, H, eps,
-                         i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, stride_d1r, stride_d1k,
-                         i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, stride_d2r, stride_d2k,
-                         HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr,
-                         ADD2: tl.constexpr, CLAMPS2: tl.constexpr, BLOCK: tl.constexpr,
+                         i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, w1_ptr, g1_ptr, stride_d1r, stride_d1k,
+                         i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, w2_ptr, g2_ptr, stride_d2r, stride_d2k,
+                         HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr, SPLIT1: tl.constexpr,
+                         ADD2: tl.constexpr, CLAMPS2: tl.constexpr, SPLIT2: tl.constexpr, BLOCK: tl.constexpr,
                          UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -176,8 +187,10 @@ if triton is not None:
         if HAS_DELTA:
             d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
             x = (x + d).to(dtype).to(tl.float32)
-        x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, stride_d1r, stride_d1k, offs, mask, dtype, ADD1, CLAMPS1)
-        x = _steer_site(x, add2, row, i2_ptr, d2_ptr, b2_ptr, stride_d2r, stride_d2k, offs, mask, dtype, ADD2, CLAMPS2)
+        x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, w1_ptr, g1_ptr, stride_d1r, stride_d1k, offs, mask,
+                        dtype, ADD1, CLAMPS1, SPLIT1)
+        x = _steer_site(x, add2, row, i2_ptr, d2_ptr, b2_ptr, w2_ptr, g2_ptr, stride_d2r, stride_d2k, offs, mask,
+                        dtype, ADD2, CLAMPS2, SPLIT2)
         tl.store(out_ptr + row * stride_out + offs, x.to(dtype), mask=mask)
         y = _norm_row(x, w_ptr, bias_ptr, offs, mask, H, eps, dtype, UNIT_OFFSET, LAYER_NORM)
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
@@ -293,18 +306,22 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
     return y.view(shape)
 
 
-def _site_args(write: SiteWrite | None, like: torch.Tensor) -> tuple[list, bool, int]:
-    """Kernel arguments of one site's writes (placeholders where it has none), ADD, CLAMPS."""
+def _site_args(write: SiteWrite | None, like: torch.Tensor) -> tuple[list, bool, int, bool]:
+    """Kernel arguments of one site's writes (placeholders where it has none), ADD, CLAMPS, SPLIT."""
     if write is None:
-        return [like, like, 0, like, like, 0, 0], False, 0
+        return [like, like, 0, like, like, like, like, 0, 0], False, 0, False
     add, directions, bounds = write.add, write.clamp_dir, write.clamp_bounds
     clamps = directions.shape[1] if directions is not None else 0
     if bounds is not None and not bounds.is_contiguous():
         raise ValueError("clamp bounds must be contiguous [rows, slots, 3]")
+    split = clamps > 0 and write.clamp_write is not None
+    if split and (write.clamp_write.stride() != directions.stride() or not write.clamp_gate.is_contiguous()):
+        raise ValueError("clamp write directions must be laid out as the read ones, gates contiguous [rows, slots, 2]")
     return ([write.index, add if add is not None else like, add.stride(0) if add is not None else 0,
              directions if clamps else like, bounds if clamps else like,
+             write.clamp_write if split else like, write.clamp_gate if split else like,
              directions.stride(0) if clamps else 0, directions.stride(1) if clamps else 0],
-            add is not None, clamps)
+            add is not None, clamps, split)
 
 
 def _num_warps(width: int) -> int:
@@ -318,9 +335,9 @@ def steer(hidden: torch.Tensor, write: SiteWrite) -> torch.Tensor:
     n, width = hidden.shape
     out = torch.empty_like(hidden)
     if n:
-        args, add, clamps = _site_args(write, hidden)
+        args, add, clamps, split = _site_args(write, hidden)
         _steer_kernel[(n,)](hidden, out, hidden.stride(0), out.stride(0), width, *args, ADD=add, CLAMPS=clamps,
-                            BLOCK=triton.next_power_of_2(width), num_warps=_num_warps(width))
+                            SPLIT=split, BLOCK=triton.next_power_of_2(width), num_warps=_num_warps(width))
     return out
 
 
@@ -351,12 +368,13 @@ def _add_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequen
     out = torch.empty_like(residual)
     y = torch.empty_like(residual)
     if n:
-        (args1, add1, clamps1), (args2, add2, clamps2) = [_site_args(w, residual)
-                                                          for w in [*writes, *[None] * (2 - len(writes))]]
+        (args1, add1, clamps1, split1), (args2, add2, clamps2, split2) = [
+            _site_args(w, residual) for w in [*writes, *[None] * (2 - len(writes))]]
         _add_norm_kernel[(n,)](
             residual, delta if delta is not None else residual, weight, bias if bias is not None else weight, out, y,
             residual.stride(0), delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps,
-            *args1, *args2, HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, ADD2=add2, CLAMPS2=clamps2,
+            *args1, *args2, HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, SPLIT1=split1, ADD2=add2,
+            CLAMPS2=clamps2, SPLIT2=split2,
             BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, LAYER_NORM=bias is not None,
             num_warps=_num_warps(width), **pdl_args(residual))
     return out, y

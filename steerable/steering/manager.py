@@ -23,6 +23,7 @@ import torch
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import RESIDUAL_POINTS
 from steerable.request import Request, ScheduledRequest
+from steerable.sae.features import FeatureClamp
 from steerable.sae.registry import SaeRegistry
 from steerable.selection import SelectSpec
 from steerable.steering.rows import RowTables
@@ -322,7 +323,10 @@ class SteeringManager:
         return row
 
 
-def _as_item(item: Intervention) -> Add | Clamp:
+def _as_item(item: Intervention) -> Add | Clamp | FeatureClamp:
+    """A feature add comes back as the ``Add`` of its scaled decoder row (the same effect)."""
+    if item.kind == "clamp" and item.feature is not None:
+        return FeatureClamp(*item.feature, value=item.lo, select=item.select, strength=item.strength)
     if item.kind == "add":
         return Add(item.layer, item.vector.clone(), item.point, select=item.select)
     return Clamp(item.layer, item.vector.clone(), item.point, min=None if item.lo == -math.inf else item.lo,

@@ -15,7 +15,8 @@ import numpy as np
 from steerable.steering.spec import Intervention
 from steerable.step import Site, SteeringUpdate
 
-ClampSlot = tuple[np.ndarray, float, float, float]  # unit direction, min, max, strength
+# read direction, min, max, strength, write direction (None: the read one), bias, threshold
+ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float]
 
 
 class RowTables:
@@ -26,6 +27,7 @@ class RowTables:
         self.add_rows: dict[Site, set[int]] = {}
         self.clamp_rows: dict[Site, set[int]] = {}
         self.clamp_slots: dict[Site, int] = {}
+        self.split_sites: set[Site] = set()  # sites whose clamp tables hold write directions and gates
         self._adds: dict[Site, dict[int, np.ndarray | None]] = {}  # None: back to zeros
         self._clamps: dict[Site, dict[int, list[ClampSlot]]] = {}  # []: every slot cleared
         self._sent_capacity = 0
@@ -56,7 +58,9 @@ class RowTables:
             if item.kind == "add":
                 adds[item.site] = adds.get(item.site, 0) + item.vector.numpy()
             else:
-                clamps.setdefault(item.site, []).append((item.vector.numpy(), item.lo, item.hi, item.strength))
+                write = None if item.write is None else item.write.numpy()
+                clamps.setdefault(item.site, []).append((item.vector.numpy(), item.lo, item.hi, item.strength, write,
+                                                         item.bias, item.threshold))
         for site, vector in adds.items():
             if site not in self.add_rows:
                 self.add_rows[site] = set()
@@ -67,6 +71,9 @@ class RowTables:
             if len(slots) > self.clamp_slots.get(site, 0):
                 self.clamp_slots[site] = len(slots)
                 self.version += 1  # the site's clamp tables are reallocated wider
+            if site not in self.split_sites and any(slot[4] is not None for slot in slots):
+                self.split_sites.add(site)
+                self.version += 1  # the site gains write-direction and gate tables
             self._clamps.setdefault(site, {})[row] = slots
             self.clamp_rows.setdefault(site, set()).add(row)
 

@@ -3,6 +3,7 @@ validated, canonical form (``Intervention``) that the engine composes, hashes an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -12,9 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerable.checks import finite_number
+from steerable.checks import finite_number, is_int
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import POST_MLP, check_residual_point
+from steerable.sae.features import Feature, FeatureClamp
 from steerable.sae.registry import SaeRegistry
 from steerable.selection import SelectSpec
 
@@ -49,18 +51,23 @@ class Clamp:
     select: Any = None
 
 
+ITEM_TYPES = (Add, Clamp, Feature, FeatureClamp)
+
+
 @dataclass
 class SteeringSpec:
     """A list of interventions plus the tiered shorthands: ``vectors`` (every token),
-    ``prefill_vectors`` (prompt rows), ``decode_vectors`` (generated rows), ``clamps``; ``scale``
-    multiplies every additive vector and every clamp strength."""
+    ``prefill_vectors`` (prompt rows), ``decode_vectors`` (generated rows), ``clamps``, and
+    ``features`` (``Feature`` / ``FeatureClamp`` of registered SAEs); ``scale`` multiplies every
+    additive vector and every clamp strength."""
 
-    interventions: list[Add | Clamp] = field(default_factory=list)
+    interventions: list[Add | Clamp | Feature | FeatureClamp] = field(default_factory=list)
     vectors: Any = None
     prefill_vectors: Any = None
     decode_vectors: Any = None
     clamps: list[Clamp] | None = None
     scale: float = 1.0
+    features: list[Feature | FeatureClamp] | None = None
 
     def to_dict(self, encoding: str = "list") -> dict[str, Any]:
         """JSON-ready form (what a server takes as ``steering_vectors``); vectors as float lists or,
@@ -79,18 +86,26 @@ class SteeringSpec:
 
 @dataclass(frozen=True)
 class Intervention:
-    """Canonical, validated form: float32 CPU vectors, scale folded in, selection parsed."""
+    """Canonical, validated form: float32 CPU vectors, scale folded in, selection parsed.
+
+    A clamp reads ``p = h·vector + bias``, gated to ``a = p if p > threshold else 0``, and writes
+    ``h += strength * (clip(a, lo, hi) - a) * write``. A projection clamp has ``write = None`` (it
+    writes along ``vector``), bias 0 and threshold -inf (``a = p``); a feature clamp reads the
+    encoder column and writes the decoder row."""
 
     kind: str  # "add" | "clamp"
     point: str
     layer: int
-    vector: torch.Tensor  # add: the vector to add; clamp: the unit direction
+    vector: torch.Tensor  # add: the vector to add; clamp: the direction read (a projection clamp's unit direction)
     vector_hash: bytes  # _vector_hash(vector), computed once per vector rather than per layer it is given for
     select: SelectSpec | None
     lo: float = -math.inf
     hi: float = math.inf
     strength: float = 1.0
-    sae: str | None = None  # the registered SAE a feature item came from (its content is in vector_hash)
+    write: torch.Tensor | None = None  # clamp: the direction written, when it is not ``vector``
+    bias: float = 0.0
+    threshold: float = -math.inf
+    feature: tuple[str, int] | None = None  # (registered SAE, index) of a feature item; its content is in vector_hash
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,20 +118,31 @@ class Intervention:
     def site(self) -> tuple[str, int]:
         return self.point, self.layer
 
+    @property
+    def sae(self) -> str | None:
+        """The registered SAE a feature item uses."""
+        return None if self.feature is None else self.feature[0]
+
     def scaled(self, scale: float, where: str) -> "Intervention":
         if self.kind == "add":
             vector = self.vector * scale
-            return Intervention("add", self.point, self.layer, vector, _vector_hash(vector), self.select)
+            return dataclasses.replace(self, vector=vector, vector_hash=_vector_hash(vector))
         strength = self.strength * scale
         if not 0.0 <= strength <= 1.0:
             raise InvalidRequestError(f"{where}: clamp strength {self.strength} x scale {scale} is outside [0, 1]")
-        return Intervention("clamp", self.point, self.layer, self.vector, self.vector_hash, self.select,
-                            self.lo, self.hi, strength)
+        return dataclasses.replace(self, strength=strength)
 
     def is_noop(self) -> bool:
         if self.kind == "add":
             return self.vector_hash == _ZERO_HASH
         return self.strength == 0.0
+
+
+def _strength(value: Any, where: str) -> float:
+    strength = finite_number(value, f"{where}.strength")
+    if not 0.0 <= strength <= 1.0:
+        raise InvalidRequestError(f"{where}.strength: {strength} is outside [0, 1]")
+    return strength
 
 
 def config_identity(interventions: Sequence[Intervention]) -> bytes:
@@ -151,16 +177,16 @@ class SpecParser:
             return []
         if callable(getattr(spec, "to_spec", None)):  # a steerable.vectors.ControlVector (duck-typed: no import)
             spec = spec.to_spec()
-        if isinstance(spec, (Add, Clamp)):
+        if isinstance(spec, ITEM_TYPES):
             spec = [spec]
         seen: Seen = {}
         if isinstance(spec, SteeringSpec):
             return self._parse_spec(spec, where, seen)
         if isinstance(spec, Mapping):
             return self._parse_vectors(spec, None, where, seen)
-        if isinstance(spec, (list, tuple)) and all(isinstance(i, (Add, Clamp)) for i in spec):
+        if isinstance(spec, (list, tuple)) and all(isinstance(i, ITEM_TYPES) for i in spec):
             return [self._parse_item(item, f"{where}[{i}]", seen) for i, item in enumerate(spec)]
-        raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp items or a dict "
+        raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp/Feature/FeatureClamp items or a dict "
                                   f"of vectors, got {type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
@@ -174,6 +200,11 @@ class SpecParser:
             if not isinstance(clamp, Clamp):
                 raise InvalidRequestError(f"{where}.clamps[{i}]: expected a Clamp, got {type(clamp).__name__}")
             items.append(self._parse_item(clamp, f"{where}.clamps[{i}]", seen))
+        for i, feature in enumerate(spec.features or []):
+            if not isinstance(feature, (Feature, FeatureClamp)):
+                raise InvalidRequestError(f"{where}.features[{i}]: expected a Feature or FeatureClamp, got "
+                                          f"{type(feature).__name__}")
+            items.append(self._feature(feature, f"{where}.features[{i}]"))
         return [item.scaled(scale, f"{where}.scale") for item in items] if scale != 1.0 else items
 
     def _parse_vectors(self, vectors: Any, select: SelectSpec | None, where: str, seen: Seen) -> list[Intervention]:
@@ -203,7 +234,9 @@ class SpecParser:
                 items.append(item.scaled(scale, here) if scale != 1.0 else item)
         return items
 
-    def _parse_item(self, item: Add | Clamp, where: str, seen: Seen) -> Intervention:
+    def _parse_item(self, item: Add | Clamp | Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
+        if isinstance(item, (Feature, FeatureClamp)):
+            return self._feature(item, where)
         if isinstance(item, Add):
             add = self._add(item.hook, item.layer, item.vector, item.select, where, seen)
             scale = finite_number(item.scale, f"{where}.scale")
@@ -217,11 +250,33 @@ class SpecParser:
         hi = math.inf if item.max is None else finite_number(item.max, f"{where}.max")
         if lo > hi:
             raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
-        strength = finite_number(item.strength, f"{where}.strength")
-        if not 0.0 <= strength <= 1.0:
-            raise InvalidRequestError(f"{where}.strength: {strength} is outside [0, 1]")
+        strength = _strength(item.strength, where)
         direction = direction / norm
         return Intervention("clamp", item.hook, layer, direction, _vector_hash(direction), select, lo, hi, strength)
+
+    def _feature(self, item: Feature | FeatureClamp, where: str) -> Intervention:
+        """A feature item resolved against the registry: its SAE's point, decoder row and (for a
+        clamp) how the SAE reads the feature. Its identity is the SAE's content hash and the index
+        (plus scale, or value and strength), never the name the SAE is registered under."""
+        if self.saes is None:
+            raise InvalidRequestError(f"{where}.sae: feature steering needs an engine with registered SAEs")
+        sae = self.saes.get(item.sae, f"{where}.sae")
+        if not is_int(item.index) or not 0 <= item.index < sae.d_sae:
+            raise InvalidRequestError(f"{where}.index: {item.index!r} is not a feature index in [0, {sae.d_sae})")
+        layer, select = self._site(sae.hook, sae.layer, item.select, where)
+        index = item.index
+        head = sae.content_hash + f"|{index}|".encode()
+        if isinstance(item, Feature):
+            scale = finite_number(item.scale, f"{where}.scale")
+            vector = sae.decoder_row(index) * scale
+            vector_hash = _hash(b"feature-add|" + head + repr(scale).encode()) if vector.any() else _ZERO_HASH
+            return Intervention("add", sae.hook, layer, vector, vector_hash, select, feature=(item.sae, index))
+        value = finite_number(item.value, f"{where}.value")
+        strength = _strength(item.strength, where)
+        read, bias, threshold = sae.feature_read(index)
+        return Intervention("clamp", sae.hook, layer, read, _hash(b"feature-clamp|" + head), select, value, value,
+                            strength, write=sae.decoder_row(index), bias=bias, threshold=threshold,
+                            feature=(item.sae, index))
 
     def _add(self, hook: str, layer: Any, vector: Any, select: Any, where: str, seen: Seen) -> Intervention:
         """The unscaled ``Add``: the dict shorthand comes here directly, without building one."""

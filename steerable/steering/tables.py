@@ -32,6 +32,10 @@ class SteeringTables:
         self.add: dict[Site, torch.Tensor] = {}  # [capacity, H]
         self.clamp_dir: dict[Site, torch.Tensor] = {}  # [capacity, slots, H] unit directions
         self.clamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 3]: lo, hi, strength
+        # Only at sites with a feature clamp: what is written (a projection clamp writes its read
+        # direction) and the read's gate, float32 [capacity, slots, 2]: bias, threshold.
+        self.clamp_write: dict[Site, torch.Tensor] = {}  # [capacity, slots, H]
+        self.clamp_gate: dict[Site, torch.Tensor] = {}
 
     # ------------------------------------------------------------ updates from the driver
 
@@ -50,25 +54,37 @@ class SteeringTables:
             if self.owns(site):
                 self._write_clamps(site, rows)
 
-    def _write_clamps(self, site: Site, rows: dict[int, list[tuple[np.ndarray, float, float, float]]]) -> None:
+    def _write_clamps(self, site: Site, rows: dict[int, list[tuple]]) -> None:
         self._ensure_clamp_slots(site, max(len(slots) for slots in rows.values()))
+        if site not in self.clamp_write and any(slot[4] is not None for slots in rows.values() for slot in slots):
+            self.clamp_write[site] = self.clamp_dir[site].clone()  # rows written so far: projection clamps
+            self.clamp_gate[site] = torch.tensor(_NO_GATE, device=self.device).repeat(
+                *self.clamp_dir[site].shape[:2], 1)
         directions, bounds = self.clamp_dir[site], self.clamp_bounds[site]
         width = directions.shape[1]
         index = torch.tensor(list(rows), dtype=torch.int64)
         new_dir = torch.zeros(len(rows), width, self.hidden_size)
+        new_write = torch.zeros(len(rows), width, self.hidden_size)
         new_bounds = torch.tensor(_NO_CLAMP).repeat(len(rows), width, 1)
+        new_gate = torch.tensor(_NO_GATE).repeat(len(rows), width, 1)
         for i, slots in enumerate(rows.values()):
-            for k, (direction, lo, hi, strength) in enumerate(slots):
+            for k, (direction, lo, hi, strength, write, bias, threshold) in enumerate(slots):
                 new_dir[i, k] = torch.from_numpy(direction)
+                new_write[i, k] = torch.from_numpy(direction if write is None else write)
                 new_bounds[i, k] = torch.tensor([lo, hi, strength])
+                new_gate[i, k] = torch.tensor([bias, threshold])
         index = self._upload(index)
         directions.index_copy_(0, index, self._upload(new_dir.to(self.dtype)))
         bounds.index_copy_(0, index, self._upload(new_bounds))
+        if site in self.clamp_write:
+            self.clamp_write[site].index_copy_(0, index, self._upload(new_write.to(self.dtype)))
+            self.clamp_gate[site].index_copy_(0, index, self._upload(new_gate))
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        for tables, fill in ((self.add, 0.0), (self.clamp_dir, 0.0), (self.clamp_bounds, _NO_CLAMP)):
+        for tables, fill in ((self.add, 0.0), (self.clamp_dir, 0.0), (self.clamp_bounds, _NO_CLAMP),
+                             (self.clamp_write, 0.0), (self.clamp_gate, _NO_GATE)):
             for site, old in tables.items():
                 tables[site] = _grown(old, capacity, fill)
         self.capacity = capacity
@@ -82,6 +98,12 @@ class SteeringTables:
         if have:
             directions[:, :have] = self.clamp_dir[site]
             bounds[:, :have] = self.clamp_bounds[site]
+        if site in self.clamp_write:
+            write, gate = torch.zeros_like(directions), torch.tensor(_NO_GATE, device=self.device).repeat(
+                self.capacity, slots, 1)
+            write[:, :have] = self.clamp_write[site]
+            gate[:, :have] = self.clamp_gate[site]
+            self.clamp_write[site], self.clamp_gate[site] = write, gate
         self.clamp_dir[site], self.clamp_bounds[site] = directions, bounds
 
     def _upload(self, values: torch.Tensor) -> torch.Tensor:
@@ -97,6 +119,7 @@ class SteeringTables:
 
 
 _NO_CLAMP = [-math.inf, math.inf, 0.0]  # lo, hi, strength of an unused clamp slot
+_NO_GATE = [0.0, -math.inf]  # bias, threshold of a projection clamp: a = h·d
 
 
 def _grown(old: torch.Tensor, capacity: int, fill: float | list[float]) -> torch.Tensor:
@@ -124,7 +147,9 @@ class StepSteering:
         tables = self.tables
         clamped = site in self.clamp_sites
         return SiteWrite(self.index, tables.add[site] if site in self.add_sites else None,
-                         tables.clamp_dir[site] if clamped else None, tables.clamp_bounds[site] if clamped else None)
+                         tables.clamp_dir[site] if clamped else None, tables.clamp_bounds[site] if clamped else None,
+                         tables.clamp_write.get(site) if clamped else None,
+                         tables.clamp_gate.get(site) if clamped else None)
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
         """The writes at ``site`` alone: one kernel on the fused path (the same arithmetic the fused
@@ -136,5 +161,6 @@ class StepSteering:
             hidden = add_rows(hidden, write.add, self.index)
         if write.clamp_dir is not None:
             bounds = write.clamp_bounds
-            hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], self.index)
+            hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], self.index,
+                                write.clamp_write, write.clamp_gate)
         return hidden

@@ -21,12 +21,15 @@ import torch
 
 from steerable.errors import InvalidRequestError
 from steerable.selection import SelectSpec
+from steerable.sae.features import Feature, FeatureClamp
 from steerable.steering.spec import Add, Clamp, SteeringSpec
 
-SPEC_KEYS = ("interventions", "vectors", "prefill_vectors", "decode_vectors", "clamps", "scale")
+SPEC_KEYS = ("interventions", "vectors", "prefill_vectors", "decode_vectors", "clamps", "scale", "features")
 _TIERS = ("vectors", "prefill_vectors", "decode_vectors")
 _ADD_KEYS = {"type", "layer", "vector", "hook", "scale", "select"}
 _CLAMP_KEYS = {"type", "layer", "direction", "hook", "min", "max", "strength", "select"}
+# A feature: {"sae", "index", "scale"?} adds; {"sae", "index", "value"?, "clamp": true, "strength"?} clamps.
+_FEATURE_KEYS = {"type", "sae", "index", "scale", "value", "clamp", "strength", "select"}
 _VECTOR_KEYS = {"dtype", "shape", "data"}
 _WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
@@ -95,6 +98,8 @@ def spec_to_dict(spec: SteeringSpec, encoding: str = "list") -> dict[str, Any]:
             out[tier] = _vectors_to_dict(vectors, encoding)
     if spec.clamps is not None:
         out["clamps"] = [_item_to_dict(clamp, encoding) for clamp in spec.clamps]
+    if spec.features is not None:
+        out["features"] = [_feature_to_dict(item) for item in spec.features]
     if spec.scale != 1.0:
         out["scale"] = spec.scale
     return out
@@ -111,11 +116,16 @@ def spec_from_dict(data: Any, where: str = "steering") -> SteeringSpec:
     clamps = data.get("clamps")
     if clamps is not None and not isinstance(clamps, list):
         raise InvalidRequestError(f"{where}.clamps: expected a list")
+    features = data.get("features")
+    if features is not None and not isinstance(features, list):
+        raise InvalidRequestError(f"{where}.features: expected a list")
     return SteeringSpec(
         interventions=[_item_from_dict(item, f"{where}.interventions[{i}]") for i, item in enumerate(items)],
         **{tier: vectors_from_json(data[tier], f"{where}.{tier}") for tier in _TIERS if data.get(tier) is not None},
         clamps=None if clamps is None else [_clamp_from_dict(c, f"{where}.clamps[{i}]") for i, c in enumerate(clamps)],
         scale=data.get("scale", 1.0),
+        features=None if features is None else [_feature_from_dict(f, f"{where}.features[{i}]")
+                                                for i, f in enumerate(features)],
     )
 
 
@@ -167,7 +177,41 @@ def _vectors_to_dict(vectors: Mapping, encoding: str) -> dict[str, Any]:
     return out
 
 
-def _item_to_dict(item: Add | Clamp, encoding: str) -> dict[str, Any]:
+def _feature_to_dict(item: Feature | FeatureClamp) -> dict[str, Any]:
+    select = None if item.select is None else SelectSpec.parse(item.select).to_wire()
+    if isinstance(item, Feature):
+        return {"sae": item.sae, "index": item.index, "scale": item.scale, "select": select}
+    if isinstance(item, FeatureClamp):
+        return {"sae": item.sae, "index": item.index, "value": item.value, "clamp": True, "strength": item.strength,
+                "select": select}
+    raise InvalidRequestError(f"features: expected Feature or FeatureClamp, got {type(item).__name__}")
+
+
+def _feature_from_dict(data: Any, where: str) -> Feature | FeatureClamp:
+    if not isinstance(data, Mapping):
+        raise InvalidRequestError(f"{where}: expected a dict, got {type(data).__name__}")
+    if data.get("type", "feature") != "feature":
+        raise InvalidRequestError(f"{where}.type: expected 'feature', got {data['type']!r}")
+    _reject_unknown(data, _FEATURE_KEYS, where)
+    _require(data, ("sae", "index"), where)
+    clamp = data.get("clamp", False)
+    if not isinstance(clamp, bool):
+        raise InvalidRequestError(f"{where}.clamp: expected true or false, got {clamp!r}")
+    wrong = ("scale",) if clamp else ("value", "strength")
+    given = [key for key in wrong if data.get(key) is not None]
+    if given:
+        kind = "a clamp (\"clamp\": true)" if clamp else "an add (no \"clamp\": true)"
+        raise InvalidRequestError(f"{where}.{given[0]}: {kind} takes no {given[0]!r}")
+    select = _select(data.get("select"), where)
+    if clamp:
+        return FeatureClamp(data["sae"], data["index"], **_optional(data, ("value",)), select=select,
+                            **_optional(data, ("strength",)))
+    return Feature(data["sae"], data["index"], **_optional(data, ("scale",)), select=select)
+
+
+def _item_to_dict(item: Add | Clamp | Feature | FeatureClamp, encoding: str) -> dict[str, Any]:
+    if isinstance(item, (Feature, FeatureClamp)):
+        return {"type": "feature", **_feature_to_dict(item)}
     select = None if item.select is None else SelectSpec.parse(item.select).to_wire()
     if isinstance(item, Add):
         return {"type": "add", "layer": item.layer, "vector": encode_vector(item.vector, encoding), "hook": item.hook,
@@ -179,14 +223,16 @@ def _item_to_dict(item: Add | Clamp, encoding: str) -> dict[str, Any]:
     raise InvalidRequestError(f"interventions: expected Add or Clamp, got {type(item).__name__}")
 
 
-def _item_from_dict(data: Any, where: str) -> Add | Clamp:
+def _item_from_dict(data: Any, where: str) -> Add | Clamp | Feature | FeatureClamp:
     if not isinstance(data, Mapping):
         raise InvalidRequestError(f"{where}: expected a dict, got {type(data).__name__}")
     kind = data.get("type")
     if kind == "clamp":
         return _clamp_from_dict(data, where)
+    if kind == "feature":
+        return _feature_from_dict(data, where)
     if kind != "add":
-        raise InvalidRequestError(f"{where}.type: expected 'add' or 'clamp', got {kind!r}")
+        raise InvalidRequestError(f"{where}.type: expected 'add', 'clamp' or 'feature', got {kind!r}")
     _reject_unknown(data, _ADD_KEYS, where)
     _require(data, ("layer", "vector"), where)
     return Add(data["layer"], decode_vector(data["vector"], f"{where}.vector"), **_optional(data, ("hook", "scale")),

@@ -1,0 +1,89 @@
+"""Cost of the SAE plane on one engine and one workload, each mode against no SAE in the same
+process: (a) no SAE, (b) capture of the top-k features of every token (prompt and generated) of a
+random jumprelu SAE at one layer, (c) N distinct per-request configs of feature adds and feature
+clamps of that SAE. Cost = (t_x / t_a - 1) * 100, from median times.
+
+    PYTHONPATH=. python benchmarks/sae_cost.py [--d-sae 65536] [--layer 14] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import common
+import numpy as np
+import torch
+from common import emit, timed
+
+MODES = ("none", "capture_top_k_every_token", "feature_steering_distinct")
+
+
+def random_sae(hidden: int, d_sae: int, layer: int, seed: int):
+    """A jumprelu SAE with unit decoder rows; thresholds and scales give a few dozen active features."""
+    from steerable import SAE
+
+    g = torch.Generator().manual_seed(seed)
+    W_dec = torch.nn.functional.normalize(torch.randn(d_sae, hidden, generator=g), dim=1)
+    return SAE(W_dec.T.contiguous(), torch.zeros(d_sae), W_dec, torch.zeros(hidden), architecture="jumprelu",
+               threshold=torch.full((d_sae,), 0.05), layer=layer, hook="post_mlp")
+
+
+def feature_config(i: int, d_sae: int, adds: int, clamps: int, rng: np.random.Generator):
+    """Request i's own config: ``adds`` feature adds and ``clamps`` feature clamps, distinct indices."""
+    from steerable import Feature, FeatureClamp, SteeringSpec
+
+    index = rng.choice(d_sae, adds + clamps, replace=False).tolist()
+    return SteeringSpec(features=[Feature("sae", j, scale=0.5 + 0.01 * i) for j in index[:adds]] +
+                                 [FeatureClamp("sae", j, value=0.0) for j in index[adds:]])
+
+
+def main() -> None:
+    from steerable import CaptureSpec
+
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
+    p.add_argument("--d-sae", type=int, default=None, help="SAE width (default 65536; --smoke 256)")
+    p.add_argument("--layer", type=int, default=None, help="the SAE's layer (default 14; --smoke 1)")
+    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--feature-adds", type=int, default=8)
+    p.add_argument("--feature-clamps", type=int, default=2)
+    args = p.parse_args()
+    path = common.setup("sae_cost", args, {"d_sae": (65536, 256), "layer": (14, 1)})
+    llm = common.make_llm(args, path)
+    w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
+    cfg = llm.engine.model_config
+    sae, seconds = timed(lambda: random_sae(cfg.hidden_size, args.d_sae, args.layer, args.seed))
+    _, register_s = timed(lambda: llm.register_sae("sae", sae))
+    emit({"record": "sae", "d_sae": args.d_sae, "layer": args.layer, "build_seconds": seconds,
+          "register_seconds": register_s})
+    rng = np.random.default_rng(args.seed + 1)
+    extras = {"capture_top_k_every_token": [{"capture": CaptureSpec(stream="sae_features", saes=["sae"],
+                                                                    top_k=args.top_k, select="all")}] * len(w),
+              "feature_steering_distinct": [{"steering_vectors": feature_config(i, args.d_sae, args.feature_adds,
+                                                                                args.feature_clamps, rng)}
+                                            for i in range(len(w))]}
+    for mode in MODES:  # the SAE paths (tables, kernels, graphs) get warmed too
+        common.warm_up(llm, w, args, f"warmup-{mode}", extras.get(mode))
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    tokens: dict[str, int] = {}
+    for r in range(args.repeats):
+        for mode in MODES:
+            params = common.sampling_params(w, f"{mode}-{r}", extras.get(mode))
+            outs, seconds = timed(partial(llm.generate, w.prompts, params, use_tqdm=False))
+            times[mode].append(seconds)
+            tokens[mode] = common.generated_tokens(outs)
+    base = common.median(times["none"])
+    for mode in MODES:
+        t = common.median(times[mode])
+        emit({"record": "run", "mode": mode, "requests": len(w), "repeats": args.repeats, "seconds_all": times[mode],
+              **common.throughput(t, sum(w.input_lens), tokens[mode]), "cost_pct": (t / base - 1) * 100})
+    status = llm.get_steering_status()
+    ok = status.get("rows_in_use") == 0 and status.get("configs_in_use", 0) == 0
+    emit({"record": "steering_status", "ok": ok, **status})
+    llm.unregister_sae("sae")  # refused if anything still used it
+    if not ok:
+        raise SystemExit("steering rows still in use after every request finished")
+
+
+if __name__ == "__main__":
+    main()
