@@ -8,11 +8,16 @@ plain ``StepInput`` (``steerable.step``).
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from steerable.sampling_params import SamplingParams
+
+
+def _no_group() -> None:
+    return None
 
 
 class RequestStatus(enum.Enum):
@@ -35,7 +40,7 @@ class Request:
         self.request_id = request_id
         self.client_id = client_id
         self.index = index  # which of the group's completions this is
-        self.group: Any = None  # the engine's RequestGroup
+        self._group: Callable[[], Any] = _no_group  # a weak reference to the engine's RequestGroup
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -80,6 +85,16 @@ class Request:
         self.capture: Any = None  # capture plane's per-request state
         self.captures: dict = {}  # delivered on the final RequestOutput
         self.capture_meta: dict = {}
+
+    @property
+    def group(self) -> Any:
+        """The engine's ``RequestGroup`` of this completion. Held weakly: the group holds its
+        children, and a cycle would leave every finished request to the cyclic collector."""
+        return self._group()
+
+    @group.setter
+    def group(self, group: Any) -> None:
+        self._group = weakref.ref(group)
 
     @property
     def num_prompt_tokens(self) -> int:

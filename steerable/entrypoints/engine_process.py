@@ -38,6 +38,7 @@ from typing import Any
 from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _put_all, _resolve, capture_layouts
 from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
 from steerable.errors import EngineDeadError
+from steerable.heap import freeze_startup_heap
 from steerable.outputs import RequestOutput
 from steerable.sampling_params import SamplingParams
 
@@ -309,6 +310,7 @@ def _engine_main(conn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     sender = _Sender(conn)
     try:
         core = _EngineCore(llm, sender)
+        freeze_startup_heap()
         sender.send(("ready", core.describe()))
         core.run(conn)
     finally:

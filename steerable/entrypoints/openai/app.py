@@ -19,6 +19,7 @@ from steerable.entrypoints.openai.errors import error_body, install_error_handle
 from steerable.entrypoints.openai.extensions import CaptureInfo
 from steerable.entrypoints.openai.metrics import Metrics
 from steerable.entrypoints.openai.state import ServerSettings, ServerState
+from steerable.heap import freeze_startup_heap
 
 ROUTERS = [info.open_router, info.router, auth.router, completions.router, chat.router, invocations.router,
            admin.user, admin.admin, vectors.user, vectors.admin, saes.user, saes.admin, playground.router]
@@ -64,6 +65,7 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> N
     """Serve until SIGINT/SIGTERM; requests in flight get a few seconds to finish."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    freeze_startup_heap()
     uvicorn.Server(config).run()
 
 
