@@ -6,7 +6,8 @@ set -u
 part=${1:?part}
 out=${OUT:?set OUT}
 cd "$(dirname "$0")"
-export PYTHONPATH=.. PYTHONUNBUFFERED=1
+# .carry/site: pure-Python wheels the device image lacks (fastapi, uvicorn, pydantic, gguf), when carried.
+export PYTHONPATH=..:../.carry/site PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
@@ -32,6 +33,17 @@ case $part in
      echo "gpu tests rc=$?"; tail -n 5 "$out/gpu-tests-c.txt")
     step shared-prefix 200 python3 shared_prefix.py --repeats 3
     step gpt2 60 python3 throughput.py --shape gpt2 --skip-hf --repeats 1
+    ;;
+  d)
+    PYTHONPATH=$PYTHONPATH:../tests step bf16-divergence 120 python3 bf16_divergence.py
+    step sae 240 python3 sae_cost.py --repeats 3
+    step patterns 240 python3 pattern_cost.py --repeats 3
+    ;;
+  e)
+    (cd .. && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_fused_moe.py \
+        tests/test_shared_prefix_gpu.py >"$out/gpu-tests-e.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 8 "$out/gpu-tests-e.txt")
+    step dense 100 python3 throughput.py --skip-hf --repeats 3
+    step serve 200 python3 serve.py
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

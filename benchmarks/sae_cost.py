@@ -1,13 +1,18 @@
 """Cost of the SAE plane on one engine and one workload, each mode against no SAE in the same
 process: (a) no SAE, (b) capture of the top-k features of every token (prompt and generated) of a
 random jumprelu SAE at one layer, (c) N distinct per-request configs of feature adds and feature
-clamps of that SAE. Cost = (t_x / t_a - 1) * 100, from median times.
+clamps of that SAE. Cost = (t_x / t_a - 1) * 100, from median times. Then (d) sparse corpus capture
+(``capture_corpus(sae=...)``, the top-k features of every prompt row into safetensors shards in
+RAM) over the same prompts: prompt tokens/s, median of the repeats, rows checked.
 
     PYTHONPATH=. python benchmarks/sae_cost.py [--d-sae 65536] [--layer 14] [--repeats 3]
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from functools import partial
 
 import common
@@ -37,6 +42,30 @@ def feature_config(i: int, d_sae: int, adds: int, clamps: int, rng: np.random.Ge
                                  [FeatureClamp("sae", j, value=0.0) for j in index[adds:]])
 
 
+def corpus_rate(llm, w: common.Workload, args) -> None:
+    """(d): every prompt row's top-k features to shards; a wrong row count exits non-zero."""
+    from steerable.capture.corpus import capture_corpus
+
+    root = tempfile.mkdtemp(prefix="steerable-sae-corpus-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    kwargs = dict(sae="sae", top_k=args.top_k, select="all_prompt", shard_size=args.shard_size,
+                  batch_size=args.shard_size)
+    try:
+        capture_corpus(llm, w.head(min(len(w), args.shard_size)).prompts, os.path.join(root, "warmup"), **kwargs)
+        times, rows = [], 0
+        for r in range(args.repeats):
+            index, seconds = timed(lambda: capture_corpus(llm, w.prompts, os.path.join(root, f"run{r}"), **kwargs))
+            times.append(seconds)
+            rows = sum(e["rows"] for e in index["shards"])
+            shutil.rmtree(os.path.join(root, f"run{r}"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    t = common.median(times)
+    emit({"record": "run", "mode": "corpus_sparse", "requests": len(w), "repeats": args.repeats, "seconds_all": times,
+          "rows": rows, "prompt_tokens": sum(w.input_lens), "prompt_tok_s": sum(w.input_lens) / t})
+    if rows != sum(w.input_lens):
+        raise SystemExit(f"corpus capture wrote {rows} rows for {sum(w.input_lens)} prompt tokens")
+
+
 def main() -> None:
     from steerable import CaptureSpec
 
@@ -47,8 +76,9 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=32)
     p.add_argument("--feature-adds", type=int, default=8)
     p.add_argument("--feature-clamps", type=int, default=2)
+    p.add_argument("--shard-size", type=int, default=None, help="corpus examples per shard (default 64; --smoke 4)")
     args = p.parse_args()
-    path = common.setup("sae_cost", args, {"d_sae": (65536, 256), "layer": (14, 1)})
+    path = common.setup("sae_cost", args, {"d_sae": (65536, 256), "layer": (14, 1), "shard_size": (64, 4)})
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
     cfg = llm.engine.model_config
@@ -77,6 +107,7 @@ def main() -> None:
         t = common.median(times[mode])
         emit({"record": "run", "mode": mode, "requests": len(w), "repeats": args.repeats, "seconds_all": times[mode],
               **common.throughput(t, sum(w.input_lens), tokens[mode]), "cost_pct": (t / base - 1) * 100})
+    corpus_rate(llm, w, args)
     status = llm.get_steering_status()
     ok = status.get("rows_in_use") == 0 and status.get("configs_in_use", 0) == 0
     emit({"record": "steering_status", "ok": ok, **status})

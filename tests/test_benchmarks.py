@@ -78,11 +78,25 @@ def test_throughput_moe_graphs_vs_eager(cache_dir):
 def test_sae_cost(cache_dir):
     r = run("sae_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}
+    corpus = runs.pop("corpus_sparse")
     assert list(runs) == ["none", "capture_top_k_every_token", "feature_steering_distinct"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
+    positive(corpus, "prompt_tok_s")
+    assert corpus["rows"] == corpus["prompt_tokens"] and len(corpus["seconds_all"]) == 2
     assert r["sae"][0]["d_sae"] == 256 and r["steering_status"][0]["ok"]
+
+
+def test_pattern_cost(cache_dir):
+    r = run("pattern_cost", cache_dir, "--repeats", "2")
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["none", "last_prompt_one_layer", "all_layers_generated"]
+    for x in runs.values():
+        positive(x, "seconds", "output_tok_s")
+        assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
+    assert runs["none"]["pattern_rows"] == 0 and runs["last_prompt_one_layer"]["pattern_rows"] == runs["none"]["requests"]
+    assert runs["all_layers_generated"]["pattern_rows"] > 0
 
 
 def test_steering_cost(cache_dir):

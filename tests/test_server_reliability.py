@@ -80,6 +80,34 @@ def test_fifty_abandoned_large_n_requests_hold_nothing(big_server, big_http):
     assert timed(big_http, {"prompt": "hi", "max_tokens": 2}) <= 2.0
 
 
+def test_two_hundred_streams_dropped_at_once_free_the_engine(big_server, big_http):
+    """vLLM habit (issue 28, item 13): 200 clients that stream, then disconnect together; the next
+    request is served at once and nothing is held, however many aborts were pending."""
+    async def stream_then_drop(client: httpx.AsyncClient, started: asyncio.Event, drop: asyncio.Event,
+                               count: list[int]) -> None:
+        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body, headers=USER) as r:
+            async for _ in r.aiter_lines():
+                count[0] += 1
+                if count[0] == 200:
+                    started.set()
+                break  # one line: this request is in the engine
+            await drop.wait()  # leaving the block closes the connection
+
+    async def main() -> float:
+        started, drop, count = asyncio.Event(), asyncio.Event(), [0]
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=big_server.url, limits=limits, timeout=60) as client:
+            tasks = [asyncio.create_task(stream_then_drop(client, started, drop, count)) for _ in range(200)]
+            await asyncio.wait_for(started.wait(), 60)
+            drop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return await asyncio.to_thread(timed, big_http, {"prompt": "hi", "max_tokens": 2})
+
+    assert asyncio.run(main()) <= 2.0
+    assert_nothing_held(big_http)
+
+
 def test_small_requests_keep_their_latency_while_a_large_n_runs(big_server, big_http):
     def p99(count: int) -> float:
         return sorted(timed(big_http, SMALL) for _ in range(count))[-1]
