@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, hf_model
+from conftest import FAMILIES, PROMPTS, build_model, hf_greedy, hf_model
 from hf_oracle import max_logprob_gap
 from safetensors.torch import load_file
 
@@ -133,7 +133,9 @@ def write_gpt2_gguf(src: str, path: Path) -> None:
 @pytest.fixture(scope="module")
 def sources(model_dirs, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """Per family (the HF directory, the GGUF written from it). llama.cpp derives Gemma 2's query
-    scale from head_dim (hidden / heads for the 27B), so that checkpoint gets that scale."""
+    scale from head_dim (hidden / heads for the 27B), so that checkpoint gets that scale. GPT-2
+    comes tied (no ``output`` tensor) and untied (``output.weight``, which must not be taken for a
+    transposed ``attn_output``)."""
     root = tmp_path_factory.mktemp("gguf_families")
     gemma2 = root / "gemma2"
     shutil.copytree(model_dirs["gemma2"], gemma2)
@@ -144,8 +146,12 @@ def sources(model_dirs, tmp_path_factory) -> dict[str, tuple[str, str]]:
     for arch, src in (("gemma2", str(gemma2)), ("phi3", model_dirs["phi3"])):
         write_gguf(src, root / f"{arch}.gguf", arch)
         out[arch] = (src, str(root / f"{arch}.gguf"))
-    write_gpt2_gguf(model_dirs["gpt2"], root / "gpt2.gguf")
-    out["gpt2"] = (model_dirs["gpt2"], str(root / "gpt2.gguf"))
+    untied = dict(FAMILIES["gpt2"], extra={**FAMILIES["gpt2"]["extra"], "tie_word_embeddings": False})
+    vocab = json.loads(Path(model_dirs["gpt2"], "config.json").read_text())["vocab_size"]
+    build_model("gpt2", str(root / "gpt2_untied"), vocab, seed=3, spec=untied)  # output.weight in the file
+    for name, src in (("gpt2", model_dirs["gpt2"]), ("gpt2_untied", str(root / "gpt2_untied"))):
+        write_gpt2_gguf(src, root / f"{name}.gguf")
+        out[name] = (src, str(root / f"{name}.gguf"))
     return out
 
 
@@ -160,7 +166,7 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3", "gpt2"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "gpt2", "gpt2_untied"])
 def test_config_and_tensors_equal_the_checkpoint(sources, arch):
     src, path = sources[arch]
     from transformers import AutoConfig
@@ -171,7 +177,7 @@ def test_config_and_tensors_equal_the_checkpoint(sources, arch):
                   "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
                   "tie_word_embeddings", "sliding_window", "attn_logit_softcapping", "attention_scale"):
         assert _close(getattr(ours, field), getattr(theirs, field)), field
-    if arch == "gpt2":  # the MLP width is n_inner's (the tensors'), not the metadata's 4 * n_embd
+    if arch.startswith("gpt2"):  # the MLP width is n_inner's (the tensors'), not the metadata's 4 * n_embd
         assert ours.intermediate_size == theirs.intermediate_size == 128
         assert ours.hidden_act == theirs.hidden_act == "gelu_new"
         assert ours.max_position_embeddings == theirs.max_position_embeddings == 512
@@ -186,7 +192,7 @@ def test_config_and_tensors_equal_the_checkpoint(sources, arch):
     assert set(loaded) == set(expected) - ({"lm_head.weight"} if theirs.tie_word_embeddings else set())
     for name, tensor in loaded.items():  # Gemma's norms went through + 1 - 1 in float32
         torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0, msg=name)
-    if arch == "gpt2":  # a rank's part of a Conv1D weight turned back to [in, out]: the same part of HF's
+    if arch.startswith("gpt2"):  # a rank's part of a Conv1D weight turned back to [in, out]: the same part of HF's
         for name, tensor in iter_gguf_slices(path, torch.float32):
             if name.endswith("c_attn.weight"):
                 part = tensor.narrow(1, 64, 64).narrow(0, 16, 32).load()
