@@ -1,6 +1,7 @@
-"""GGUF files of Gemma 2 and Phi-3 written with the ``gguf`` package from tiny HF checkpoints, under
-llama.cpp's tensor names and metadata (Gemma norms stored plus one, Phi-3's fused ``attn_qkv`` and
-``ffn_up``, longrope factors as tensors): the config, every tensor and the engine's greedy tokens and
+"""GGUF files of Gemma 2, Phi-3 and GPT-2 written with the ``gguf`` package from tiny HF checkpoints,
+under llama.cpp's tensor names and metadata (Gemma norms stored plus one, Phi-3's fused ``attn_qkv``
+and ``ffn_up``, longrope factors as tensors; GPT-2's Conv1D weights transposed, its byte-level BPE
+vocabulary and merges in the file): the config, every tensor and the engine's greedy tokens and
 logprobs equal HF's on the checkpoint the file came from."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, hf_model
+from conftest import FAMILIES, PROMPTS, build_model, hf_greedy, hf_model
 from hf_oracle import max_logprob_gap
 from safetensors.torch import load_file
 
@@ -20,7 +21,7 @@ gguf = pytest.importorskip("gguf")
 
 from steerable import LLM, SamplingParams  # noqa: E402
 from steerable.engine import engine as engine_module  # noqa: E402
-from steerable.models.gguf import iter_gguf_tensors, load_gguf_config  # noqa: E402
+from steerable.models.gguf import iter_gguf_slices, iter_gguf_tensors, load_gguf_config  # noqa: E402
 from steerable.models.registry import resolve_model_config  # noqa: E402
 
 _GEMMA2_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -84,10 +85,57 @@ def write_gguf(src: str, path: Path, arch: str) -> None:
     writer.close()
 
 
+def _add_gpt2_vocab(writer, src: str, vocab_size: int) -> None:
+    """The tokenizer as llama.cpp's ``_set_vocab_gpt2`` writes it: every token in id order, special
+    added tokens marked CONTROL, merges and special ids through gguf-py's ``SpecialVocab``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    by_id = {i: token for token, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    control, normal = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([by_id[i] for i in range(vocab_size)])
+    writer.add_token_types([control if i in added and added[i].special else normal for i in range(vocab_size)])
+    gguf.SpecialVocab(src, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
+
+
+def write_gpt2_gguf(src: str, path: Path) -> None:
+    """What llama.cpp's ``GPT2Model`` converter writes: its five hyperparameters (the feed-forward
+    length as 4 * n_embd, whatever ``n_inner`` says), gguf-py's tensor names with the Conv1D weights
+    transposed to ``[out, in]``, the causal-mask buffers dropped, and the vocabulary."""
+    config = json.loads(Path(src, "config.json").read_text())
+    tensors = load_file(str(Path(src, "model.safetensors")))
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(config["n_layer"])
+    writer.add_context_length(config.get("n_ctx", config["n_positions"]))
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_feed_forward_length(4 * config["n_embd"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_gpt2_vocab(writer, src, config["vocab_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, config["n_layer"])
+    for name, tensor in tensors.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        value = tensor.float()
+        if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            value = value.t().contiguous()
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="module")
 def sources(model_dirs, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """Per family (the HF directory, the GGUF written from it). llama.cpp derives Gemma 2's query
-    scale from head_dim (hidden / heads for the 27B), so that checkpoint gets that scale."""
+    scale from head_dim (hidden / heads for the 27B), so that checkpoint gets that scale. GPT-2
+    comes tied (no ``output`` tensor) and untied (``output.weight``, which must not be taken for a
+    transposed ``attn_output``)."""
     root = tmp_path_factory.mktemp("gguf_families")
     gemma2 = root / "gemma2"
     shutil.copytree(model_dirs["gemma2"], gemma2)
@@ -98,6 +146,12 @@ def sources(model_dirs, tmp_path_factory) -> dict[str, tuple[str, str]]:
     for arch, src in (("gemma2", str(gemma2)), ("phi3", model_dirs["phi3"])):
         write_gguf(src, root / f"{arch}.gguf", arch)
         out[arch] = (src, str(root / f"{arch}.gguf"))
+    untied = dict(FAMILIES["gpt2"], extra={**FAMILIES["gpt2"]["extra"], "tie_word_embeddings": False})
+    vocab = json.loads(Path(model_dirs["gpt2"], "config.json").read_text())["vocab_size"]
+    build_model("gpt2", str(root / "gpt2_untied"), vocab, seed=3, spec=untied)  # output.weight in the file
+    for name, src in (("gpt2", model_dirs["gpt2"]), ("gpt2_untied", str(root / "gpt2_untied"))):
+        write_gpt2_gguf(src, root / f"{name}.gguf")
+        out[name] = (src, str(root / f"{name}.gguf"))
     return out
 
 
@@ -112,7 +166,7 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "gpt2", "gpt2_untied"])
 def test_config_and_tensors_equal_the_checkpoint(sources, arch):
     src, path = sources[arch]
     from transformers import AutoConfig
@@ -123,7 +177,11 @@ def test_config_and_tensors_equal_the_checkpoint(sources, arch):
                   "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
                   "tie_word_embeddings", "sliding_window", "attn_logit_softcapping", "attention_scale"):
         assert _close(getattr(ours, field), getattr(theirs, field)), field
-    if arch == "gemma2":
+    if arch.startswith("gpt2"):  # the MLP width is n_inner's (the tensors'), not the metadata's 4 * n_embd
+        assert ours.intermediate_size == theirs.intermediate_size == 128
+        assert ours.hidden_act == theirs.hidden_act == "gelu_new"
+        assert ours.max_position_embeddings == theirs.max_position_embeddings == 512
+    elif arch == "gemma2":
         assert ours.layer_windows == theirs.layer_windows == [8, None, 8, None]
         assert ours.final_logit_softcapping == theirs.final_logit_softcapping == 4.0
     else:
@@ -134,6 +192,11 @@ def test_config_and_tensors_equal_the_checkpoint(sources, arch):
     assert set(loaded) == set(expected) - ({"lm_head.weight"} if theirs.tie_word_embeddings else set())
     for name, tensor in loaded.items():  # Gemma's norms went through + 1 - 1 in float32
         torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0, msg=name)
+    if arch.startswith("gpt2"):  # a rank's part of a Conv1D weight turned back to [in, out]: the same part of HF's
+        for name, tensor in iter_gguf_slices(path, torch.float32):
+            if name.endswith("c_attn.weight"):
+                part = tensor.narrow(1, 64, 64).narrow(0, 16, 32).load()
+                assert torch.equal(part, expected[name][16:48, 64:128]), name
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "phi3"])
@@ -155,3 +218,30 @@ def test_engine_on_the_gguf_equals_hf(sources, arch, monkeypatch):
             rows = torch.log_softmax(hf(full, use_cache=False).logits[0].float(), -1)[len(ids) - 1:]
         assert out.outputs[0].token_ids == rows.argmax(-1)[:12].tolist()
         assert max_logprob_gap(out, rows) <= 1e-4
+
+
+def test_gpt2_gguf_tokenizer_and_32_greedy_tokens_equal_hf(sources):
+    """The file's own byte-level BPE encodes text as the checkpoint's tokenizer does (special tokens
+    whole), and the engine's 32 greedy tokens over a batch of prompts of different lengths equal HF
+    ``generate``'s on the checkpoint, logprobs within 1e-4 of HF's forward."""
+    from transformers import AutoTokenizer
+
+    src, path = sources["gpt2"]
+    llm = LLM(path, device="cpu", kv_cache_tokens=4096)
+    ours, theirs = llm.get_tokenizer(), AutoTokenizer.from_pretrained(src)
+    texts = PROMPTS + ["<|user|>Hi</s>  two  spaces, caf\u00e9 \U0001F600"]
+    assert [ours(t).input_ids for t in texts] == [theirs(t).input_ids for t in texts]
+    assert ours.eos_token_id == theirs.eos_token_id == 2
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4], PROMPTS[5]]
+    assert len({len(theirs(p).input_ids) for p in prompts}) == 4
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    hf = hf_model(src)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        assert out.prompt_token_ids == theirs(out.prompt).input_ids
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 32), out.prompt
+        with torch.no_grad():
+            full = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids])
+            rows = torch.log_softmax(hf(full, use_cache=False).logits[0].float(), -1)[len(out.prompt_token_ids) - 1:]
+        assert max_logprob_gap(out, rows) <= 1e-4
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # the prompts steer different continuations

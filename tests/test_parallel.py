@@ -94,7 +94,7 @@ def models(tmp_path_factory, model_dirs, capture_dirs) -> dict[str, str]:
     dirs = {"llama": model_dirs["llama"], "qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe"),
             "gemma3": model_dirs["gemma3"], **{family: model_dirs[family] for family in RMS_FAMILIES},
             "gpt2": capture_dirs["gpt2"],  # activations of order one (the larger weights' reach 20)
-            "gpt_neox": model_dirs["gpt_neox"]}
+            "gpt_neox": model_dirs["gpt_neox"], "gpt_neox_seq": model_dirs["gpt_neox_seq"]}
     _build_qwen3_one_kv_head(dirs["qwen3"], seed=7)
     build_qwen3_moe(dirs["qwen3_moe"], seed=8, num_hidden_layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
                     norm_topk_prob=True)
@@ -112,8 +112,9 @@ def single(models) -> dict[str, LLM]:
 
 
 # The LayerNorm families (Conv1D / head-interleaved qkv shards, learned positions on the first
-# stage, the parallel residual across a stage boundary) on TP=2 and PP=2 only, for CI time.
-LAYERNORM_CASES = [(layout, family) for layout in ("tp2", "pp2") for family in ("gpt2", "gpt_neox")]
+# stage, the parallel residual across a stage boundary, and NeoX's sequential residual) on TP=2
+# and PP=2 only, for CI time.
+LAYERNORM_CASES = [(layout, family) for layout in ("tp2", "pp2") for family in ("gpt2", "gpt_neox", "gpt_neox_seq")]
 
 
 @pytest.fixture(scope="module", params=[(layout, family) for layout in LAYOUTS for family in FAMILIES]

@@ -1,10 +1,11 @@
-"""Gemma 2, OLMo-2 and Phi-3 against HF on tiny random checkpoints: 32 greedy tokens and logprobs for
-each family and the other value of its flags (soft-caps off and an untied head; a tied OLMo-2; Phi-3
-with plain RoPE, a tied head and a sliding window), captures at every hook point, additive steering
-and clamps under chunked prefill, prefix caching and preemption, and effect-size checks: soft-caps,
-longrope's short and long factors and OLMo-2's whole-projection q/k norm each change the output.
+"""Gemma 2, OLMo-2, Phi-3, GPT-2 and GPT-NeoX against HF on tiny random checkpoints: 32 greedy tokens
+and logprobs for each family and the other value of its flags (soft-caps off and an untied head; a
+tied OLMo-2; Phi-3 with plain RoPE, a tied head and a sliding window; an untied GPT-2; GPT-NeoX with
+and without the parallel residual), captures at every hook point, additive steering and clamps under
+chunked prefill, prefix caching and preemption, and effect-size checks: soft-caps, longrope's short
+and long factors and OLMo-2's whole-projection q/k norm each change the output.
 
-(The shared suites take the three families too: test_fidelity, test_steering, test_capture,
+(The shared suites take these families too: test_fidelity, test_steering, test_capture,
 test_fused_path, test_parallel.)
 """
 
@@ -21,12 +22,13 @@ from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap
 
 from steerable import LLM, Add, Clamp, SamplingParams, SelectSpec, SteeringSpec
 
-NEW = ["gemma2", "olmo2", "phi3"]
+NEW = ["gemma2", "olmo2", "phi3", "gpt2", "gpt_neox", "gpt_neox_seq"]  # gpt_neox_seq: use_parallel_residual=False
 VARIANTS = {
     "gemma2_plain": ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None,
                                     tie_word_embeddings=False)),
     "olmo2_tied": ("olmo2", dict(tie_word_embeddings=True)),
     "phi3_plain": ("phi3", dict(rope_scaling=None, tie_word_embeddings=True, sliding_window=24)),
+    "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
 TOKENS = 32
 HOOKS = ["pre_attn", "post_attn", "post_mlp"]

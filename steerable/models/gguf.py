@@ -14,6 +14,9 @@ are in the metadata, its query scale is llama.cpp's (1/sqrt(hidden / heads) for 
 Phi-3 (``phi3``) keeps HF's fused ``attn_qkv`` and ``ffn_up`` (= gate_up_proj); longrope's factors are
 the tensors ``rope_factors_short`` / ``rope_factors_long``, its cos/sin scale and original length
 are metadata.
+GPT-2 (``gpt2``) maps back to HF's own names (``transformer.wte``, ``transformer.h.N.attn.c_attn``,
+...), with the learned positions as ``position_embd`` and the ``Conv1D`` weights llama.cpp transposed
+turned back to HF's ``[in, out]``; the tokenizer is the file's byte-level BPE.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", False),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", False),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", False),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", False),
 }
 _NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores these families' norm weights as 1 + w
 
@@ -74,7 +78,18 @@ _GEMMA3_PER_LAYER = {**_PER_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3's fused projections: ffn_up holds gate_up_proj (gate rows first), attn_qkv holds q|k|v.
 _PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA3_PER_LAYER, "gemma3": _GEMMA3_PER_LAYER, "phi3": _PHI3_PER_LAYER}
+# GPT-2 keeps HF's own names (``transformer.``, its Conv1D modules); its norms have biases too.
+_GPT2_TOP_LEVEL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                   "output_norm": "transformer.ln_f", "output": "lm_head"}
+_GPT2_PER_LAYER = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+                   "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# llama.cpp transposes these Conv1D weights ([in, out] in HF) to [out, in]; HF's layout comes back
+# by transposing again, unread, so a tensor-parallel rank still reads only its rows of the file.
+_GPT2_CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA3_PER_LAYER, "gemma3": _GEMMA3_PER_LAYER, "phi3": _PHI3_PER_LAYER,
+                      "gpt2": _GPT2_PER_LAYER}
+_TOP_LEVEL_BY_ARCH = {"gpt2": _GPT2_TOP_LEVEL}
+_LAYER_PREFIX = {"gpt2": "transformer.h"}
 _GEMMA2_27B_LAYERS = 46
 _PHI3_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 # What llama.cpp hard-codes for Gemma 3 (``llama_load_hparams`` for LLM_ARCH_GEMMA3), by block count:
@@ -172,17 +187,15 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
         return reader.get(f"{arch}.{name}", default)
 
     names = {t.name: t for t in reader.tensors}
+    if arch == "gpt2":
+        return config_cls(**_gpt2_config(reader, key, names))
     hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = key("attention.key_length") or (key("rope.dimension_count") if _ARCHS[arch][2] else None)
     head_dim = int(head_dim or hidden // n_heads)
-    vocab = key("vocab_size")
-    if vocab is None:  # embedding rows are what the weights need; the token list is a last resort
-        embd = names.get("token_embd.weight")
-        vocab = int(embd.shape[0]) if embd is not None else len(reader.get("tokenizer.ggml.tokens", ()))
     theta = float(key("rope.freq_base", 10000.0))
     kwargs: dict[str, Any] = dict(
         architectures=[hf_arch],
-        vocab_size=int(vocab),
+        vocab_size=_vocab_size(reader, key, names),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")),
@@ -192,12 +205,10 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
+        **_special_token_ids(reader),
     )
     if arch != "qwen2":  # Qwen2 always has q/k/v bias; the others only when the file carries one
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    for hf_key, gguf_key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        if (token_id := reader.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
-            kwargs[hf_key] = int(token_id)
     scaling = _rope_scaling(reader, arch, theta, head_dim)
     if arch == "gemma2":
         kwargs.update(_gemma2_config(key, kwargs))
@@ -212,6 +223,46 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     else:
         kwargs.update(rope_theta=theta, rope_scaling=scaling)
     return config_cls(**kwargs)
+
+
+def _vocab_size(reader: GGUFFile, key, names: dict[str, GGUFTensor]) -> int:
+    """The file's vocabulary size, else the embedding's rows (what the weights need), else the token list."""
+    vocab = key("vocab_size")
+    if vocab is None:
+        embd = names.get("token_embd.weight")
+        vocab = embd.shape[0] if embd is not None else len(reader.get("tokenizer.ggml.tokens", ()))
+    return int(vocab)
+
+
+def _special_token_ids(reader: GGUFFile) -> dict[str, int]:
+    ids = {}
+    for hf_key, gguf_key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        if (token_id := reader.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
+            ids[hf_key] = int(token_id)
+    return ids
+
+
+def _gpt2_config(reader: GGUFFile, key, names: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """GPT-2's config under its own HF names. llama.cpp writes ``feed_forward_length`` as 4 * n_embd
+    whatever ``n_inner`` is, and ``context_length`` from ``n_ctx``: the MLP width and the number of
+    learned positions come from the tensors, which are what the weights need. (GELU-new and the
+    attention scale are not in the file; llama.cpp fixes them to GPT-2's, as here.)"""
+    for required in ("token_embd.weight", "position_embd.weight", "blk.0.ffn_up.weight"):
+        if required not in names:
+            raise ValueError(f"GGUF gpt2: tensor {required!r} is missing")
+    return dict(
+        architectures=[_ARCHS["gpt2"][1]],
+        vocab_size=_vocab_size(reader, key, names),
+        n_embd=int(key("embedding_length")),
+        n_layer=int(key("block_count")),
+        n_head=int(key("attention.head_count")),
+        n_positions=int(names["position_embd.weight"].shape[0]),
+        n_inner=int(names["blk.0.ffn_up.weight"].shape[0]),
+        layer_norm_epsilon=float(key("attention.layer_norm_epsilon", 1e-5)),
+        activation_function="gelu_new",
+        tie_word_embeddings="output.weight" not in names,
+        **_special_token_ids(reader),
+    )
 
 
 def _gemma3_config(key, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -266,12 +317,13 @@ def _phi3_longrope(reader: GGUFFile, key, names: dict[str, GGUFTensor]) -> dict[
 
 def _hf_name(gguf_name: str, arch: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
-    if stem in _TOP_LEVEL and suffix == "weight":
-        return f"{_TOP_LEVEL[stem]}.weight"
+    top = _TOP_LEVEL_BY_ARCH.get(arch, _TOP_LEVEL)
+    if stem in top and suffix in ("weight", "bias"):
+        return f"{top[stem]}.{suffix}"
     per_layer = _PER_LAYER_BY_ARCH.get(arch, _PER_LAYER)
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in per_layer:
-        return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
+        return f"{_LAYER_PREFIX.get(arch, 'model.layers')}.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"unrecognised GGUF tensor {gguf_name!r}")
 
 
@@ -356,7 +408,10 @@ def iter_gguf_slices(path: str, dtype: torch.dtype, num_heads: int = 0,
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
         offset = arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight")
-        yield _hf_name(tensor.name, arch), _slice(tensor, dtype, heads, offset)
+        sliced = _slice(tensor, dtype, heads, offset)
+        if arch == "gpt2" and tensor.name.endswith(_GPT2_CONV1D):
+            sliced = sliced.t()
+        yield _hf_name(tensor.name, arch), sliced
 
 
 def iter_gguf_tensors(path: str, config: transformers.PretrainedConfig | None,
