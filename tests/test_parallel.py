@@ -28,7 +28,8 @@ from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
 from test_qwen3_moe import build_qwen3_moe
 
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
-from steerable.capture import ATTENTION_HEADS, ATTENTION_PATTERNS, HIDDEN_STATES, ROUTER_LOGITS, match_capture_request_id
+from steerable.capture import (ATTENTION_HEADS, ATTENTION_PATTERNS, HIDDEN_STATES, ROUTER_LOGITS,
+                               match_capture_request_id)
 from steerable.distributed.launch import START_METHOD_ENV
 from steerable.distributed.placement import MICRO_BATCHES_ENV, PARTITION_ENV
 from steerable.errors import EngineDeadError
