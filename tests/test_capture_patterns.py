@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from conftest import PROMPTS, hf_model
-from hf_oracle import HFSteered, add_edit
+from hf_oracle import HFSteered, add_edit, decoder_layers
 
 import steerable
 from steerable import LLM, CaptureSpec, SamplingParams, SelectSpec
@@ -19,11 +19,12 @@ TOL = 1e-5
 
 def hf_patterns(hf, ids: list[int], prompt_len: int, edits=()) -> list[torch.Tensor]:
     """Per layer, HF's eager attention probabilities ``[heads, q, k]`` over ``ids`` (with ``edits``)."""
-    body = hf.model
-    layers = getattr(body, "language_model", body).layers
+    layers = decoder_layers(hf)
     got = {}
-    handles = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[1][0].clone()))
-               for i, layer in enumerate(layers)]
+    attention = [getattr(layer, name) for layer in layers for name in ("self_attn", "attn", "attention")
+                 if hasattr(layer, name)]  # Llama-likes, GPT-2, GPT-NeoX
+    handles = [attn.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[1][0].clone()))
+               for i, attn in enumerate(attention)]
     try:
         HFSteered(hf, list(edits)).forward(torch.tensor([ids]), prompt_len)
     finally:
@@ -84,6 +85,22 @@ def test_patterns_equal_hf(family):
         assert positions == [list(range(len(ids) - 1)), sorted({0, n - 1}) + [n, n + 1, n + 2], [n - 1]][k]
     uniform = outs[0].captures[ATTENTION_PATTERNS][0].rows[-1]
     assert (uniform - 1 / uniform.shape[1]).abs().max() > 1e-3  # not a no-op: the heads attend unevenly
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "olmo2"])
+def test_other_families_equal_hf(capture_dirs, name):
+    """GPT-2 (no RoPE, its own attention module), GPT-NeoX (partial rotary) and OLMo-2 (q/k norm
+    over the whole projection) place the pattern hook too: prompt and generated rows equal HF."""
+    llm, hf = LLM(capture_dirs[name], device="cpu", kv_cache_tokens=2048), hf_model(capture_dirs[name])
+    spec = CaptureSpec(stream=ATTENTION_PATTERNS, layers=[0, 2], heads=[2, 0],
+                       select=SelectSpec(prompt_positions=[1, -1], generation="all"))
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=spec),
+                       use_tqdm=False)[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    assert_equal_hf(out, hf_patterns(hf, ids[:-1], len(out.prompt_token_ids)), [0, 2], heads=[0, 2])
+    assert len(out.capture_meta[ATTENTION_PATTERNS][0]) == 4
+    last = out.captures[ATTENTION_PATTERNS][2].rows[-1]
+    assert (last - 1 / last.shape[1]).abs().max() > 1e-3  # not a no-op: the heads attend unevenly
 
 
 def test_steering_at_pre_attn_equals_hf_with_the_same_hook(capture_dirs):

@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism on CPU (gloo, float32): TP=2, PP=2 and TP=2 x PP=2 on Llama,
 Qwen3 (one KV head, so TP=2 replicates it), Qwen3-MoE (experts split over the ranks) and Gemma 3
 (sliding-window KV groups split over the stages) against one rank and HF transformers: greedy
-tokens, logprobs, steering, captures; preemption and prefix caching; a killed or failing worker;
-torchrun.
+tokens, logprobs, steering, captures (attention patterns included); preemption and prefix
+caching; a killed or failing worker; torchrun.
 
 Every parallel engine lives in a module fixture (one at a time) and the ranks start from a fork
 server, so the module stays short on two cores. A deadline turns a hang into a failure.
@@ -28,7 +28,8 @@ from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
 from test_qwen3_moe import build_qwen3_moe
 
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
-from steerable.capture import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS, match_capture_request_id
+from steerable.capture import (ATTENTION_HEADS, ATTENTION_PATTERNS, HIDDEN_STATES, ROUTER_LOGITS,
+                               match_capture_request_id)
 from steerable.distributed.launch import START_METHOD_ENV
 from steerable.distributed.placement import MICRO_BATCHES_ENV, PARTITION_ENV
 from steerable.errors import EngineDeadError
@@ -535,3 +536,39 @@ def test_captures_match_one_rank(parallel, single):
     heads = fetched[ATTENTION_HEADS][0]
     cfg = single[family].engine.model_config
     assert all(t.shape[1] == cfg.num_heads * cfg.head_dim for t in heads.values())  # gathered to the full width
+
+
+def _pattern_run(llm: LLM, num_layers: int):
+    """Attention patterns of every layer (the last one on the second pipeline stage) and all heads
+    (split over the tensor-parallel ranks), and of two heads from different ranks for the prompt's
+    first and last rows and every generated one; one request captures nothing."""
+    capture = [CaptureSpec(ATTENTION_PATTERNS, select="all"), None,
+               CaptureSpec(ATTENTION_PATTERNS, layers=[0, num_layers - 1], heads=[3, 0],
+                           select=SelectSpec(prompt_positions=[0, -1], generation="all"))]
+    return llm.generate(PROMPTS[:3], [_greedy(capture=c) for c in capture], use_tqdm=False)
+
+
+def test_attention_patterns_match_one_rank(parallel, single):
+    family, llm = parallel
+    cfg = single[family].engine.model_config
+    outs, refs = _pattern_run(llm, cfg.num_layers), _pattern_run(single[family], cfg.num_layers)
+    assert _same_outputs(outs, refs) <= LOGPROB_TOL
+    for out, ref in zip(outs, refs):
+        assert out.captures.keys() == ref.captures.keys()
+        for layer, want in ref.captures.get(ATTENTION_PATTERNS, {}).items():
+            pat, meta = out.captures[ATTENTION_PATTERNS][layer], out.capture_meta[ATTENTION_PATTERNS][layer]
+            want_meta = ref.capture_meta[ATTENTION_PATTERNS][layer]
+            assert (meta.positions.tolist(), meta.token_ids.tolist()) == (want_meta.positions.tolist(),
+                                                                          want_meta.token_ids.tolist())
+            assert all(match_capture_request_id(r, out.request_id) for r in meta.req_ids)
+            assert pat.heads == want.heads and len(pat) == len(want) > 0
+            assert torch.equal(pat.key_starts, want.key_starts) and torch.equal(pat.key_lens, want.key_lens)
+            assert max(_max_abs_diff(a, b) for a, b in zip(pat.rows, want.rows)) <= CAPTURE_TOL, layer
+    every, last_layer = outs[0].captures[ATTENTION_PATTERNS], cfg.num_layers - 1
+    assert sorted(every) == list(range(cfg.num_layers)) and every[last_layer].heads == list(range(cfg.num_heads))
+    prompt_len = len(outs[2].prompt_token_ids)
+    assert outs[2].captures[ATTENTION_PATTERNS][last_layer].heads == [0, 3]
+    assert outs[2].capture_meta[ATTENTION_PATTERNS][last_layer].positions.tolist() == \
+        [0, *range(prompt_len - 1, prompt_len + TOKENS - 1)]  # prompt rows and every generated row
+    last = every[last_layer].rows[-1]
+    assert (last - 1 / last.shape[1]).abs().max() > 1e-3  # real distributions, not uniform rows

@@ -91,6 +91,7 @@ class GPT2Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.size] * 3, dim=-1)
         heads = self.attn(q, k, v, ctx)
+        self.hooks.attention_patterns(self.layer, q, self.attn, ctx)
         self.hooks.observe(ATTENTION_HEADS, self.layer, heads, ctx)
         return self.o_proj(heads)
 

@@ -89,6 +89,7 @@ class GPTNeoXAttention(nn.Module):
         q = torch.cat((q_rot, q[..., rot:]), dim=-1)
         k = torch.cat((k_rot, k[..., rot:]), dim=-1)
         heads = self.attn(q, k, v, ctx)
+        self.hooks.attention_patterns(self.layer, q, self.attn, ctx)
         self.hooks.observe(ATTENTION_HEADS, self.layer, heads, ctx)
         return self.o_proj(heads)
 

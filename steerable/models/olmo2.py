@@ -79,6 +79,7 @@ class Olmo2Attention(LlamaAttention):
         k = self.k_norm(k).reshape(-1, self.kv_size // self.head_dim, self.head_dim)
         q, k = self.rotary(positions, q, k)
         heads = self.attn(q, k, v, ctx)
+        self.hooks.attention_patterns(self.layer, q, self.attn, ctx)
         self.hooks.observe(ATTENTION_HEADS, self.layer, heads, ctx)
         return self.o_proj(heads)
 

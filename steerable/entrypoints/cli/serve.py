@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--max-body-bytes", type=int, default=32 * 2**20,
                        help="larger request bodies get 413 (default: 32 MiB)")
     group.add_argument("--max-capture-bytes", type=int, default=64 * 2**20,
-                       help="a request whose captures could exceed this many bytes per response gets 413 up front "
+                       help="a request whose captures could exceed this many bytes per response gets 400 up front "
                             "(default: 64 MiB); larger captures belong in a capture stream")
     group.add_argument("--max-n", type=int, default=128,
                        help="completions per request at most (n); above it a request gets 400 (default: 128, "

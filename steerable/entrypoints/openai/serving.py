@@ -1,5 +1,5 @@
-"""The flow completions and chat share: tokenized prompts in, engine requests admitted (a 400 or
-413 comes before any output), then either one JSON answer or server-sent events, each choice
+"""The flow completions and chat share: tokenized prompts in, engine requests admitted (a 400
+comes before any output), then either one JSON answer or server-sent events, each choice
 streamed as deltas of the engine's cumulative outputs. A client that disconnects has its requests
 aborted: a stream is cancelled by Starlette, a plain request by a watcher on the connection."""
 
@@ -147,13 +147,14 @@ class Generation(abc.ABC):
         return self.body.sampling_params(max_tokens, self.logprobs(), self.prompt_logprobs())
 
     def _check_capture_size(self) -> None:
-        """413 before anything runs: the captures this answer could carry exceed ``--max-capture-bytes``."""
+        """400 before anything runs: the captures this answer could carry exceed ``--max-capture-bytes``
+        (a parameter over a limit, as OpenAI and vLLM answer it; 413 stays the body's size)."""
         limit = self.state.settings.max_capture_bytes
         info = self.state.capture
         bound = sum(info.bytes_bound(p.capture, prompt, p.max_tokens) * p.n
                     for prompt, p in zip(self.prompts, self.params))
         if bound > limit:
-            raise APIError(413, f"capture: this answer could carry {bound} bytes of captures, over "
+            raise APIError(400, f"capture: this answer could carry {bound} bytes of captures, over "
                                 f"--max-capture-bytes={limit}; capture fewer rows or layers (select, reduce, "
                                 "budget_rows), or record them with a capture stream (/v1/capture/streams) or a "
                                 "consumer", "capture")
