@@ -368,6 +368,18 @@ def test_unsupported_architecture_raises(tmp_path: Path) -> None:
         load_gguf_config(str(path))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_missing_size_metadata_names_the_key(tmp_path: Path, arch: str) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)  # no embedding_length
+    for name in ("token_embd.weight", "position_embd.weight", "blk.0.ffn_up.weight"):
+        writer.add_tensor(name, np.zeros((4, HIDDEN), dtype=np.float32))
+    _close(writer)
+    with pytest.raises(ValueError, match=rf"GGUF metadata key {arch}\.embedding_length is missing"):
+        load_gguf_config(str(path))
+
+
 def test_unsupported_tensor_type_raises(tmp_path: Path) -> None:
     path = tmp_path / "int.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -186,10 +186,16 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     def key(name: str, default: Any = None) -> Any:
         return reader.get(f"{arch}.{name}", default)
 
+    def required(name: str) -> int:
+        """A size the model cannot be built without: its absence is the file's fault, said so."""
+        if (value := key(name)) is None:
+            raise ValueError(f"{path}: the GGUF metadata key {arch}.{name} is missing")
+        return int(value)
+
     names = {t.name: t for t in reader.tensors}
     if arch == "gpt2":
-        return config_cls(**_gpt2_config(reader, key, names))
-    hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+        return config_cls(**_gpt2_config(reader, key, required, names))
+    hidden, n_heads = required("embedding_length"), required("attention.head_count")
     head_dim = key("attention.key_length") or (key("rope.dimension_count") if _ARCHS[arch][2] else None)
     head_dim = int(head_dim or hidden // n_heads)
     theta = float(key("rope.freq_base", 10000.0))
@@ -197,8 +203,8 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
         architectures=[hf_arch],
         vocab_size=_vocab_size(reader, key, names),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
         num_attention_heads=n_heads,
         num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
@@ -242,20 +248,20 @@ def _special_token_ids(reader: GGUFFile) -> dict[str, int]:
     return ids
 
 
-def _gpt2_config(reader: GGUFFile, key, names: dict[str, GGUFTensor]) -> dict[str, Any]:
+def _gpt2_config(reader: GGUFFile, key, required, names: dict[str, GGUFTensor]) -> dict[str, Any]:
     """GPT-2's config under its own HF names. llama.cpp writes ``feed_forward_length`` as 4 * n_embd
     whatever ``n_inner`` is, and ``context_length`` from ``n_ctx``: the MLP width and the number of
     learned positions come from the tensors, which are what the weights need. (GELU-new and the
     attention scale are not in the file; llama.cpp fixes them to GPT-2's, as here.)"""
-    for required in ("token_embd.weight", "position_embd.weight", "blk.0.ffn_up.weight"):
-        if required not in names:
-            raise ValueError(f"GGUF gpt2: tensor {required!r} is missing")
+    for tensor in ("token_embd.weight", "position_embd.weight", "blk.0.ffn_up.weight"):
+        if tensor not in names:
+            raise ValueError(f"GGUF gpt2: tensor {tensor!r} is missing")
     return dict(
         architectures=[_ARCHS["gpt2"][1]],
         vocab_size=_vocab_size(reader, key, names),
-        n_embd=int(key("embedding_length")),
-        n_layer=int(key("block_count")),
-        n_head=int(key("attention.head_count")),
+        n_embd=required("embedding_length"),
+        n_layer=required("block_count"),
+        n_head=required("attention.head_count"),
         n_positions=int(names["position_embd.weight"].shape[0]),
         n_inner=int(names["blk.0.ffn_up.weight"].shape[0]),
         layer_norm_epsilon=float(key("attention.layer_norm_epsilon", 1e-5)),
