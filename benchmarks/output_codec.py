@@ -29,8 +29,8 @@ def _groups(prompt: list[int], n: int) -> list[RequestGroup]:
     groups = []
     for i in range(n):
         request = Request(f"r{i}-0", f"r{i}", None, prompt, SamplingParams(max_tokens=10**6), i, [])
-        request.group = RequestGroup(f"r{i}", [request], stream=True, increments=True)
-        groups.append(request.group)
+        groups.append(RequestGroup(f"r{i}", [request], stream=True, increments=True))
+        request.group = groups[-1]  # held weakly (steerable/request.py): the list keeps it
     return groups
 
 
