@@ -3,6 +3,7 @@
 // activation, and one feature steered in the steered run with its own slider.
 
 import { $, apiJson, clearErrors, littleEndian, showError } from "./api.js";
+import { labels } from "./heatmap.js";
 
 const saes = new Map();  // name -> {layer, hook, d_sae, architecture}
 
@@ -42,7 +43,7 @@ export function heatByFeature() {
   return document.querySelector("input[name=heat-by]:checked").value === "feature";
 }
 
-// An empty box is null; anything else is sent as typed (a number where it parses), for the server to name.
+// An empty box is null, else its number; one that does not parse (NaN) travels as null, for the server to name.
 function typed(id) {
   const text = $(id).value.trim();
   return text === "" ? null : Number(text);
@@ -80,8 +81,7 @@ export function topFeatures(wire) {
   const [rows, k] = wire.shape;
   const indices = littleEndian(wire.indices, DataView.prototype.getInt32, 4);
   const values = littleEndian(wire.values, DataView.prototype.getFloat32, 4);
-  const tokens = littleEndian(wire.meta.token_ids, DataView.prototype.getInt32, 4);
-  const positions = littleEndian(wire.meta.positions, DataView.prototype.getInt32, 4);
+  const { tokens, positions } = labels(wire);
   return Array.from({ length: rows }, (_, r) => {
     const features = [];
     for (let j = r * k; j < (r + 1) * k; j++) if (indices[j] >= 0) features.push([indices[j], values[j]]);
@@ -96,8 +96,10 @@ function captured(final, name) {
 }
 
 // Both runs' cells coloured by `feature`'s activation, white at 0 and full red at the largest of
-// both runs. A token whose top k leave the feature out shows the bound the k-th value puts on it
-// (coloured as 0); one with fewer than k active features has it at exactly 0.
+// both runs after the first token: the first token's residual stream is an outlier on most models
+// (an attention sink), and would leave every other cell white; it is capped at full red. A token
+// whose top k leave the feature out shows the bound the k-th value puts on it (coloured as 0); one
+// with fewer than k active features has it at exactly 0.
 export function featureRows(finals, feature) {
   const rows = finals.map((final) => captured(final, feature.name).map((row) => {
     const hit = row.features.find(([index]) => index === feature.index);
@@ -105,9 +107,13 @@ export function featureRows(finals, feature) {
     if (!hit && row.full) cell.shown = `≤ ${row.features[row.k - 1][1].toFixed(4)} (not among its top ${row.k})`;
     return cell;
   }));
-  const spread = Math.max(1e-12, ...rows.flat().map((cell) => cell.value));
+  const cells = rows.flat();
+  const later = Math.max(0, ...cells.filter((cell) => cell.position > 0).map((cell) => cell.value));
+  const spread = Math.max(1e-12, later || Math.max(...cells.map((cell) => cell.value)));
+  const first = Math.max(...cells.filter((cell) => cell.position === 0).map((cell) => cell.value));
   const legend = `SAE ${feature.name}, feature ${feature.index} (layer ${feature.layer}, ${feature.hook}). White: 0; `
-    + `full red: ${spread.toFixed(3)}, its largest activation in both runs.`;
+    + `full red: ${spread.toFixed(3)}, its largest activation in both runs after the first token.`
+    + (first > spread ? ` The first token's ${first.toFixed(3)} is capped at full red.` : "");
   return { rows, centre: 0, spread, legend };
 }
 

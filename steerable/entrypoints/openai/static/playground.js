@@ -77,7 +77,7 @@ async function loadModules(wanted) {
     const box = $("module");
     const keep = wanted ?? box.value;
     box.replaceChildren(...names.map((name) => new Option(name, name)),
-      new Option(names.length ? "(none: steer by an SAE feature only)" : "(no modules registered)", ""));
+      new Option(names.length ? "(none: a feature only)" : "(no modules registered)", ""));
     box.value = names.includes(keep) ? keep : names[0] ?? "";
     await chooseModule();
   } catch (err) {
