@@ -1,8 +1,8 @@
 """The playground in a real browser (issue 14): headless Chromium (Debian's ``chromium`` package,
 driven by ``playwright`` through its ``executable_path``; nothing downloads a browser) against the
 shared test server on loopback. What the page shows must equal what the API returns for the same
-parameters: both completions, and every heatmap cell's projection. One browser for the module;
-screenshots go to a temp folder named at the start. Select with ``-m browser``."""
+parameters: both completions, and every heatmap cell's projection. One browser for the module
+(browser_harness); screenshots go to a temp folder named at the start. Select with ``-m browser``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from browser_harness import CHROMIUM, CHROMIUM_ARGS, require_browser
+from browser_harness import api_run, browser, choose_module, enter_key, expect, page, run_page, shots  # noqa: F401
 from server_harness import ADMIN, ADMIN_KEY, USER, USER_KEY, assert_nothing_held
 
 from steerable.capture import deserialize_captured
@@ -24,77 +24,6 @@ POSITIVES = ["I love this place.", "What a wonderful day.", "The food was delici
 NEGATIVES = ["I hate this place.", "What a terrible day.", "The food was disgusting."]
 ITEMS = [{"prompt": "The quick brown", "matching": " fox", "other": " dog"},
          {"question": "Pick one.\n(A) fox\n(B) dog", "matching": "B"}]
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """One Chromium for the module. The tests wait through ``expect`` rather than
-    ``wait_for_function``, whose string predicates the page's Content-Security-Policy refuses."""
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
-        yield context
-        context.close()
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory, request):
-    folder = tmp_path_factory.mktemp("playground-screenshots")
-    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        print(f"\nplayground screenshots: {folder}")
-    return folder
-
-
-@pytest.fixture
-def page(browser, server):
-    """A fresh tab (its own sessionStorage) on the playground; a JavaScript error fails the test."""
-    tab = browser.new_page()
-    errors = []
-    tab.on("pageerror", lambda err: errors.append(str(err)))
-    tab.goto(f"{server.url}/playground")
-    yield tab
-    tab.close()
-    assert not errors, errors
-
-
-def expect(locator):
-    from playwright.sync_api import expect as playwright_expect
-    return playwright_expect(locator)
-
-
-def enter_key(page, key: str) -> None:
-    page.focus("#api-key")
-    page.keyboard.type(key)
-    page.keyboard.press("Enter")
-    expect(page.locator("#key-status")).to_contain_text("key:")
-
-
-def choose_module(page, name: str, info: str) -> None:
-    page.select_option("#module", name)
-    expect(page.locator("#module-info")).to_contain_text(info)
-
-
-def run_page(page, prompt: str, scale_steps: int) -> None:
-    """Type the prompt, move the scale slider with the arrow keys, press Run, wait for both panes."""
-    page.focus("#prompt")
-    page.keyboard.type(prompt)
-    page.focus("#scale")
-    for _ in range(abs(scale_steps)):
-        page.keyboard.press("ArrowRight" if scale_steps > 0 else "ArrowLeft")
-    page.focus("#run")
-    page.keyboard.press("Enter")
-    expect(page.locator("#run-status")).not_to_have_text("Running…", timeout=60_000)
-    assert page.text_content("#run-status") == "Done.", page.text_content("#run-error")
-
-
-def api_run(http, path: str, body: dict) -> dict:
-    r = http.post(path, json=body, headers=USER)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
 
 
 def heat_cells(page, row: str) -> list[tuple[str, float]]:

@@ -20,6 +20,24 @@ def random_sae(d_in: int = 64, d_sae: int = 96, architecture: str = "jumprelu", 
                architecture=architecture, layer=layer, hook=hook, **{**extra, **kwargs})
 
 
+RESID_HOOKS = {"pre_attn": "hook_resid_pre", "post_attn": "hook_resid_mid", "post_mlp": "hook_resid_post"}
+
+
+def save_saelens(sae: SAE, path) -> None:
+    """``sae`` (relu or jumprelu) as a SAELens directory at ``path``, for a server to load by path."""
+    import json
+
+    from safetensors.torch import save_file
+
+    extra = {"threshold": sae.threshold} if sae.architecture == "jumprelu" else {}
+    save_file({"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec, **extra},
+              str(path / "sae_weights.safetensors"))
+    (path / "cfg.json").write_text(json.dumps({
+        "d_in": sae.d_in, "d_sae": sae.d_sae, "architecture": sae.architecture,
+        "apply_b_dec_to_input": sae.apply_b_dec_to_input, "normalize_activations": "none",
+        "metadata": {"hook_name": f"blocks.{sae.layer}.{RESID_HOOKS[sae.hook]}"}}))
+
+
 @pytest.fixture(scope="module")
 def llm(model_dirs):
     with LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=2048) as engine:

@@ -1,12 +1,21 @@
-// The per-token heatmap: each captured hidden state projected on the vector's unit direction,
-// one cell per token the model read, the value on hover and by keyboard.
+// The per-token heatmap: one cell per token the model read, coloured by a captured quantity (the
+// hidden state's projection on the vector, or one SAE feature's activation), the value and the
+// token's top SAE features on hover and by keyboard. The token rows and their keyboard handling
+// are shared with the attention view (patterns.js).
 
 import { $, apiJson, littleEndian } from "./api.js";
 
 const tokenTexts = new Map();  // token id -> its text, from /detokenize
+const cellFeatures = new WeakMap();  // heatmap cell -> its top SAE features, as the readout shows them
 
 export function forgetTokens() {
   tokenTexts.clear();
+}
+
+// The label columns every capture carries: the input token and the absolute position of each row.
+export function labels(wire) {
+  return { tokens: littleEndian(wire.meta.token_ids, DataView.prototype.getInt32, 4),
+    positions: littleEndian(wire.meta.positions, DataView.prototype.getInt32, 4) };
 }
 
 // One row of the wire format (float32, as the page asks) per token read, projected on `direction`.
@@ -14,8 +23,7 @@ export function projections(wire, direction) {
   if (wire.dtype !== "torch.float32") throw new Error(`capture: expected float32 rows, got ${wire.dtype}`);
   const [rows, width] = wire.shape;
   const values = littleEndian(wire.data, DataView.prototype.getFloat32, 4);
-  const tokens = littleEndian(wire.meta.token_ids, DataView.prototype.getInt32, 4);
-  const positions = littleEndian(wire.meta.positions, DataView.prototype.getInt32, 4);
+  const { tokens, positions } = labels(wire);
   const norm = Math.hypot(...direction) || 1;
   return Array.from({ length: rows }, (_, r) => {
     let dot = 0;
@@ -24,57 +32,85 @@ export function projections(wire, direction) {
   });
 }
 
-async function loadTokenTexts(ids) {
+// Both runs' cells coloured by the projection, white at the unsteered run's mean: residual streams
+// share a large offset along most directions.
+export function projectionRows(finals, direction, site) {
+  const rows = finals.map((final) => {
+    const layers = final?.captures?.hidden_states;
+    if (!layers) throw new Error("capture: the server returned no captured hidden states");
+    return projections(Object.values(layers)[0], direction);
+  });
+  const centre = rows[0].reduce((sum, cell) => sum + cell.value, 0) / Math.max(1, rows[0].length);
+  const spread = Math.max(1e-12, ...rows.flat().map((cell) => Math.abs(cell.value - centre)));
+  const legend = `Projection on the vector, ${site}. White: the unsteered mean, ${centre.toFixed(3)}; full red or `
+    + `blue: ${spread.toFixed(3)} above or below it.`;
+  return { rows, centre, spread, legend };
+}
+
+export async function loadTokenTexts(ids) {
   const missing = [...new Set(ids)].filter((id) => !tokenTexts.has(id));
   await Promise.all(missing.map(async (id) => {
     tokenTexts.set(id, (await apiJson("POST", "detokenize", { tokens: [id] })).prompt);
   }));
 }
 
-// `finals`: the unsteered and the steered final choices, which carry the captures.
-export async function drawHeatmaps(finals, direction, site) {
-  const rows = finals.map((final) => {
-    const layers = final?.captures?.hidden_states;
-    if (!layers) throw new Error("capture: the server returned no captured hidden states");
-    return projections(Object.values(layers)[0], direction);
-  });
-  await loadTokenTexts(rows.flat().map((cell) => cell.token));
-  // Residual streams share a large offset along most directions: colour around the unsteered mean.
-  const centre = rows[0].reduce((sum, cell) => sum + cell.value, 0) / Math.max(1, rows[0].length);
-  const spread = Math.max(1e-12, ...rows.flat().map((cell) => Math.abs(cell.value - centre)));
-  $("heat-legend").textContent = `${site}. White: the unsteered mean, ${centre.toFixed(3)}; full red or blue: `
-    + `${spread.toFixed(3)} above or below it.`;
-  drawRow($("heat-base"), rows[0], centre, spread);
-  drawRow($("heat-steered"), rows[1], centre, spread);
+export function tokenText(id) {
+  return tokenTexts.get(id);
 }
 
-function drawRow(container, cells, centre, spread) {
+// A token as a cell shows it: line breaks and tabs as symbols, the empty string as ∅.
+export function tokenCell(token, i) {
+  const span = document.createElement("span");
+  span.setAttribute("role", "listitem");
+  span.textContent = tokenText(token).replace(/\n/g, "⏎").replace(/\t/g, "⇥") || "∅";
+  span.tabIndex = i === 0 ? 0 : -1;
+  return span;
+}
+
+export function label(span, text) {
+  span.title = text;
+  span.setAttribute("aria-label", text);
+}
+
+// `heat`: projectionRows or features.js's featureRows. A cell may carry `shown` (its value as text)
+// and `features` (its top SAE features, [[index, value]]).
+export async function drawHeatmaps(heat) {
+  await loadTokenTexts(heat.rows.flat().map((cell) => cell.token));
+  $("heat-legend").textContent = heat.legend;
+  drawRow($("heat-base"), heat.rows[0], heat);
+  drawRow($("heat-steered"), heat.rows[1], heat);
+}
+
+function drawRow(container, cells, { centre, spread }) {
   container.replaceChildren(...cells.map((cell, i) => {
-    const text = tokenTexts.get(cell.token);
-    const span = document.createElement("span");
-    span.setAttribute("role", "listitem");
-    span.textContent = text.replace(/\n/g, "⏎").replace(/\t/g, "⇥") || "∅";
-    const label = `${JSON.stringify(text)} at position ${cell.position}: ${cell.value.toFixed(4)}`;
-    span.title = label;
-    span.setAttribute("aria-label", label);
+    const span = tokenCell(cell.token, i);
+    label(span, `${JSON.stringify(tokenText(cell.token))} at position ${cell.position}: `
+      + (cell.shown ?? cell.value.toFixed(4)));
+    if (cell.features) cellFeatures.set(span, featureList(cell.features));
     const t = (cell.value - centre) / spread;
-    span.style.backgroundColor = colour(t);
+    span.style.backgroundColor = t >= 0 ? shade(t, RED) : shade(-t, BLUE);
     span.classList.toggle("light", Math.abs(t) > 0.6);
-    span.tabIndex = i === 0 ? 0 : -1;
     return span;
   }));
 }
 
-// White at 0, red (+1) or blue (-1) at the ends.
-function colour(t) {
-  const end = t >= 0 ? [215, 48, 39] : [69, 117, 180];
-  const a = Math.min(1, Math.abs(t));
-  return `rgb(${end.map((c) => Math.round(255 + (c - 255) * a)).join(", ")})`;
+function featureList(features) {
+  if (!features.length) return "Top SAE features: none active.";
+  return `Top SAE features: ${features.map(([index, value]) => `#${index} ${value.toFixed(4)}`).join(", ")}`;
 }
 
-// One tab stop per row; arrow keys, Home and End move between its cells; the focused or hovered
-// cell's value is read out below the map.
-export function wireHeatmapRow(row) {
+export const RED = [215, 48, 39];
+export const BLUE = [69, 117, 180];
+
+// White at 0, `end` at 1 (and beyond).
+export function shade(a, end) {
+  const t = Math.min(1, Math.max(0, a));
+  return `rgb(${end.map((c) => Math.round(255 + (c - 255) * t)).join(", ")})`;
+}
+
+// One tab stop per row; arrow keys, Home and End move between its cells; `onCell(cell, index)`
+// runs for the focused or hovered cell.
+export function wireRow(row, onCell) {
   row.addEventListener("keydown", (event) => {
     const cells = [...row.children];
     const i = cells.indexOf(document.activeElement);
@@ -86,9 +122,19 @@ export function wireHeatmapRow(row) {
     next.tabIndex = 0;
     next.focus();
   });
-  const readout = (event) => {
-    if (event.target.title) $("heat-readout").textContent = event.target.title;
+  const pick = (event) => {
+    const cells = [...row.children];
+    const i = cells.indexOf(event.target);
+    if (i >= 0) onCell(event.target, i);
   };
-  row.addEventListener("focusin", readout);
-  row.addEventListener("mouseover", readout);
+  row.addEventListener("focusin", pick);
+  row.addEventListener("mouseover", pick);
+}
+
+// The heatmap's readout: the cell's value, then its top features where an SAE was captured.
+export function wireHeatmapRow(row) {
+  wireRow(row, (cell) => {
+    $("heat-readout").textContent = cell.title;
+    $("heat-features").textContent = cellFeatures.get(cell) ?? "";
+  });
 }

@@ -1,8 +1,12 @@
 // The playground page: the controls, the two streamed runs and the sweep, wired to this server's
-// public API like any client (api.js); the heatmap and the plot are drawn by their own modules.
+// public API like any client (api.js); the heatmap, the SAE features, the attention view and the
+// plot are drawn by their own modules.
 
 import { $, KEY, ApiError, api, apiJson, bytesBase64, clearErrors, littleEndian, showError } from "./api.js";
-import { drawHeatmaps, forgetTokens, wireHeatmapRow } from "./heatmap.js";
+import { attachFeatures, featureCapture, featureRows, featureSteering, heatByFeature, heatFeature, loadSaes,
+  wireFeatures } from "./features.js";
+import { drawHeatmaps, forgetTokens, projectionRows, wireHeatmapRow } from "./heatmap.js";
+import { clearPatterns, drawPatterns, fillPatternLayers, patternCapture, wirePatterns } from "./patterns.js";
 import { plot, table } from "./sweep.js";
 
 const state = { module: null, controller: null };  // the chosen module's directions; the run's AbortController
@@ -10,7 +14,8 @@ const state = { module: null, controller: null };  // the chosen module's direct
 // Where a server error goes: the first [param prefix, element id] whose prefix names its param.
 const RUN_SLOTS = [["prompt", "prompt-error"], ["messages", "prompt-error"], ["max_tokens", "max-tokens-error"],
   ["temperature", "temperature-error"], ["seed", "seed-error"], ["steering_module_ref", "module-error"],
-  ["steering_vectors", "steer-error"], ["capture", "heat-error"]];
+  ["steering_vectors.features", "sae-error"], ["steering_vectors", "steer-error"], ["capture.saes", "sae-error"],
+  ["capture.top_k", "sae-error"], ["capture.heads", "pattern-error"], ["capture", "heat-error"]];
 const TRAIN_SLOTS = [["positives", "positives-error"], ["negatives", "negatives-error"],
   ["layers", "train-layers-error"], ["hook", "train-hook-error"]];
 const SWEEP_SLOTS = [["items", "items-error"], ["scales", "scales-error"], ["module", "module-error"]];
@@ -28,7 +33,8 @@ async function connect(quiet = false) {
     $("key-status").textContent = who.role === "admin" ? "Admin key: every control is available."
       : "User key: run and sweep with registered modules.";
     setAdmin(who);
-    await loadModules();
+    fillPatternLayers(card.num_layers);
+    await Promise.all([loadModules(), loadSaes()]);
   } catch (err) {
     setAdmin(null);
     $("key-status").textContent = quiet && err.status === 401 ? "This server needs an API key." : "";
@@ -70,8 +76,8 @@ async function loadModules(wanted) {
     const names = Object.keys((await apiJson("GET", "v1/steering/modules")).modules);
     const box = $("module");
     const keep = wanted ?? box.value;
-    box.replaceChildren(...names.map((name) => new Option(name, name)));
-    if (!names.length) box.append(new Option("(no modules registered)", ""));
+    box.replaceChildren(...names.map((name) => new Option(name, name)),
+      new Option(names.length ? "(none: a feature only)" : "(no modules registered)", ""));
     box.value = names.includes(keep) ? keep : names[0] ?? "";
     await chooseModule();
   } catch (err) {
@@ -207,11 +213,11 @@ async function trainVector(event) {
 
 // ---------------------------------------------------------------- run
 
-function requestBody(layer, hook) {
+function requestBody(capture) {
   if ($("seed").value === "") $("seed").value = Math.floor(Math.random() * 2 ** 31);  // both runs share it
   const number = (id) => ($(id).value === "" ? null : Number($(id).value));
   const body = { max_tokens: number("max-tokens"), temperature: number("temperature"), seed: number("seed"),
-    stream: true, capture: { layers: [layer], hook, select: "all", dtype: "float32" } };
+    stream: true, capture };
   if (document.querySelector("input[name=mode]:checked").value === "chat") {
     const system = $("system").value.trim();
     body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: $("prompt").value }];
@@ -252,31 +258,64 @@ async function stream(path, body, pane, signal) {
   return final;
 }
 
-async function run(event) {
-  event.preventDefault();
-  clearErrors(...RUN_SLOTS.map(([, id]) => id), "run-error");
-  const module = state.module;
+// The steered run's steering: the module's (see steering), plus the SAE feature where one is
+// given. Null, with the reason shown, when there is nothing to steer with or the placement is refused.
+function steeredBy(module) {
+  const feature = featureSteering();
+  if (!module && !feature) {
+    $("module-error").textContent = "Choose a module, or an SAE feature to steer, first.";
+    return null;
+  }
+  const steer = module ? steering(module, Number($("scale").value)) : {};
+  if (!steer || !feature) return steer;
+  return { ...steer, steering_vectors: { ...steer.steering_vectors, features: [feature] } };
+}
+
+// What the heatmap colours by (a feature, or the projection on the module's vector and the hidden
+// states that takes), checked before anything runs; null, with the reason shown.
+function heatSource(module) {
+  if (heatByFeature()) {
+    const feature = heatFeature();
+    return feature && { feature };
+  }
   const layer = Number($("heat-layer").value);
   if (!module || !module.directions.has(layer)) {
-    $("module-error").textContent = "Choose a module that adds a vector (or upload or train one) first.";
-    return;
+    $("module-error").textContent = "Choose a module that adds a vector (or upload or train one), or colour the "
+      + "heatmap by an SAE feature, first.";
+    return null;
   }
-  const steer = steering(module, Number($("scale").value));
-  if (!steer) return;
   const hook = $("heat-hook").value;
-  const base = requestBody(layer, hook);
+  return { direction: module.directions.get(layer), site: `layer ${layer}, ${hook}`,
+    capture: { layers: [layer], hook, select: "all", dtype: "float32" } };
+}
+
+async function run(event) {
+  event.preventDefault();
+  clearErrors(...RUN_SLOTS.map(([, id]) => id), "heat-feature-error", "run-error");
+  const module = state.module;
+  const heat = heatSource(module);
+  const steer = heat && steeredBy(module);
+  if (!steer) return;
+  const features = featureCapture();
+  const pattern = patternCapture();
+  const base = requestBody([heat.capture, features, pattern].filter(Boolean));
   const steered = { ...base, ...steer };
   const path = base.messages ? "v1/chat/completions" : "v1/completions";
   const controller = new AbortController();
   state.controller = controller;
   setRunning(true, "Running…");
-  for (const id of ["pane-base", "pane-steered", "heat-base", "heat-steered", "heat-legend", "heat-readout"]) {
+  for (const id of ["pane-base", "pane-steered", "heat-base", "heat-steered", "heat-legend", "heat-readout",
+    "heat-features"]) {
     $(id).replaceChildren();
   }
+  clearPatterns();
   try {
     const finals = await Promise.all([stream(path, base, $("pane-base"), controller.signal),
       stream(path, steered, $("pane-steered"), controller.signal)]);
-    await drawHeatmaps(finals, module.directions.get(layer), `layer ${layer}, ${hook}`);
+    const rows = heat.feature ? featureRows(finals, heat.feature) : projectionRows(finals, heat.direction, heat.site);
+    if (features) attachFeatures(rows, finals, features.saes[0]);
+    await drawHeatmaps(rows);
+    if (pattern) await drawPatterns(finals, pattern.layers[0]);
     setRunning(false, "Done.");
   } catch (err) {
     controller.abort();  // the other run, if it still streams
@@ -351,4 +390,6 @@ $("sweep-form").addEventListener("submit", sweep);
 for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", setMode);
 wireHeatmapRow($("heat-base"));
 wireHeatmapRow($("heat-steered"));
+wireFeatures();
+wirePatterns();
 connect(true);
