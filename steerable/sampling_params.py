@@ -88,7 +88,8 @@ class SamplingParams:
         if self.guided_decoding is not None:  # vLLM's older name
             if self.structured_outputs is not None:
                 raise InvalidRequestError("guided_decoding: give structured_outputs or guided_decoding, not both")
-            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+            self.structured_outputs = StructuredOutputsParams.coerce(self.guided_decoding, "guided_decoding")
+            self.guided_decoding = None
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if isinstance(self.logit_bias, dict):  # OpenAI's JSON keys are strings of ids

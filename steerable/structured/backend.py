@@ -52,8 +52,8 @@ class GrammarBackend:
             raise InvalidRequestError(f"{field}: this model has no tokenizer, which structured outputs need")
         return cls(hf_tokenizer, vocab_size, stop_token_ids)
 
-    def compile(self, params: StructuredOutputsParams, field: str = "structured_outputs") -> Any:
-        """The compiled grammar; a bad schema, regex or grammar is refused naming ``field.<kind>``."""
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar; a bad schema, regex or grammar is refused naming its field."""
         kind = params.kind
         try:
             if kind == "json":
@@ -67,7 +67,7 @@ class GrammarBackend:
                 return self.compiler.compile_grammar(choice_grammar(params.choice))
             return self.compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as err:
-            raise InvalidRequestError(f"{field}.{kind}: {_clean(err)}") from None
+            raise InvalidRequestError(f"{params.field_name}: {_clean(err)}") from None
 
     def matcher(self, compiled: Any) -> GrammarState:
         return GrammarState(self._xgr.GrammarMatcher(compiled))

@@ -8,7 +8,7 @@ refused naming the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field as dataclass_field, fields
 from typing import Any
 
 from steerable.errors import InvalidRequestError
@@ -36,6 +36,9 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # The request field the constraint came from, for error messages (a server sets it to
+    # ``guided_regex``, ``response_format``, ...): travels with the params, not a constructor argument.
+    _field: str = dataclass_field(default="structured_outputs", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -44,6 +47,11 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint is set (``validate`` makes it exactly one)."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field_name(self) -> str:
+        """What an error about the constraint names: ``structured_outputs.<kind>``, or the field it came from."""
+        return f"{self._field}.{self.kind}" if self._field == "structured_outputs" else self._field
 
     def validate(self, field: str = "structured_outputs") -> None:
         """``ValueError`` naming ``field.<name>`` for a constraint of the wrong shape."""
