@@ -237,3 +237,46 @@ def test_preemption_does_not_advance_a_matcher_twice(model_dirs):
     for i, out in enumerate(outs):
         spec = specs[i % 2]
         assert out.text in spec["choice"] if "choice" in spec else re.fullmatch(spec["regex"], out.text), out.text
+
+
+# ---------------------------------------------------------------- through the server
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    import openai
+    from server_harness import SERVED_NAME, USER_KEY, serve_test_model
+
+    with serve_test_model("smollm2", str(tmp_path_factory.mktemp("structured") / "server.log")) as running:
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key=USER_KEY, max_retries=0, timeout=120), SERVED_NAME
+
+
+def test_server_fields_give_the_offline_outputs(llm, client):
+    """vLLM's fields through ``extra_body`` and OpenAI's ``response_format``, on completions and
+    chat: greedy outputs equal the offline engine's."""
+    api, name = client
+    schema = random_schemas(1, seed=7)[0]
+    prompt = "A JSON record:"
+    cases = [({"extra_body": {"guided_choice": CHOICES}}, {"choice": CHOICES}),
+             ({"extra_body": {"guided_regex": REGEX}}, {"regex": REGEX}),
+             ({"extra_body": {"guided_json": schema}}, {"json": schema}),
+             ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x" [0-9]+'}}}, {"grammar": 'root ::= "x" [0-9]+'}),
+             ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "rec", "schema": schema}}},
+              {"json": schema})]
+    for kwargs, spec in cases:
+        ref = run(llm, [prompt], SamplingParams(max_tokens=40, temperature=0, structured_outputs=spec))[0]
+        # OpenAI's completions client has no response_format argument; vLLM's route takes the field.
+        plain = {"extra_body": kwargs} if "response_format" in kwargs else kwargs
+        got = api.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0, **plain)
+        assert got.choices[0].text == ref.text, spec
+        messages = [{"role": "user", "content": "Give me a record."}]
+        chat = api.chat.completions.create(model=name, messages=messages, max_tokens=40, temperature=0, **kwargs)
+        ids = llm.engine.tokenizer.apply_chat_template(messages)
+        offline = run(llm, [ids], SamplingParams(max_tokens=40, temperature=0, structured_outputs=spec))[0]
+        assert chat.choices[0].message.content == offline.text, spec
+        assert chat.choices[0].finish_reason == offline.finish_reason
+    bad = api.chat.completions.with_raw_response
+    with pytest.raises(Exception) as err:
+        bad.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                   extra_body={"guided_regex": "(unclosed"})
+    assert getattr(err.value, "status_code", None) == 400 and "guided_regex" in str(err.value)
