@@ -491,10 +491,14 @@ class LLMEngine(ResumableRequests):
         so its requests can join the step launched next; the rest of its processing
         (detokenization, stop checks, outputs) then overlaps the devices. As on one stage, a
         request that stops has one extra step computed and discarded."""
-        ready = None
+        ready, outputs = None, None
         if len(self._inflight) >= self.scheduler.micro_batches:
             ready = self._collect(self._inflight.popleft())
+            if self.structured.live:  # a constrained request's next mask needs its token accepted first
+                ready, outputs = None, self._emit(*ready)
         launched = self._launch_next()
+        if outputs is not None:
+            return outputs
         if ready is None and self._inflight and not launched:
             ready = self._collect(self._inflight.popleft())
         return self._emit(*ready) if ready is not None else []
