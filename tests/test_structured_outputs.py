@@ -185,6 +185,8 @@ def test_bad_constraints_are_refused_naming_the_field_and_hold_nothing(llm):
                           ({"guided_decoding": {"choice": "ab"}}, "guided_decoding.choice")):
         with pytest.raises(InvalidRequestError, match=re.escape(field)):
             SamplingParams(**kwargs)
+    with pytest.raises(InvalidRequestError, match="structured_outputs: not supported with streaming input"):
+        llm.engine.add_request("resumable", "x", SamplingParams(structured_outputs={"regex": "a"}), resumable=True)
     after = llm.engine.stats()
     assert (after["num_requests"], after["num_free_blocks"]) == (0, before["num_free_blocks"])
     assert llm.engine.structured.live == 0
