@@ -258,10 +258,11 @@ def test_server_fields_give_the_offline_outputs(llm, client):
     api, name = client
     schema = random_schemas(1, seed=7)[0]
     prompt = "A JSON record:"
+    grammar = 'root ::= "x" [0-9]+'
     cases = [({"extra_body": {"guided_choice": CHOICES}}, {"choice": CHOICES}),
              ({"extra_body": {"guided_regex": REGEX}}, {"regex": REGEX}),
              ({"extra_body": {"guided_json": schema}}, {"json": schema}),
-             ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x" [0-9]+'}}}, {"grammar": 'root ::= "x" [0-9]+'}),
+             ({"extra_body": {"structured_outputs": {"grammar": grammar}}}, {"grammar": grammar}),
              ({"response_format": {"type": "json_object"}}, {"json_object": True}),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "rec", "schema": schema}}},
               {"json": schema})]
