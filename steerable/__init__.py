@@ -16,7 +16,8 @@ _EXPORTS = {
     "RequestOutput": "steerable.outputs", "SamplingParams": "steerable.sampling_params",
     "SelectSpec": "steerable.selection", "Add": "steerable.steering.spec", "Clamp": "steerable.steering.spec",
     "SteeringSpec": "steerable.steering.spec", "SAE": "steerable.sae", "Feature": "steerable.sae",
-    "FeatureClamp": "steerable.sae",
+    "FeatureClamp": "steerable.sae", "StructuredOutputsParams": "steerable.structured",
+    "GuidedDecodingParams": "steerable.structured",
 }
 
 
@@ -34,4 +35,4 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Feature", "FeatureClamp", "CaptureSpec", "capture",
-           "capture_batches", "__version__"]
+           "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]

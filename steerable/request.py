@@ -83,6 +83,7 @@ class Request:
         self.input_closed = False
         self.steering: Any = None  # steering plane's per-request state (resolved config, rows)
         self.capture: Any = None  # capture plane's per-request state
+        self.grammar: Any = None  # structured outputs: this completion's matcher (steerable.structured)
         self.captures: dict = {}  # delivered on the final RequestOutput
         self.capture_meta: dict = {}
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from steerable.checks import is_int, is_number
 from steerable.errors import InvalidRequestError
+from steerable.structured.params import StructuredOutputsParams
 
 
 @dataclass
@@ -27,8 +28,10 @@ class SamplingParams:
     a bias in [-100, 100] to token ids before sampling and ``allowed_token_ids`` keeps only those
     ids (neither changes the reported logprobs, which are the model's own, as vLLM's default).
     ``truncate_prompt_tokens=k`` keeps the last k prompt tokens (-1: as many as ``max_model_len``
-    allows). Fields vLLM has and steerable does not implement (``guided_decoding``,
-    ``structured_outputs``, ``bad_words``, ``best_of`` other than ``n``,
+    allows). ``structured_outputs`` (a ``StructuredOutputsParams`` or its dict; ``guided_decoding``
+    is vLLM's older name for it) constrains the output to a JSON schema, regex, choice or grammar;
+    constrained rows report the logprobs of the masked logits, as vLLM does. Fields vLLM has and
+    steerable does not implement (``bad_words``, ``best_of`` other than ``n``,
     ``spaces_between_special_tokens=False``) raise ``ValueError`` naming them.
 
     ``steering_vectors``, ``steering_module_ref`` and ``capture`` attach the steering and capture
@@ -65,8 +68,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     best_of: int | None = None
     bad_words: list[str] | None = None
-    guided_decoding: Any = None
-    structured_outputs: Any = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # (bias ids, biases, allowed ids) as arrays for the sampler, None when the row needs neither.
     row_bias: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = field(
@@ -82,6 +85,13 @@ class SamplingParams:
             self.logprob_token_ids = list(self.logprob_token_ids)
             if self.logprobs is None:
                 self.logprobs = 0
+        if self.guided_decoding is not None:  # vLLM's older name
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("guided_decoding: give structured_outputs or guided_decoding, not both")
+            self.structured_outputs = StructuredOutputsParams.coerce(self.guided_decoding, "guided_decoding")
+            self.guided_decoding = None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if isinstance(self.logit_bias, dict):  # OpenAI's JSON keys are strings of ids
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
@@ -179,9 +189,10 @@ class SamplingParams:
                                       f"n={self.n}); ask for n completions and rank them by cumulative_logprob")
         if self.bad_words:
             raise InvalidRequestError("bad_words: not supported; use logit_bias with -100 for single-token words")
-        for name in ("guided_decoding", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise InvalidRequestError(f"{name}: guided decoding is not supported by steerable")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs: must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
 
 def _token_key(key: Any) -> Any:

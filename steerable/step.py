@@ -70,6 +70,10 @@ class SamplingInput:
     logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # row -> (ids, biases)
     allowed: dict[int, np.ndarray] = field(default_factory=dict)  # row -> the only token ids it may sample
     penalties: list[PenaltyInput] = field(default_factory=list)
+    # Structured outputs: the sampled rows under a grammar, and their packed allowed-token masks
+    # (int32 [len(grammar_rows), ceil(V / 32)], bit t % 32 of word t // 32 for token t).
+    grammar_rows: np.ndarray | None = None
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def filtered(self) -> bool:

@@ -337,3 +337,24 @@ def test_gemma2_graph_replay_equals_eager(model_dirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for layer, t in a.captures.get("hidden_states", {}).items():
             assert torch.equal(t, b.captures["hidden_states"][layer])
+
+
+def test_structured_outputs_mask_after_the_graph(model_dirs):
+    """Constrained decode steps keep replaying the forward's CUDA graph (the grammar mask is
+    applied to the logits it returns), the constraints hold, and unconstrained requests beside
+    them equal their run alone."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=8192)
+    regex, choices = r"[a-z]{2,5}( [a-z]{2,5}){1,3}", ["alpha beta", "gamma delta epsilon"]
+    free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], free, use_tqdm=False)]
+    before = llm.llm_engine.stats()["graph_replays"]
+    params = [free, SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": regex}), free,
+              SamplingParams(max_tokens=24, temperature=0.8, seed=1, structured_outputs={"choice": choices})]
+    outs = [o.outputs[0] for o in llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[4]], params,
+                                               use_tqdm=False)]
+    assert llm.llm_engine.stats()["graph_replays"] > before
+    assert [outs[0].token_ids, outs[2].token_ids] == alone
+    assert re.fullmatch(regex, outs[1].text) and outs[3].text in choices

@@ -198,6 +198,30 @@ def test_preemption_and_prefix_cache_under_tp2(models, single):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_structured_outputs_under_tp_and_pp(models, single, tp, pp):
+    """The grammar masks travel in the plain step input to every rank; on a pipeline each token is
+    accepted before its request is planned again: the same tokens as one rank, constraints held."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    regex = r"[a-z]{2,5}( [a-z]{2,5}){1,3}"
+    params = [SamplingParams(max_tokens=20, temperature=0, structured_outputs={"regex": regex}),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=4, structured_outputs={"choice": ["ab cd", "ef"]})]
+    prompts = PROMPTS[:3]
+    ref = [o.outputs[0] for o in single["llama"].generate(prompts, params, use_tqdm=False)]
+    with deadline():
+        llm = LLM(models["llama"], dtype="float32", device="cpu", kv_cache_tokens=4096, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp)
+    try:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert re.fullmatch(regex, outs[0].text) and outs[2].text in ("ab cd", "ef")
+
+
 # ---------------------------------------------------------------- faults
 
 

@@ -132,17 +132,24 @@ def test_truncation_token_ids_and_stop_str(http, offline):
     assert r["choices"][0]["text"] == ref.text
 
 
-def test_stream_options_without_stream_and_guided_fields_are_refused(http):
+def test_stream_options_without_stream_and_bad_guided_fields_are_refused(http):
+    """Guided fields work (tests/test_structured_outputs.py); a bad one is a 400 naming it."""
     cases = [({"stream_options": {"include_usage": True}}, "stream_options"),
-             ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
-             ({"guided_regex": "a+"}, "guided_regex"), ({"guided_grammar": "x"}, "guided_grammar"),
-             ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
-             ({"response_format": {"type": "json_object"}}, "response_format"),
-             ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format")]
+             ({"guided_json": "{not json"}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
+             ({"guided_regex": "(unclosed"}, "guided_regex"), ({"guided_grammar": "root ::= "}, "guided_grammar"),
+             ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+             ({"structured_outputs": {"regex": "[a"}}, "structured_outputs.regex"),
+             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+             ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+             ({"response_format": {"type": "yaml"}}, "response_format"),
+             ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.json_schema.schema"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+              "response_format.json_schema.schema")]
     for body, param in cases:
         for route, base in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
             r = http.post(route, json={**base, "max_tokens": 2, **body}, headers=USER)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.json())
+            assert "/project/" not in r.json()["error"]["message"] and ".cc:" not in r.json()["error"]["message"]
 
 
 def test_chat_continue_final_message_tools_and_echo(http, offline):
@@ -185,8 +192,8 @@ def test_invocations_route(http, offline):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
-@pytest.mark.parametrize("field, value", [("best_of", 3), ("guided_decoding", {"choice": ["a"]}),
-                                          ("structured_outputs", {"json": {}}), ("bad_words", ["x"]),
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("guided_decoding", {"regex": ""}),
+                                          ("structured_outputs", {"choice": []}), ("bad_words", ["x"]),
                                           ("spaces_between_special_tokens", False), ("prompt_logprobs", -1),
                                           ("truncate_prompt_tokens", 0), ("logit_bias", {1: 200}),
                                           ("allowed_token_ids", [])])

@@ -42,6 +42,7 @@ from steerable.sae.registry import SaeRegistry
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.steering.spec import SteeringSpec
+from steerable.structured.plane import StructuredPlane, refuse_streaming_input
 from steerable.step import PLACEHOLDER, PromptLogprobsInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LLMEngine(ResumableRequests):
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
                                    kv_groups.num_groups, self._shared_prefix(kv_groups))
         self.outputs = OutputProcessor(self.tokenizer, max_len)
+        self.structured = StructuredPlane(self.tokenizer.hf, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}  # by engine id
         self.groups: dict[str, RequestGroup] = {}  # by client id
         self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
@@ -306,7 +308,10 @@ class LLMEngine(ResumableRequests):
             raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
         if resumable and params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs: not supported with streaming input")
+        if resumable:
+            refuse_streaming_input(params)
         self._check_token_ids(params)
+        self.structured.check(params)
         if client_id in self.groups:
             raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         limit = self.config.max_n
@@ -346,8 +351,10 @@ class LLMEngine(ResumableRequests):
             self.steering.share(request, template)
             request.hash_keys = list(template.hash_keys)
         try:
+            self.structured.admit(request)  # compiled already (``structured.check``): cannot fail here
             self.capture.admit(request)
         except BaseException:
+            self.structured.release(request)
             self.steering.release(request)
             raise
         request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
@@ -484,10 +491,14 @@ class LLMEngine(ResumableRequests):
         so its requests can join the step launched next; the rest of its processing
         (detokenization, stop checks, outputs) then overlaps the devices. As on one stage, a
         request that stops has one extra step computed and discarded."""
-        ready = None
+        ready, outputs = None, None
         if len(self._inflight) >= self.scheduler.micro_batches:
             ready = self._collect(self._inflight.popleft())
+            if self.structured.live:  # a constrained request's next mask needs its token accepted first
+                ready, outputs = None, self._emit(*ready)
         launched = self._launch_next()
+        if outputs is not None:
+            return outputs
         if ready is None and self._inflight and not launched:
             ready = self._collect(self._inflight.popleft())
         return self._emit(*ready) if ready is not None else []
@@ -509,6 +520,8 @@ class LLMEngine(ResumableRequests):
         delivery = None
         if planned is not None:
             step.capture, delivery = planned
+        if step.sampling is not None and self.structured.live:
+            self.structured.plan(step.sampling, [s.request for s in sched.scheduled if s.samples])
         if self._prompt_logprobs:
             step.prompt_logprobs = prompt_logprobs.plan(sched.scheduled, step.query_start,
                                                         self._prompt_logprobs) or None
@@ -521,7 +534,8 @@ class LLMEngine(ResumableRequests):
         """Selections that read the token id of generated rows, and penalties that count generated
         tokens, need the last sampled token on the host before planning."""
         return (self.steering.reads_generated_tokens() or self.capture.reads_generated_tokens()
-                or any(r.params.has_penalties for r in self.scheduler.running))
+                or any(r.params.has_penalties for r in self.scheduler.running)
+                or self.structured.must_sync(self.scheduler.running))
 
     @staticmethod
     def _advance(sched: SchedulerOutput) -> None:
@@ -569,6 +583,7 @@ class LLMEngine(ResumableRequests):
             if request.finished or request.paused:  # stopped (or aborted) while this step was in flight
                 continue
             self.outputs.accept_token(request, token, token_logprobs)
+            self.structured.accept(request, token)
             group = request.group
             group.changed[request.index] = request
             if request.finish_reason is not None and request.more_input:  # a chunk ended: wait for the next
@@ -590,6 +605,7 @@ class LLMEngine(ResumableRequests):
             self.scheduler.finish(request)
         self.builder.release(request.request_id)
         self.steering.release(request)
+        self.structured.release(request)
         self.requests.pop(request.request_id, None)
         group = request.group
         group.child_finished(request)

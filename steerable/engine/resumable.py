@@ -12,6 +12,7 @@ from steerable.errors import InvalidRequestError
 from steerable.outputs import RequestOutput
 from steerable.request import Request
 from steerable.sampling_params import SamplingParams
+from steerable.structured.plane import refuse_streaming_input
 
 
 class ResumableRequests:
@@ -97,5 +98,6 @@ class ResumableRequests:
                                           "cache salt; leave it unset")
         if params.n != 1:
             raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
+        refuse_streaming_input(params)
         return dataclasses.replace(params, **{name: getattr(request.params, name) for name in kept})
 

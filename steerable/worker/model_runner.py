@@ -284,14 +284,16 @@ class ModelRunner:
     def _samples_inside(self, step: StepInput) -> bool:
         """Whether the step's sampling runs inside its forward program: a decode step that samples
         every row, with the fused sampler (no top-k/top-p/min-p, penalties, held-back tokens, logit
-        biases, logprobs or prompt logprobs, which take the sampler's other paths), on an engine of
+        biases, allowed token ids, grammar masks, logprobs or prompt logprobs, which take the
+        sampler's other paths: the forward still replays its graph, and the logits it returns are
+        masked and sampled after it), on an engine of
         one rank (tensor-parallel ranks gather their logits and share the samples; only a pipeline's last stage samples)."""
         sampling = step.sampling
         return (sampling is not None and self.single_rank and step.max_query_len == 1
                 and len(sampling.rows) == step.num_tokens and fused.enabled(self.buffers.tokens)
                 and not sampling.filtered and not sampling.penalties and not sampling.suppress
-                and not sampling.logit_bias and not step.prompt_logprobs
-                and all(n is None for n in sampling.logprobs))
+                and not sampling.logit_bias and not sampling.allowed and sampling.grammar_rows is None
+                and not step.prompt_logprobs and all(n is None for n in sampling.logprobs))
 
     def _shares_prefix(self, step: StepInput) -> bool:
         """Whether the step's attention runs the shared-prefix kernels: a decode step with a shared

@@ -16,6 +16,7 @@ import torch
 
 from steerable.layers import fused
 from steerable.step import PenaltyInput, SamplingInput
+from steerable.structured.bitmask import apply_bitmask
 from steerable.worker.penalties import apply_penalties
 
 _MIX_A, _MIX_B, _MASK = 6364136223846793005, 1442695040888963407, (1 << 63) - 1
@@ -43,6 +44,8 @@ class Sampler:
         ``finalize`` brings the tokens (and logprobs) to the host."""
         for row, token_ids in sampling.suppress.items():  # stop tokens held back until min_tokens
             logits[row, torch.from_numpy(token_ids).to(logits.device)] = float("-inf")
+        if sampling.grammar_rows is not None:  # structured outputs; before the logprobs, as vLLM masks them
+            apply_bitmask(logits, sampling.grammar_rows, sampling.grammar_bitmask)
         want = sampling.logprobs
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
         if sampling.logit_bias or sampling.allowed:  # after the logprobs, which are the model's own

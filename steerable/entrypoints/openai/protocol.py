@@ -1,21 +1,22 @@
 """Request bodies as pydantic models (vLLM's field names). Unknown OpenAI fields are accepted and
-ignored, as vLLM does; fields this server cannot honour are refused rather than ignored."""
+ignored, as vLLM does; fields this server cannot honour are refused rather than ignored.
+Structured-output fields (``structured_outputs``, ``guided_*``, ``response_format``) are read by
+``structured.structured_from_body``."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
 
+from steerable.entrypoints.openai.structured import structured_from_body
 from steerable.entrypoints.openai.extensions import capture_from_json, module_ref_from_json, reject_unknown_extensions
 from steerable.errors import InvalidRequestError
 from steerable.sampling_params import SamplingParams
+from steerable.structured.params import StructuredOutputsParams
 from steerable.steering.wire import steering_from_json
 
 MAX_LOGPROBS = 20  # as OpenAI and vLLM
-# Guided decoding (vLLM's fields): refused by name, never accepted with unconstrained output.
-GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "guided_whitespace_pattern")
 # Bounds of the vector-toolkit routes: each pair or item is one prompt's forward pass (per scale,
 # for a sweep), so these keep one request's work near that of a long completions batch.
 MAX_TRAIN_PAIRS = 256
@@ -67,20 +68,12 @@ class GenerationRequest(OpenAIBase):
     steering_vectors: Any = None
     steering_module_ref: Any = None
     capture: Any = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(default=None)  # set by ``check``
 
     def check(self) -> None:
         """Refusals pydantic cannot express: ``steer*``/``capture*`` typos, unsupported fields."""
         reject_unknown_extensions(self.model_extra or {})
-        extra = self.model_extra or {}
-        for name in GUIDED_FIELDS:
-            if extra.get(name) is not None:
-                raise InvalidRequestError(f"{name}: guided decoding is not supported by this server (it would "
-                                          "return unconstrained text)")
-        fmt = extra.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise InvalidRequestError(f"response_format: {kind!r} needs guided decoding, which this server does not "
-                                      "support; only {'type': 'text'}")
+        self._structured = structured_from_body(self.model_extra or {})
         for name, value in self.unsupported().items():
             if value:
                 raise InvalidRequestError(f"{name}: not supported by this server")
@@ -107,6 +100,7 @@ class GenerationRequest(OpenAIBase):
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self._structured,
             steering_vectors=steering_from_json(self.steering_vectors),
             steering_module_ref=module_ref_from_json(self.steering_module_ref),
             capture=capture_from_json(self.capture))
