@@ -3,6 +3,9 @@ that a refused call registers nothing and the engine keeps serving."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -18,6 +21,30 @@ def random_sae(d_in: int = 64, d_sae: int = 96, architecture: str = "jumprelu", 
     return SAE(torch.randn(d_in, d_sae, generator=g) * 0.3, torch.randn(d_sae, generator=g) * 0.1,
                torch.randn(d_sae, d_in, generator=g) * 0.3, torch.randn(d_in, generator=g) * 0.1,
                architecture=architecture, layer=layer, hook=hook, **{**extra, **kwargs})
+
+
+TL_HOOKS = {"pre_attn": "hook_resid_pre", "post_attn": "hook_resid_mid", "post_mlp": "hook_resid_post"}
+
+
+def save_saelens(sae: SAE, path: str | os.PathLike) -> str:
+    """``sae`` as a SAELens directory (``cfg.json`` + ``sae_weights.safetensors``), its site as
+    the TransformerLens hook name: what ``SAE.load`` and ``serve --sae`` read."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
+    if sae.architecture == "jumprelu":
+        tensors["threshold"] = sae.threshold
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "sae_weights.safetensors"))
+    cfg = {"d_in": sae.d_in, "d_sae": sae.d_sae, "architecture": {"relu": "standard"}.get(sae.architecture,
+                                                                                             sae.architecture),
+           "apply_b_dec_to_input": sae.apply_b_dec_to_input, "normalize_activations": "none",
+           "metadata": {"hook_name": f"blocks.{sae.layer}.{TL_HOOKS[sae.hook]}"}}
+    if sae.architecture == "topk":
+        cfg["k"] = sae.k
+    with open(os.path.join(path, "cfg.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
