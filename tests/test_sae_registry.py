@@ -14,11 +14,13 @@ from steerable.errors import InvalidRequestError
 
 
 def random_sae(d_in: int = 64, d_sae: int = 96, architecture: str = "jumprelu", layer: int = 1,
-               hook: str = "post_mlp", seed: int = 0, **kwargs) -> SAE:
+               hook: str = "post_mlp", seed: int = 0, encoder_scale: float = 0.3, **kwargs) -> SAE:
+    """``encoder_scale``: the encoder's entries' size (smaller: activations of order one on
+    models whose residuals are large)."""
     g = torch.Generator().manual_seed(seed)
     extra = {"threshold": torch.rand(d_sae, generator=g) * 0.3} if architecture == "jumprelu" else {}
     extra.update({"k": 8} if architecture == "topk" else {})
-    return SAE(torch.randn(d_in, d_sae, generator=g) * 0.3, torch.randn(d_sae, generator=g) * 0.1,
+    return SAE(torch.randn(d_in, d_sae, generator=g) * encoder_scale, torch.randn(d_sae, generator=g) * 0.1,
                torch.randn(d_sae, d_in, generator=g) * 0.3, torch.randn(d_in, generator=g) * 0.1,
                architecture=architecture, layer=layer, hook=hook, **{**extra, **kwargs})
 
