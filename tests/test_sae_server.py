@@ -185,7 +185,7 @@ def test_sae_routes_need_the_admin_key(api, files):
     assert listed(api) == AT_START
 
 
-BAD_REGISTRATIONS = [  # (body, with file names resolved; what the message must say)
+BAD_REGISTRATIONS = [  # (body, paths naming the files fixture where they can; what the message must say)
     ({"x": {"path": "pickle"}}, ["saes['x']", "sae.pt", "never unpickled"]),
     ({"x": {"path": "truncated"}}, ["saes['x']", "sae_weights.safetensors: not a readable safetensors file"]),
     ({"x": {"path": "no_d_sae"}}, ["saes['x']", "cfg.json: missing field 'd_sae'"]),
