@@ -457,38 +457,73 @@ def test_steering_batch_matches_one_rank(parallel, single):
 
 def _feature_run(llm: LLM, num_layers: int):
     """Feature adds and clamps of SAEs of each architecture at each hook point (TP: replicated
-    rows; PP: the stage owning the layer), in a batch with unsteered requests."""
+    rows; PP: the stage owning the layer), in a batch with unsteered requests; some requests
+    capture features (every SAE on every row, or one on the last prompt row), and a stream records
+    the first stage's SAE. Returns the outputs and the stream's (features, labels)."""
     from test_sae_registry import random_sae
 
     from steerable import Feature, FeatureClamp
 
-    saes = {"j": random_sae(layer=num_layers - 1, hook="post_mlp", apply_b_dec_to_input=True, seed=1),
-            "t": random_sae(architecture="topk", layer=0, hook="post_attn", seed=2),
-            "r": random_sae(architecture="relu", layer=min(1, num_layers - 1), hook="pre_attn", seed=3)}
+    small = 0.05  # features of order one, where float32 sums agree to CAPTURE_TOL
+    saes = {"j": random_sae(layer=num_layers - 1, hook="post_mlp", apply_b_dec_to_input=True, seed=1,
+                            encoder_scale=small),
+            "t": random_sae(architecture="topk", layer=0, hook="post_attn", seed=2, encoder_scale=small),
+            "r": random_sae(architecture="relu", layer=min(1, num_layers - 1), hook="pre_attn", seed=3,
+                            encoder_scale=small)}
     for name, sae in saes.items():
         llm.register_sae(name, sae)
+    captures = [None, CaptureSpec(stream="sae_features", saes=list(saes), top_k=8, select="all"),
+                CaptureSpec(stream="sae_features", saes=["j"], top_k=4, select="last_prompt")]
     params = []
     for i in range(12):
         features = [Feature("j", i, scale=3.0), FeatureClamp("t", i + 1, value=2.0),
                     FeatureClamp("r", 2 * i, value=0.0, select=SelectSpec(prompt="all"))][: i % 4]
-        params.append(_greedy(steering_vectors=SteeringSpec(features=features) if features else None))
+        params.append(_greedy(steering_vectors=SteeringSpec(features=features) if features else None,
+                              capture=captures[i % 3]))
+    llm.start_capture("sae_features", saes=["t"], top_k=8, select="all_prompt")
     try:
         outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(12)], params, use_tqdm=False)
     finally:
+        llm.stop_capture("sae_features")
+        fetched = llm.fetch_captured("sae_features")
         for name in saes:
             llm.unregister_sae(name)
-    return outs
+    return outs, fetched
 
 
-def test_feature_steering_matches_one_rank(parallel, single):
+def _assert_features_equal(ours, theirs, ours_meta, theirs_meta) -> None:
+    """Indices identical, values within CAPTURE_TOL, labels exact."""
+    assert ours_meta.positions.tolist() == theirs_meta.positions.tolist()
+    assert ours_meta.token_ids.tolist() == theirs_meta.token_ids.tolist()
+    assert torch.equal(ours.indices, theirs.indices)
+    assert _max_abs_diff(ours.values, theirs.values) <= CAPTURE_TOL
+
+
+def test_feature_steering_and_capture_match_one_rank(parallel, single):
     family, llm = parallel
     ref_llm = single[family]
     num_layers = ref_llm.engine.model_config.num_layers
-    outs, refs = _feature_run(llm, num_layers), _feature_run(ref_llm, num_layers)
+    (outs, (stream, metas)), (refs, (ref_stream, ref_metas)) = _feature_run(llm, num_layers), _feature_run(
+        ref_llm, num_layers)
     assert _same_outputs(outs, refs) <= LOGPROB_TOL
     plain = ref_llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(12)], _greedy(), use_tqdm=False)
     changed = sum(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(refs, plain))
     assert changed >= 4, changed  # effect size: feature steering changed outputs
+    for out, ref in zip(outs, refs):
+        assert out.captures.keys() == ref.captures.keys()
+        for name, features in ref.captures.get("sae_features", {}).items():
+            meta = out.capture_meta["sae_features"][name]
+            _assert_features_equal(out.captures["sae_features"][name], features, meta,
+                                   ref.capture_meta["sae_features"][name])
+            assert all(match_capture_request_id(r, out.request_id) for r in meta.req_ids)
+    assert sum("sae_features" in ref.captures for ref in refs) == 8
+    assert list(stream) == ["t"] and len(ref_metas["t"]) == sum(len(r.prompt_token_ids) for r in refs)
+    for out, ref in zip(outs, refs):  # the stream's rows, request by request (engine ids differ)
+        mine = [j for j, rid in enumerate(metas["t"].req_ids) if match_capture_request_id(rid, out.request_id)]
+        theirs = [j for j, rid in enumerate(ref_metas["t"].req_ids) if match_capture_request_id(rid, ref.request_id)]
+        _assert_features_equal(stream["t"].select(torch.tensor(mine)), ref_stream["t"].select(torch.tensor(theirs)),
+                               metas["t"].select(torch.tensor(mine)), ref_metas["t"].select(torch.tensor(theirs)))
+    assert (ref_stream["t"].indices >= 0).any()  # features fire: a no-op would not pass
 
 
 # ---------------------------------------------------------------- capture

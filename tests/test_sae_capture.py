@@ -155,6 +155,37 @@ def test_sparse_corpus_shards(capture_dirs, tmp_path):
     assert shard["example"][:n].tolist() == [0] * n and shard["position"][:n].tolist() == list(range(n))
 
 
+def test_capture_cli_with_an_sae(capture_dirs, tmp_path):
+    """``steerable capture --sae PATH --top-k K``: sparse shards equal ``steerable.capture``'s
+    features with their labels; an SAE file that does not load fails before the model does."""
+    import json
+
+    from test_sae_registry import save_saelens
+
+    import steerable
+    from steerable.entrypoints.cli import main
+
+    path = save_saelens(random_sae(64, "topk", 1, "pre_attn", seed=4), tmp_path / "sae")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS[:3]))
+    args = ["capture", "--model", capture_dirs["qwen3"], "--device", "cpu", "--kv-cache-tokens", "2048",
+            "--input", str(texts), "--select", "all_prompt", "--top-k", str(TOP_K)]
+    assert main([*args, "--sae", path, "--out", str(tmp_path / "out")]) == 0
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["complete"] and index["top_k"] == TOP_K and (index["layers"], index["hook"]) == ([1], "pre_attn")
+    shard = load_file(str(tmp_path / "out" / "shard-00000.safetensors"))
+    llm = LLM(capture_dirs["qwen3"], device="cpu", kv_cache_tokens=2048)
+    llm.register_sae("s", SAE.load(path))
+    ref = steerable.capture(llm, PROMPTS[:3], stream="sae_features", saes=["s"], top_k=TOP_K, select="all_prompt")
+    assert SparseFeatures(shard["indices"], shard["values"]) == ref.rows("s")
+    assert shard["position"].tolist() == ref.meta("s").positions.tolist()
+    assert shard["token_id"].tolist() == ref.meta("s").token_ids.tolist()
+    assert shard["example"].tolist() == [i for i, p in enumerate(PROMPTS[:3]) for _ in llm.get_tokenizer()(p).input_ids]
+    assert (shard["indices"][:, :5] >= 0).all()  # topk k=5: five features on every row
+    assert main([*args, "--sae", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
 def test_bad_input(family):
     llm, _ = family
     sae = random_sae(llm.engine.model_config.hidden_size, "jumprelu", 1, d_sae=32)
@@ -166,9 +197,12 @@ def test_bad_input(family):
             with pytest.raises(ValueError, match=f"^{field}"):
                 llm.generate("Hello", SamplingParams(max_tokens=1, capture=CaptureSpec(stream="sae_features", **kw)),
                              use_tqdm=False)
-        with pytest.raises(ValueError, match="^top_k"):
-            llm.start_capture("sae_features", saes=["res1"], top_k=-1)
+        for kw, field in [({"saes": ["res1"], "top_k": -1}, "top_k"), ({"saes": ["res1"], "top_k": 33}, "top_k"),
+                          ({"saes": ["nope"]}, "saes"), ({"saes": []}, "saes")]:
+            with pytest.raises(ValueError, match=f"^{field}"):
+                llm.start_capture("sae_features", **kw)
         assert llm.engine.capture.features.in_use("res1") is None  # nothing leaked
+        assert not llm.engine.requests and not llm.capture_status("sae_features")["enabled"]
         assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.unregister_sae("res1")

@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from steerable import SAE
 from steerable.errors import InvalidRequestError
@@ -201,6 +202,29 @@ def test_bad_files_are_refused_naming_file_and_field(sae_files, tmp_path):
         (missing / "cfg.json").write_text(json.dumps(cfg))
         with pytest.raises(InvalidRequestError, match=rf"cfg\.json: missing field '{field}'"):
             SAE.load(str(missing))
+
+    topk = _copy(files["saelens_topk"][0], tmp_path, "topk_without_k")
+    cfg = json.loads((topk / "cfg.json").read_text())
+    del cfg["k"]
+    (topk / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidRequestError, match=r"cfg\.json: missing field 'k'"):
+        SAE.load(str(topk))
+
+    no_threshold = _copy(lens, tmp_path, "no_threshold")
+    weights = no_threshold / "sae_weights.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["threshold"]
+    save_file(tensors, str(weights))
+    with pytest.raises(InvalidRequestError, match=r"sae_weights\.safetensors: missing tensor 'threshold'"):
+        SAE.load(str(no_threshold))
+
+    sparse = tmp_path / "sparse_no_k" / "layers.1"
+    shutil.copytree(files["sparsify"][0], sparse)
+    cfg = json.loads((sparse / "cfg.json").read_text())
+    del cfg["k"]
+    (sparse / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidRequestError, match=r"layers\.1/cfg\.json: missing field 'k'"):
+        SAE.load(str(sparse))
 
     normalized = _copy(lens, tmp_path, "normalized")
     cfg = json.loads((normalized / "cfg.json").read_text())

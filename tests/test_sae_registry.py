@@ -3,6 +3,9 @@ that a refused call registers nothing and the engine keeps serving."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -11,31 +14,39 @@ from steerable.errors import InvalidRequestError
 
 
 def random_sae(d_in: int = 64, d_sae: int = 96, architecture: str = "jumprelu", layer: int = 1,
-               hook: str = "post_mlp", seed: int = 0, **kwargs) -> SAE:
+               hook: str = "post_mlp", seed: int = 0, encoder_scale: float = 0.3, **kwargs) -> SAE:
+    """``encoder_scale``: the encoder's entries' size (smaller: activations of order one on
+    models whose residuals are large)."""
     g = torch.Generator().manual_seed(seed)
     extra = {"threshold": torch.rand(d_sae, generator=g) * 0.3} if architecture == "jumprelu" else {}
     extra.update({"k": 8} if architecture == "topk" else {})
-    return SAE(torch.randn(d_in, d_sae, generator=g) * 0.3, torch.randn(d_sae, generator=g) * 0.1,
+    return SAE(torch.randn(d_in, d_sae, generator=g) * encoder_scale, torch.randn(d_sae, generator=g) * 0.1,
                torch.randn(d_sae, d_in, generator=g) * 0.3, torch.randn(d_in, generator=g) * 0.1,
                architecture=architecture, layer=layer, hook=hook, **{**extra, **kwargs})
 
 
-RESID_HOOKS = {"pre_attn": "hook_resid_pre", "post_attn": "hook_resid_mid", "post_mlp": "hook_resid_post"}
+TL_HOOKS = {"pre_attn": "hook_resid_pre", "post_attn": "hook_resid_mid", "post_mlp": "hook_resid_post"}
 
 
-def save_saelens(sae: SAE, path) -> None:
-    """``sae`` (relu or jumprelu) as a SAELens directory at ``path``, for a server to load by path."""
-    import json
-
+def save_saelens(sae: SAE, path: str | os.PathLike) -> str:
+    """``sae`` as a SAELens directory (``cfg.json`` + ``sae_weights.safetensors``), its site as
+    the TransformerLens hook name: what ``SAE.load`` and ``serve --sae`` read."""
     from safetensors.torch import save_file
 
-    extra = {"threshold": sae.threshold} if sae.architecture == "jumprelu" else {}
-    save_file({"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec, **extra},
-              str(path / "sae_weights.safetensors"))
-    (path / "cfg.json").write_text(json.dumps({
-        "d_in": sae.d_in, "d_sae": sae.d_sae, "architecture": sae.architecture,
-        "apply_b_dec_to_input": sae.apply_b_dec_to_input, "normalize_activations": "none",
-        "metadata": {"hook_name": f"blocks.{sae.layer}.{RESID_HOOKS[sae.hook]}"}}))
+    os.makedirs(path, exist_ok=True)
+    tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
+    if sae.architecture == "jumprelu":
+        tensors["threshold"] = sae.threshold
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "sae_weights.safetensors"))
+    cfg = {"d_in": sae.d_in, "d_sae": sae.d_sae, "architecture": {"relu": "standard"}.get(sae.architecture,
+                                                                                             sae.architecture),
+           "apply_b_dec_to_input": sae.apply_b_dec_to_input, "normalize_activations": "none",
+           "metadata": {"hook_name": f"blocks.{sae.layer}.{TL_HOOKS[sae.hook]}"}}
+    if sae.architecture == "topk":
+        cfg["k"] = sae.k
+    with open(os.path.join(path, "cfg.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
 
 
 @pytest.fixture(scope="module")

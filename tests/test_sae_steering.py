@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import PROMPTS, hf_model
 from hf_oracle import HFSteered, add_edit, max_logprob_gap
-from test_sae_registry import random_sae
+from test_sae_registry import random_sae, save_saelens
 
 from steerable import LLM, SAE, Feature, FeatureClamp, SamplingParams, SelectSpec, SteeringSpec
 from steerable.errors import InvalidRequestError
@@ -224,18 +224,11 @@ def test_unregister_is_refused_while_a_live_request_uses_the_sae(shared):
 def test_feature_steering_over_http_equals_offline(server, http, offline, tmp_path):
     """An SAE registered from its files on the server (``POST /v1/saes``) steers a request by
     feature exactly as the same SAE does offline; a bad feature is a 400 naming the field."""
-    import json
     import uuid
 
-    from safetensors.torch import save_file
     from server_harness import ADMIN, SERVED_NAME, USER
 
-    sae = random_sae(**SAES["res1"])
-    save_file({"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec,
-               "threshold": sae.threshold}, str(tmp_path / "sae_weights.safetensors"))
-    (tmp_path / "cfg.json").write_text(json.dumps({
-        "d_in": sae.d_in, "d_sae": sae.d_sae, "architecture": "jumprelu", "apply_b_dec_to_input": True,
-        "normalize_activations": "none", "metadata": {"hook_name": "blocks.1.hook_resid_post"}}))
+    save_saelens(random_sae(**SAES["res1"]), tmp_path)
     assert http.post("/v1/saes", json={"feat": {"path": str(tmp_path)}}, headers=ADMIN).status_code == 200
     offline.register_sae("feat", SAE.load(str(tmp_path)))
     wire = {"features": [{"sae": "feat", "index": 5, "scale": 3.0},

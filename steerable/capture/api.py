@@ -38,7 +38,7 @@ class CaptureResult:
         """Every prompt's rows at ``layer`` (or of an SAE), stacked (labels in ``meta(layer)``);
         attention patterns as one ``AttentionPatterns``."""
         parts = [out.captures[self.stream][layer] for out in self.outputs]
-        return SparseFeatures.cat(parts) if parts and isinstance(parts[0], SparseFeatures) else concat_captured(parts)
+        return concat_captured(parts)
 
     def meta(self, layer: Any) -> CaptureMeta:
         return CaptureMeta.concat([out.capture_meta[self.stream][layer] for out in self.outputs])

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from steerable.capture.sparse import SparseFeatures
+
 
 def key_ranges(positions: np.ndarray, window: int | None) -> tuple[np.ndarray, np.ndarray]:
     """(key_starts, key_lens), int32 per query position, on a layer with ``window`` (None: full)."""
@@ -75,10 +77,14 @@ class AttentionPatterns:
                                  heads)
 
 
-def concat_captured(parts: Sequence[torch.Tensor | AttentionPatterns]) -> torch.Tensor | AttentionPatterns:
-    """One layer's captured rows of several parts in order: ``torch.cat``, or patterns' rows joined."""
+def concat_captured(parts: Sequence[torch.Tensor | AttentionPatterns | SparseFeatures]
+                    ) -> torch.Tensor | AttentionPatterns | SparseFeatures:
+    """One layer's (or SAE's) captured rows of several parts in order: ``torch.cat``, patterns'
+    rows joined, or SAE features' rows stacked."""
     if parts and isinstance(parts[0], AttentionPatterns):
         return AttentionPatterns.concat(parts)
+    if parts and isinstance(parts[0], SparseFeatures):
+        return SparseFeatures.cat(parts)
     return torch.cat(list(parts))
 
 

@@ -80,7 +80,10 @@ def serve(args: argparse.Namespace) -> int:
             steering.check_model(cfg.hidden_size, cfg.num_layers, "--control-vector")
             asyncio.run(llm.set_steering_vectors(steering))
         for name, sae in saes.items():
-            asyncio.run(llm.register_sae(name, sae))
+            try:
+                asyncio.run(llm.register_sae(name, sae))
+            except ValueError as err:  # an SAE of another model: say which flag
+                raise CliError(f"--sae {name}: {err}") from None
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

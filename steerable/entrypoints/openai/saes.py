@@ -6,6 +6,8 @@ the registered names."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -40,7 +42,20 @@ def load_saes(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every SAE loaded before any is registered, so a bad file registers nothing."""
     from steerable.sae.model import SAE
 
-    return {name: SAE.load(entry["path"], entry.get("layer"), entry.get("hook")) for name, entry in entries.items()}
+    saes = {}
+    for name, entry in entries.items():
+        with _naming(name):
+            saes[name] = SAE.load(entry["path"], entry.get("layer"), entry.get("hook"))
+    return saes
+
+
+@contextlib.contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """A refused entry's error names it first (the body may hold several)."""
+    try:
+        yield
+    except ValueError as err:
+        raise InvalidRequestError(f"saes[{name!r}]: {err}") from None
 
 
 @admin.post("/v1/saes")
@@ -50,7 +65,8 @@ async def register_saes(body: dict[str, Any], request: Request) -> dict[str, Any
     registered = []
     try:
         for name, sae in saes.items():
-            await llm.register_sae(name, sae)
+            with _naming(name):
+                await llm.register_sae(name, sae)
             registered.append(name)
     except BaseException:
         for name in registered:  # all or nothing
