@@ -2,114 +2,31 @@
 Qwen3 (one KV head, so TP=2 replicates it), Qwen3-MoE (experts split over the ranks) and Gemma 3
 (sliding-window KV groups split over the stages) against one rank and HF transformers: greedy
 tokens, logprobs, steering, captures (attention patterns included); preemption and prefix
-caching; a killed or failing worker; torchrun.
+caching; structured outputs (failures and torchrun: test_parallel_faults.py).
 
 Every parallel engine lives in a module fixture (one at a time) and the ranks start from a fork
-server, so the module stays short on two cores. A deadline turns a hang into a failure.
+server (tests/parallel_harness.py), so the module stays short on two cores.
 """
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-
-import psutil
 import pytest
 import torch
-from conftest import PROMPTS, build_tokenizer, hf_greedy, hf_model
-from test_qwen3_moe import build_qwen3_moe
+from conftest import PROMPTS, hf_greedy, hf_model
+from parallel_harness import (RMS_FAMILIES, _engine, _env, _fork_server, _hang_guard, deadline,  # noqa: F401
+                              models, single)
 
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
 from steerable.capture import (ATTENTION_HEADS, ATTENTION_PATTERNS, HIDDEN_STATES, ROUTER_LOGITS,
                                match_capture_request_id)
-from steerable.distributed.launch import START_METHOD_ENV
 from steerable.distributed.placement import MICRO_BATCHES_ENV, PARTITION_ENV
-from steerable.errors import EngineDeadError
-from steerable.models import registry
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3"]
-# Families whose layers add nothing new to the layouts beyond TP=2 and PP=2 alone (their own parts:
-# Gemma 2's softcapped attention, OLMo-2's all-reduced q/k norm, Phi-3's fused checkpoint tensors).
-RMS_FAMILIES = ["gemma2", "olmo2", "phi3"]
 HOOKS = ["pre_attn", "post_attn", "post_mlp"]
 TOKENS = 6
 LOGPROB_TOL = 1e-4
 CAPTURE_TOL = 1e-5
-HANG_S = 150  # one test (or one engine's start) past this is a hang: dump the stacks and fail
-
-
-@contextlib.contextmanager
-def deadline(seconds: float = HANG_S):
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
-@pytest.fixture(autouse=True)
-def _hang_guard():
-    with deadline():
-        yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fork_server():
-    previous = os.environ.get(START_METHOD_ENV)
-    os.environ[START_METHOD_ENV] = "forkserver"
-    yield
-    if previous is None:
-        del os.environ[START_METHOD_ENV]
-    else:
-        os.environ[START_METHOD_ENV] = previous
-
-
-def _build_qwen3_one_kv_head(path: str, seed: int) -> None:
-    import transformers
-    from transformers import AutoTokenizer
-
-    build_tokenizer(path)
-    config = transformers.Qwen3Config(
-        vocab_size=len(AutoTokenizer.from_pretrained(path)), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.1,
-        tie_word_embeddings=True)
-    if isinstance(getattr(config, "rope_parameters", None), dict):
-        config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, model_dirs, capture_dirs) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("parallel")
-    dirs = {"llama": model_dirs["llama"], "qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe"),
-            "gemma3": model_dirs["gemma3"], **{family: model_dirs[family] for family in RMS_FAMILIES},
-            "gpt2": capture_dirs["gpt2"],  # activations of order one (the larger weights' reach 20)
-            "gpt_neox": model_dirs["gpt_neox"], "gpt_neox_seq": model_dirs["gpt_neox_seq"]}
-    _build_qwen3_one_kv_head(dirs["qwen3"], seed=7)
-    build_qwen3_moe(dirs["qwen3_moe"], seed=8, num_hidden_layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
-                    norm_topk_prob=True)
-    return dirs
-
-
-def _engine(path: str, **kw) -> LLM:
-    return LLM(path, dtype="float32", device="cpu", kv_cache_tokens=4096, **kw)
-
-
-@pytest.fixture(scope="module")
-def single(models) -> dict[str, LLM]:
-    """The reference: each model on one rank."""
-    return {family: _engine(path) for family, path in models.items()}
 
 
 # The LayerNorm families (Conv1D / head-interleaved qkv shards, learned positions on the first
@@ -133,19 +50,6 @@ def parallel(request, models):
     yield family, llm
     with deadline(30):
         llm.shutdown()
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None):
-    previous = os.environ.pop(name, None)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if previous is not None:
-            os.environ[name] = previous
 
 
 def _vec(seed: int, scale: float = 3.0) -> list[float]:
@@ -220,158 +124,6 @@ def test_structured_outputs_under_tp_and_pp(models, single, tp, pp):
         llm.shutdown()
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert re.fullmatch(regex, outs[0].text) and outs[2].text in ("ab cd", "ef")
-
-
-# ---------------------------------------------------------------- faults
-
-
-def _worker_pids() -> set[int]:
-    """Processes this test process started to serve as ranks (spawned, or forked by the fork server)."""
-    pids = set()
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            cmdline = " ".join(child.cmdline())
-            if "spawn_main" in cmdline or (child.ppid() != os.getpid() and "forkserver" in cmdline):
-                pids.add(child.pid)
-    return pids
-
-
-def test_killed_worker_fails_fast_and_shutdown_leaves_no_process(models):
-    before = _worker_pids()
-    with deadline(), _env(START_METHOD_ENV, "spawn"):
-        llm = LLM(models["llama"], dtype="float32", device="cpu", kv_cache_tokens=4096, tensor_parallel_size=2,
-                  pipeline_parallel_size=2)
-    workers = _worker_pids() - before
-    assert len(workers) == 3
-    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    victim = sorted(workers)[-1]
-    killed = []
-
-    def kill():
-        time.sleep(1.0)
-        killed.append(time.monotonic())
-        os.kill(victim, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True).start()
-    with pytest.raises(EngineDeadError, match="exited with code -9"):
-        llm.generate(PROMPTS, params, use_tqdm=False)
-    assert killed and time.monotonic() - killed[0] < 30
-    with pytest.raises(EngineDeadError, match="exited with code -9"):  # and it stays dead, saying why
-        llm.generate(PROMPTS[0], params, use_tqdm=False)
-    llm.shutdown()
-    assert not _worker_pids() - before
-
-
-FAULT = """
-import os
-if os.environ.get("STEERABLE_TEST_FAULT_STEP"):  # a spawned rank 1 raises in the middle of a generate
-    from steerable.worker import model_runner
-
-    launch = model_runner.ModelRunner.launch
-
-    def faulty(self, step):
-        if step.step_id == int(os.environ["STEERABLE_TEST_FAULT_STEP"]) and self.parallel.placement.rank == 1:
-            raise RuntimeError("injected fault")
-        return launch(self, step)
-
-    model_runner.ModelRunner.launch = faulty
-"""
-
-
-def test_raising_worker_fails_the_call_with_its_error(models, tmp_path, monkeypatch):
-    """A rank that raises mid-run (a fault injected into the spawned rank only, through
-    sitecustomize): the call in progress raises the rank's own error, promptly."""
-    (tmp_path / "sitecustomize.py").write_text(FAULT)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("STEERABLE_TEST_FAULT_STEP", "5")
-    with deadline(), _env(START_METHOD_ENV, "spawn"):
-        llm = LLM(models["llama"], dtype="float32", device="cpu", kv_cache_tokens=4096, pipeline_parallel_size=2)
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="worker rank 1 raised RuntimeError: injected fault"):
-        llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 30
-    llm.shutdown()
-
-
-def test_worker_error_at_start_is_reported(models, monkeypatch):
-    """A rank that raises while building its shard: the engine constructor raises its error."""
-    monkeypatch.setitem(registry._MODELS, "ParallelOnlyHereForCausalLM", registry._MODELS["LlamaForCausalLM"])
-    path = models["llama"] + "-renamed"
-    if not os.path.exists(path):
-        import shutil
-        shutil.copytree(models["llama"], path)
-        config = json.load(open(os.path.join(path, "config.json")))
-        config["architectures"] = ["ParallelOnlyHereForCausalLM"]
-        json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    before = _worker_pids()
-    with pytest.raises(EngineDeadError, match="worker rank 1 raised ValueError: unknown architecture"):
-        LLM(path, dtype="float32", device="cpu", kv_cache_tokens=4096, tensor_parallel_size=2)
-    assert not _worker_pids() - before
-
-
-EXIT_SCRIPT = """
-import sys, psutil
-from steerable import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM(sys.argv[1], dtype="float32", device="cpu", kv_cache_tokens=4096, tensor_parallel_size=2)
-    llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
-    print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)
-"""  # and exits without shutdown()
-
-
-def test_interpreter_exit_leaves_no_worker(models, tmp_path):
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != START_METHOD_ENV}
-    done = subprocess.run([sys.executable, str(script), models["llama"]], env=env, capture_output=True, text=True,
-                          timeout=HANG_S - 10)
-    assert done.returncode == 0, done.stderr[-3000:]
-    pids = [int(pid) for pid in done.stdout.split()]
-    assert pids  # the worker (and multiprocessing's resource tracker)
-    time.sleep(1.0)
-    assert not [pid for pid in pids if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-# ---------------------------------------------------------------- torchrun
-
-
-TORCHRUN_SCRIPT = """
-import json, sys
-from steerable import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM(sys.argv[1], dtype="float32", device="cpu", kv_cache_tokens=4096, tensor_parallel_size=2)
-    outs = llm.generate(sys.argv[3:], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
-    json.dump([o.outputs[0].token_ids for o in outs], open(sys.argv[2], "w"))
-    llm.shutdown()
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_torchrun_entry(models, single, tmp_path):
-    """The multi-host entry, on one host: torchrun starts both ranks; rank 0 drives."""
-    script, result = tmp_path / "run.py", tmp_path / "tokens.json"
-    script.write_text(TORCHRUN_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != START_METHOD_ENV}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), models["llama"],
-           str(result), *PROMPTS[:2]]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S - 10)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ref = single["llama"].generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                                   use_tqdm=False)
-    assert json.loads(result.read_text()) == [o.outputs[0].token_ids for o in ref]
 
 
 # ---------------------------------------------------------------- greedy and logprobs
