@@ -191,6 +191,7 @@ def test_attention_view_equals_the_offline_patterns(page, offline, sae, shots):
     page.select_option("#module", "")
     fill_run(page, prompt, 6, 0, 0)
     page.fill("#steer-feature", str(steer_index))
+    assert page.input_value("#module") == "" and page.input_value("#feature-scale") == "10"
     page.check("#pattern-on")
     page.select_option("#pattern-layer", "2")
     page.fill("#pattern-head", "1")

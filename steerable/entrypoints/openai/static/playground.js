@@ -30,11 +30,13 @@ async function connect(quiet = false) {
     const who = await apiJson("GET", "v1/auth");
     const card = (await apiJson("GET", "v1/models")).data[0];
     $("model-info").textContent = `${card.id}: ${card.num_layers} layers, width ${card.hidden_size}`;
-    $("key-status").textContent = who.role === "admin" ? "Admin key: every control is available."
-      : "User key: run and sweep with registered modules.";
     setAdmin(who);
     fillPatternLayers(card.num_layers);
     await Promise.all([loadModules(), loadSaes()]);
+    // Said last: once it shows, the module and SAE lists are the server's (a choice made earlier
+    // would be replaced when they arrive).
+    $("key-status").textContent = who.role === "admin" ? "Admin key: every control is available."
+      : "User key: run and sweep with registered modules.";
   } catch (err) {
     setAdmin(null);
     $("key-status").textContent = quiet && err.status === 401 ? "This server needs an API key." : "";
