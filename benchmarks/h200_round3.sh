@@ -45,5 +45,13 @@ case $part in
     step dense 100 python3 throughput.py --skip-hf --repeats 3
     step serve 200 python3 serve.py
     ;;
+  f)  # the measurements that close the SAE, compatibility and pattern issues (27, 28, 29)
+    (cd .. && timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "structured" \
+        >"$out/gpu-tests-f.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-f.txt")
+    step sae 160 python3 sae_cost.py --repeats 3
+    step patterns 160 python3 pattern_cost.py --repeats 3
+    step dense 80 python3 throughput.py --skip-hf --repeats 3
+    step serve 110 python3 serve.py
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
