@@ -53,5 +53,16 @@ case $part in
     step dense 80 python3 throughput.py --skip-hf --repeats 3
     step serve 110 python3 serve.py
     ;;
+  g)  # issues 26 and 31: bf16 HF tests, mixed steering after the sticky plan sites, small-batch MoE tiles, profiles
+    (cd .. && timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "bf16_greedy" \
+        >"$out/gpu-tests-g.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-g.txt")
+    step mixed 110 python3 steering_cost.py --modes global_all_layers,mixed_distinct --repeats 3
+    step moe-tune-small 120 python3 moe_tune.py --tokens 1,2,4,8 --budget-s 85 --write
+    cp ../steerable/layers/moe_tables/NVIDIA_H200.json "$out/moe-table.json"
+    step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step gemma2-profile 80 python3 profile_kernels.py --shape gemma2-2b --phase decode --batch 256 --steps 16
+    step moe-profile-b1 70 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 1 --steps 32
+    step mixed-profile 50 python3 profile_kernels.py --phase workload --steering mixed_distinct
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

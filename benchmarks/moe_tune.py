@@ -43,7 +43,9 @@ def candidates(tokens: int, experts: int, top_k: int, smoke: bool) -> tuple[list
         block_ms = [16, 32, 64]
     else:
         block_ms = [64, 128]
-    if per_expert <= 64:  # the weights' bytes set the time: narrow tiles, deep pipelines
+    if per_expert <= 1:  # a few rows per expert: as many programs streaming weights as the SMs hold
+        grid = itertools.product([16, 32, 64], [128, 256, 512], [1], [2, 4], [3, 4, 5])
+    elif per_expert <= 64:  # the weights' bytes set the time: narrow tiles, deep pipelines
         grid = itertools.product([32, 64, 128], [64, 128, 256], [1], [4], [3, 4, 5])
     else:
         grid = itertools.product([64, 128, 256], [64, 128], [1, 8], [4, 8], [3, 4])

@@ -1,7 +1,9 @@
 """Where a workload's GPU time goes, kernel by kernel (torch profiler; CUDA-graph replays included).
 
 Three phases, each profiled after a warm-up of the same shape:
-- ``workload``: the throughput workload (``throughput.py``'s requests), the whole run;
+- ``workload``: the throughput workload (``throughput.py``'s requests), the whole run; with
+  ``--steering MODE`` steered as ``steering_cost.py``'s mode of that name (wall time beside kernel
+  time shows what the host adds);
 - ``decode``: ``--batch`` requests of 16 prompt tokens decoding ``--steps`` tokens each (the
   one prefill step of 16 x batch tokens is included; per-step figures divide by ``--steps``);
 - ``prefill``: one prompt of ``--prefill-tokens`` tokens, one output token (one prefill chunk
@@ -18,6 +20,7 @@ import re
 from collections import defaultdict
 
 import common
+import steering_cost
 import torch
 from common import emit
 
@@ -78,6 +81,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--prefill-tokens", type=int, default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--steering", default="none", choices=steering_cost.MODES,
+                   help="workload phase: steer as steering_cost.py's mode of this name")
+    steering_cost.add_arguments(p)
     args = p.parse_args()
     path = common.setup("profile_kernels", args, {"batch": (256, 2), "steps": (32, 3), "prefill_tokens": (8192, 12)})
     llm = common.make_llm(args, path)
@@ -85,8 +91,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
     if args.phase == "workload":
         w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, vocab)
-        common.warm_up(llm, w, args)
-        run = lambda: llm.generate(w.prompts, common.sampling_params(w, "profiled"), use_tqdm=False)  # noqa: E731
+        global_specs, extras = steering_cost.mode_steering(llm, w, args)
+        if args.steering in global_specs:
+            llm.set_steering_vectors(global_specs[args.steering])
+        extra = extras.get(args.steering)
+        common.warm_up(llm, w, args, extra=extra)
+        before = llm.llm_engine.stats()
+        run = lambda: llm.generate(w.prompts, common.sampling_params(w, "profiled", extra),  # noqa: E731
+                                   use_tqdm=False)
         divide = 1
     elif args.phase == "decode":
         prompts = torch.randint(0, vocab, (args.batch, 16), generator=g).tolist()
@@ -102,6 +114,10 @@ def main() -> None:
         divide = 1
     totals, seconds = profile(run)
     report(args.phase, totals, seconds, divide, args.top)
+    if args.phase == "workload":
+        after = llm.llm_engine.stats()
+        emit({"record": "engine", "steering": args.steering,
+              **{k: after[k] - before[k] for k in ("num_steps", "graph_captures", "graph_replays")}})
     llm.shutdown()
 
 

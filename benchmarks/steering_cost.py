@@ -39,16 +39,11 @@ def mixed_config(i: int, layers: list[int], vector: torch.Tensor, direction: tor
     return SteeringSpec(interventions=items)
 
 
-def main() -> None:
+def mode_steering(llm, w, args) -> tuple[dict, dict]:
+    """(global spec of each mode that sets one, per-request extras of each mode that has them) for
+    the workload ``w``: every vector and direction drawn from ``args.seed``."""
     from steerable import Clamp, SteeringSpec
 
-    p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
-    p.add_argument("--vector-scale", type=float, default=0.05, help="std of the random vectors' entries")
-    args = p.parse_args()
-    path = common.setup("steering_cost", args)
-    llm = common.make_llm(args, path)
-    w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
     cfg = llm.engine.model_config
     layers = llm.list_steerable_layers()["post_mlp"]
     rng = np.random.default_rng(args.seed + 1)
@@ -59,11 +54,31 @@ def main() -> None:
     global_specs = {"global_all_layers": {"post_mlp": {layer: shared for layer in layers}},
                     "global_clamp_all_layers": SteeringSpec(clamps=[Clamp(layer, directions[-1], min=-1.0, max=1.0)
                                                                     for layer in layers])}
-
     extras = {"per_request_distinct": [{"steering_vectors": {"post_mlp": {layer: own[i] for layer in layers}}}
                                        for i in range(len(w))],
               "mixed_distinct": [{"steering_vectors": mixed_config(i, layers, own[i], directions[i])}
                                  for i in range(len(w))]}
+    return global_specs, extras
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--vector-scale", type=float, default=0.05, help="std of the random vectors' entries")
+
+
+def main() -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes ('none' always runs)")
+    add_arguments(p)
+    args = p.parse_args()
+    modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; expected some of {list(MODES)}")
+    path = common.setup("steering_cost", args)
+    llm = common.make_llm(args, path)
+    w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
+    global_specs, extras = mode_steering(llm, w, args)
 
     def in_mode(mode: str, fn):
         """Run ``fn`` with the global spec of ``mode`` set (if any), cleared afterwards whatever happens."""
@@ -74,22 +89,26 @@ def main() -> None:
         finally:
             llm.clear_steering_vectors()
 
-    for mode in MODES:  # steered paths (tables, kernels, graphs) get warmed too
+    for mode in modes:  # steered paths (tables, kernels, graphs) get warmed too
         in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}", extras.get(mode)))
 
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
+    graphs: dict[str, list[dict[str, int]]] = {m: [] for m in modes}  # graph captures/replays in timed runs
     for r in range(args.repeats):
-        for mode in MODES:
+        for mode in modes:
             params = common.sampling_params(w, f"{mode}-{r}", extras.get(mode))
+            before = llm.llm_engine.stats()
             outs, seconds = in_mode(mode, partial(timed, partial(llm.generate, w.prompts, params, use_tqdm=False)))
+            after = llm.llm_engine.stats()
+            graphs[mode].append({k: after[k] - before[k] for k in ("graph_captures", "graph_replays", "num_steps")})
             times[mode].append(seconds)
             tokens[mode] = common.generated_tokens(outs)
     base = common.median(times["none"])
-    for mode in MODES:
+    for mode in modes:
         t = common.median(times[mode])
         record = {"record": "run", "mode": mode, "requests": len(w), "repeats": args.repeats,
-                  "seconds_all": times[mode],
+                  "seconds_all": times[mode], "graphs_all": graphs[mode],
                   **common.throughput(t, sum(w.input_lens), tokens[mode])}
         record.update(cost_pct=(t / base - 1) * 100, throughput_drop_pct=(1 - base / t) * 100)
         emit(record)

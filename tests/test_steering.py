@@ -355,3 +355,25 @@ def test_graph_key_tells_an_added_clamp_from_an_add_at_the_same_site():
     after = tables.live_sites()
     assert before == (frozenset({("post_mlp", 0)}), frozenset())
     assert after == (frozenset({("post_mlp", 0)}), frozenset({("post_mlp", 0)}))
+
+
+def test_plan_sites_outlive_their_rows_until_the_tables_are_idle():
+    """The sites a step applies (and its CUDA-graph key names) keep a site whose last row was freed
+    while other rows live, so a workload's tail does not capture new graphs each time the last
+    request of one config finishes; once no row lives they start again from nothing. What the
+    status reports as active stays exact."""
+    from steerable.steering.rows import RowTables
+    from steerable.steering.spec import SpecParser
+
+    parser, tables = SpecParser(8, 4), RowTables(4, 8)
+    tables.write(1, _interventions(parser, {"post_mlp": {0: [1.0] * 8}}))
+    tables.write(2, _interventions(parser, [Clamp(1, [1.0] + [0.0] * 7, hook="post_attn", max=0.0)]))
+    both = (frozenset({("post_mlp", 0)}), frozenset({("post_attn", 1)}))
+    assert tables.plan_sites() == both
+    tables.clear(2)
+    assert tables.plan_sites() is tables.plan_sites() and tables.plan_sites() == both
+    assert tables.live_sites() == (frozenset({("post_mlp", 0)}), frozenset())
+    tables.clear(1)
+    assert tables.plan_sites() == (frozenset(), frozenset())
+    tables.write(1, _interventions(parser, {"pre_attn": {3: [1.0] * 8}}))
+    assert tables.plan_sites() == (frozenset({("pre_attn", 3)}), frozenset())

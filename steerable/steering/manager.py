@@ -261,7 +261,7 @@ class SteeringManager:
                     index[lo:hi] = self._rows_for(s.request, state, positions[lo:hi], token_ids[lo:hi])
         if not index.any():
             return None
-        return SteeringPlan(index, *self.tables.live_sites(), self.tables.version)
+        return SteeringPlan(index, *self.tables.plan_sites(), self.tables.version)
 
     def take_update(self) -> SteeringUpdate | None:
         """Table changes since the last step, for the worker to apply before the next forward."""

@@ -32,6 +32,10 @@ class RowTables:
         self._clamps: dict[Site, dict[int, list[ClampSlot]]] = {}  # []: every slot cleared
         self._sent_capacity = 0
         self._live: tuple[frozenset[Site], frozenset[Site]] | None = None  # cached until rows change
+        # Sites used since the tables were last idle (see plan_sites), and their cached frozensets.
+        self._used_add: set[Site] = set()
+        self._used_clamp: set[Site] = set()
+        self._plan: tuple[frozenset[Site], frozenset[Site]] | None = None
 
     def live_sites(self) -> tuple[frozenset[Site], frozenset[Site]]:
         """(sites with a live additive row, sites with a live clamp row): the same objects from step
@@ -40,6 +44,17 @@ class RowTables:
             self._live = (frozenset(s for s, rows in self.add_rows.items() if rows),
                           frozenset(s for s, rows in self.clamp_rows.items() if rows))
         return self._live
+
+    def plan_sites(self) -> tuple[frozenset[Site], frozenset[Site]]:
+        """(sites an additive row used, sites a clamp row used) since no row was last live: what a
+        step applies, and what its CUDA-graph key says. A site stays in while any row anywhere lives,
+        after its own rows are freed (its tables then hold only zero rows, which change nothing), so
+        the graph keys do not change each time the last request of one config finishes, which would
+        capture new graphs for every batch size of a workload's tail. The same objects from step to
+        step while the sets do not change: the key hashes once."""
+        if self._plan is None:
+            self._plan = (frozenset(self._used_add), frozenset(self._used_clamp))
+        return self._plan
 
     def grow(self, min_capacity: int) -> None:
         capacity = self.capacity
@@ -67,6 +82,9 @@ class RowTables:
                 self.version += 1  # a new table
             self._adds.setdefault(site, {})[row] = vector.astype(np.float32)
             self.add_rows[site].add(row)
+            if site not in self._used_add:
+                self._used_add.add(site)
+                self._plan = None
         for site, slots in clamps.items():
             if len(slots) > self.clamp_slots.get(site, 0):
                 self.clamp_slots[site] = len(slots)
@@ -76,6 +94,9 @@ class RowTables:
                 self.version += 1  # the site gains write-direction and gate tables
             self._clamps.setdefault(site, {})[row] = slots
             self.clamp_rows.setdefault(site, set()).add(row)
+            if site not in self._used_clamp:
+                self._used_clamp.add(site)
+                self._plan = None
 
     def clear(self, row: int) -> None:
         self._live = None
@@ -87,6 +108,10 @@ class RowTables:
             if row in rows:
                 self._clamps.setdefault(site, {})[row] = []
                 rows.discard(row)
+        if not any(self.add_rows.values()) and not any(self.clamp_rows.values()):
+            self._used_add.clear()
+            self._used_clamp.clear()
+            self._plan = None
 
     def take_update(self) -> SteeringUpdate | None:
         """Everything changed since the last call (None when nothing did)."""
