@@ -6,7 +6,7 @@ set -u
 part=${1:?part}
 out=${OUT:?set OUT}
 cd "$(dirname "$0")"
-# .carry/site: pure-Python wheels the device image lacks (fastapi, uvicorn, pydantic, gguf), when carried.
+# .carry/site: wheels the device image lacks (fastapi, uvicorn, pydantic, gguf, xgrammar), .carry/bin: py-spy.
 export PYTHONPATH=..:../.carry/site PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
@@ -53,16 +53,22 @@ case $part in
     step dense 80 python3 throughput.py --skip-hf --repeats 3
     step serve 110 python3 serve.py
     ;;
-  g)  # issues 26 and 31: bf16 HF tests, mixed steering after the sticky plan sites, small-batch MoE tiles, profiles
-    (cd .. && timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "bf16_greedy" \
-        >"$out/gpu-tests-g.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-g.txt")
+  g)  # the structured and bf16 GPU tests, pattern costs mode by mode, where SAE capture's time goes, mixed steering
+    (cd .. && python3 -c "import xgrammar" 2>&1 | tail -n 2; timeout 120 python3 -m pytest -q -rs -p no:cacheprovider \
+        tests/test_gpu.py -k "structured or bf16_greedy" >"$out/gpu-tests-g.txt" 2>&1; echo "gpu tests rc=$?";
+     tail -n 6 "$out/gpu-tests-g.txt")
+    step patterns-b 100 python3 pattern_cost.py --modes last_prompt_one_layer --repeats 3
+    step patterns-c 130 python3 pattern_cost.py --modes all_layers_generated --repeats 1
+    step sae-profile 90 ../.carry/bin/py-spy record -r 50 -f raw -o "$out/sae-pyspy.txt" -- \
+        python3 profile_kernels.py --phase workload --sae-capture
     step mixed 110 python3 steering_cost.py --modes global_all_layers,mixed_distinct --repeats 3
+    ;;
+  h)  # small-batch MoE tiles, then batch-1 latency with them; the Gemma 2 and MoE batch-1 profiles
     step moe-tune-small 120 python3 moe_tune.py --tokens 1,2,4,8 --budget-s 85 --write
     cp ../steerable/layers/moe_tables/NVIDIA_H200.json "$out/moe-table.json"
     step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     step gemma2-profile 80 python3 profile_kernels.py --shape gemma2-2b --phase decode --batch 256 --steps 16
     step moe-profile-b1 70 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 1 --steps 32
-    step mixed-profile 50 python3 profile_kernels.py --phase workload --steering mixed_distinct
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

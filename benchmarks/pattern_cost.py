@@ -23,7 +23,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
     p.add_argument("--layer", type=int, default=None, help="the layer of mode (b) (default 14; --smoke 1)")
     p.add_argument("--pattern-requests", type=int, default=None, help="requests of mode (c) (default 16; --smoke 2)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes ('none' always runs)")
     args = p.parse_args()
+    modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
+    if set(modes) - set(MODES):
+        p.error(f"unknown modes {sorted(set(modes) - set(MODES))}; expected some of {list(MODES)}")
     path = common.setup("pattern_cost", args, {"layer": (14, 1), "pattern_requests": (16, 2)})
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
@@ -58,9 +62,9 @@ def main() -> None:
                                                    use_tqdm=False))
         return {"seconds": seconds, "tokens": common.generated_tokens(outs), "rows": check(mode, outs)}
 
-    results = common.interleaved(list(MODES), run, args.repeats)
+    results = common.interleaved(modes, run, args.repeats)
     base = common.median([r["seconds"] for r in results["none"]])
-    for mode in MODES:
+    for mode in modes:
         t = common.median([r["seconds"] for r in results[mode]])
         emit({"record": "run", "mode": mode, "requests": len(w), "repeats": args.repeats,
               "seconds_all": [r["seconds"] for r in results[mode]], "pattern_rows": results[mode][-1]["rows"],

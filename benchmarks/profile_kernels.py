@@ -20,6 +20,7 @@ import re
 from collections import defaultdict
 
 import common
+import sae_cost
 import steering_cost
 import torch
 from common import emit
@@ -74,6 +75,16 @@ def report(phase: str, totals: dict[str, float], seconds: float, divide: int, to
               "ms_per_unit": ms / divide, "share": ms / kernel_ms})
 
 
+def sae_capture(llm, requests: int, args) -> list[dict]:
+    """Register sae_cost.py's random SAE (65,536 features at layer 14; --smoke: 256 at layer 1) and
+    return per-request extras capturing the top 32 features of every token."""
+    from steerable import CaptureSpec
+
+    d_sae, layer = (256, 1) if args.smoke else (65536, 14)
+    llm.register_sae("sae", sae_cost.random_sae(llm.engine.model_config.hidden_size, d_sae, layer, args.seed))
+    return [{"capture": CaptureSpec(stream="sae_features", saes=["sae"], top_k=32, select="all")}] * requests
+
+
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--phase", default="decode", choices=["workload", "decode", "prefill"])
@@ -83,6 +94,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--steering", default="none", choices=steering_cost.MODES,
                    help="workload phase: steer as steering_cost.py's mode of this name")
+    p.add_argument("--sae-capture", action="store_true",
+                   help="workload phase: capture sae_cost.py's top-32 features of every token (its random SAE)")
     steering_cost.add_arguments(p)
     args = p.parse_args()
     path = common.setup("profile_kernels", args, {"batch": (256, 2), "steps": (32, 3), "prefill_tokens": (8192, 12)})
@@ -95,6 +108,10 @@ def main() -> None:
         if args.steering in global_specs:
             llm.set_steering_vectors(global_specs[args.steering])
         extra = extras.get(args.steering)
+        if args.sae_capture:
+            if extra is not None:
+                p.error("--sae-capture profiles an unsteered workload: leave --steering at none")
+            extra = sae_capture(llm, len(w), args)
         common.warm_up(llm, w, args, extra=extra)
         before = llm.llm_engine.stats()
         run = lambda: llm.generate(w.prompts, common.sampling_params(w, "profiled", extra),  # noqa: E731
@@ -116,7 +133,7 @@ def main() -> None:
     report(args.phase, totals, seconds, divide, args.top)
     if args.phase == "workload":
         after = llm.llm_engine.stats()
-        emit({"record": "engine", "steering": args.steering,
+        emit({"record": "engine", "steering": args.steering, "sae_capture": args.sae_capture,
               **{k: after[k] - before[k] for k in ("num_steps", "graph_captures", "graph_replays")}})
     llm.shutdown()
 
