@@ -7,7 +7,8 @@ part=${1:?part}
 out=${OUT:?set OUT}
 cd "$(dirname "$0")"
 # .carry/site: wheels the device image lacks (fastapi, uvicorn, pydantic, gguf, xgrammar), .carry/bin: py-spy.
-export PYTHONPATH=..:../.carry/site PYTHONUNBUFFERED=1
+root=$(cd .. && pwd)  # absolute: the test steps run from the repository root
+export PYTHONPATH=$root:$root/.carry/site PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
@@ -69,6 +70,16 @@ case $part in
     step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     step gemma2-profile 80 python3 profile_kernels.py --shape gemma2-2b --phase decode --batch 256 --steps 16
     step moe-profile-b1 70 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 1 --steps 32
+    ;;
+  i)  # the structured GPU test, SAE costs after the capture host fast path, where mixed steering and SAE capture go, MoE tiles
+    (cd .. && timeout 80 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "structured" \
+        >"$out/gpu-tests-i.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-i.txt")
+    step sae 130 python3 sae_cost.py --repeats 3
+    step mixed-profile 75 python3 profile_kernels.py --phase workload --steering mixed_distinct --min-len 100 --max-len 300 --top 40
+    step sae-profile 75 python3 profile_kernels.py --phase workload --sae-capture --min-len 100 --max-len 300 --top 30
+    step moe-tune-small 110 python3 moe_tune.py --tokens 1,2,4,8 --budget-s 75 --write
+    cp ../steerable/layers/moe_tables/NVIDIA_H200.json "$out/moe-table.json"
+    step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -151,7 +151,9 @@ def test_sparse_corpus_shards(capture_dirs, tmp_path):
         stream="sae_features", saes=["res1"], top_k=TOP_K, select="all")), use_tqdm=False)[0]
     n = len(offline.prompt_token_ids)
     assert torch.equal(shard["indices"][:n], offline.captures["sae_features"]["res1"].indices)
-    assert torch.equal(shard["values"][:n], offline.captures["sae_features"]["res1"].values)
+    # A corpus batch and a request alone run the CPU GEMMs with different row counts, whose float32
+    # rounding may differ in the last bits (seen: 7e-7), so values match to 1e-5, indices exactly.
+    torch.testing.assert_close(shard["values"][:n], offline.captures["sae_features"]["res1"].values, atol=1e-5, rtol=0)
     assert shard["example"][:n].tolist() == [0] * n and shard["position"][:n].tolist() == list(range(n))
 
 

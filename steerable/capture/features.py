@@ -175,11 +175,11 @@ class FeatureCapture:
     # ------------------------------------------------------------ a request's rows
 
     @staticmethod
-    def assemble(destination: Destination, parts: list[tuple[torch.Tensor, np.ndarray, np.ndarray]],
+    def assemble(destination: Destination, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
                  request_id: str) -> tuple[SparseFeatures, CaptureMeta]:
         """A finished request's feature rows (position order) and labels, at most ``budget_rows``."""
         if parts:
-            packed = torch.cat([p[0][0] for p in parts])
+            packed = torch.from_numpy(np.concatenate([p[0][0] for p in parts]))
             positions, token_ids = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
             features = SparseFeatures.unpack(packed)
         else:

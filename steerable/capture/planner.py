@@ -104,11 +104,32 @@ class RequestCapture:
     next_position: float = 0
     plan_version: int = -1
     reads_generated_tokens: bool = False
-    # Per destination key, one part per step: rows of every layer [layers, n, width], positions, token ids.
-    rows: dict[tuple, list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    # Valid while ``plan_version`` matches: from position ``decode_from`` on, a decode row goes to each
+    # of ``decode_takers`` (group, destination) and no other destination wants it; planning a
+    # decode step then takes one lookup per destination, no selector work.
+    decode_from: float = float("inf")
+    decode_takers: list[tuple[tuple, "Destination"]] = field(default_factory=list)
+    # Per destination key, one part per step: rows of every layer [layers, n, width] as host numpy
+    # (``host_array``: 16-bit floats as their bits), positions, token ids; and the rows' torch dtype.
+    rows: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    dtypes: dict[tuple, torch.dtype] = field(default_factory=dict)
 
-    def add(self, key: tuple, rows: torch.Tensor, positions: np.ndarray, token_ids: np.ndarray) -> None:
+    def add(self, key: tuple, rows: np.ndarray, dtype: torch.dtype, positions: np.ndarray,
+            token_ids: np.ndarray) -> None:
         self.rows.setdefault(key, []).append((rows, positions, token_ids))
+        self.dtypes[key] = dtype
+
+
+def host_array(block: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor (bfloat16 and float16 as int16 bits, which numpy can index):
+    a request's rows of a step are cut from it with numpy, far cheaper per request than torch ops."""
+    return (block.view(torch.int16) if block.element_size() == 2 and block.is_floating_point() else block).numpy()
+
+
+def as_tensor(rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """``host_array``'s inverse: the rows as a tensor of ``dtype`` (no copy)."""
+    tensor = torch.from_numpy(rows)
+    return tensor.view(dtype) if tensor.dtype != dtype else tensor
 
 
 @dataclass
@@ -118,6 +139,7 @@ class PlannedGroup:
     positions: np.ndarray  # int32 per gathered row
     token_ids: np.ndarray  # int32 per gathered row (PLACEHOLDER until the sampled token is known)
     takers: list[tuple[Destination, Request, np.ndarray]]  # destination, request, its indices into the rows
+    consecutive: bool = False  # every taker's indices are a consecutive range (delivery slices them)
 
 
 @dataclass
@@ -135,7 +157,8 @@ def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, toke
 
     ``destinations_of(request)`` and ``selector_of(request, destination)`` come from the session;
     ``serial`` invalidates each request's cached lower bound on the next position it needs."""
-    picks: dict[tuple, list] = {}  # group key -> [(destination, step rows, request)]
+    picks: dict[tuple, list] = {}  # group key -> [(destination, step rows or one step row, request)]
+    repeats: set[tuple] = set()  # groups where one request has several destinations (their rows may overlap)
     for i, item in enumerate(scheduled):
         request = item.request
         state = request.capture
@@ -146,38 +169,70 @@ def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, toke
         if not destinations:
             continue
         lo, hi = int(query_start[i]), int(query_start[i + 1])
-        chunk_positions = positions[lo:hi]
+        chunk_start = int(positions[lo])
+        state = request.capture
+        if (hi - lo == 1 and state is not None and state.plan_version == serial and chunk_start >= state.decode_from
+                and chunk_start >= request.max_computed_tokens):
+            for group, destination in state.decode_takers:  # the common decode row: no selector work
+                if group in picks and picks[group][-1][2] is request:
+                    repeats.add(group)
+                picks.setdefault(group, []).append((destination, lo, request))
+            state.next_position = end
+            continue
         prompt_len = request.num_prompt_tokens
         next_position = float("inf")
+        seen: set[tuple] = set()
+        decode_from, decode_takers = float(prompt_len), []
         for destination in destinations:
             selector = selector_of(request, destination)
             next_position = min(next_position, selector.next_position(end, prompt_len))
-            if not selector.generation and chunk_positions[0] >= prompt_len:
+            if selector.generation:
+                decode_from = max(decode_from, selector.all_from)
+                decode_takers.append((destination.group, destination))
+            if not selector.generation and chunk_start >= prompt_len:
                 continue
-            rows = selector.rows(chunk_positions, token_ids[lo:hi], prompt_len, request.max_computed_tokens)
-            if len(rows):
-                picks.setdefault(destination.group, []).append((destination, rows + lo, request))
-        request.capture.next_position, request.capture.plan_version = next_position, serial
+            rows = selector.rows(positions[lo:hi], token_ids[lo:hi], prompt_len, request.max_computed_tokens)
+            if not len(rows):
+                continue
+            group = destination.group
+            if group in seen:
+                repeats.add(group)
+            seen.add(group)
+            picks.setdefault(group, []).append((destination, rows + lo, request))
+        state = request.capture
+        state.next_position, state.plan_version = next_position, serial
+        state.decode_from, state.decode_takers = decode_from, decode_takers
     if not picks:
         return None
     groups, planned = [], []
     for (hook, layers, dtype, heads, sae, top_k), entries in picks.items():
-        rows, takers = _merge(entries)
+        overlapping = (hook, layers, dtype, heads, sae, top_k) in repeats
+        rows, takers = _merge(entries, overlapping)
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
         groups.append(CaptureGroup(hook, layers, dtype_name, rows, heads, sae, top_k))
-        planned.append(PlannedGroup(positions[rows].astype(np.int32), token_ids[rows].astype(np.int32), takers))
+        planned.append(PlannedGroup(positions[rows].astype(np.int32), token_ids[rows].astype(np.int32), takers,
+                                    consecutive=not overlapping))
     return CapturePlan(groups), Delivery(planned)
 
 
-def _merge(entries: list[tuple[Destination, np.ndarray, Request]]
+def _merge(entries: list[tuple[Destination, np.ndarray | int, Request]], overlapping: bool
            ) -> tuple[np.ndarray, list[tuple[Destination, Request, np.ndarray]]]:
-    """A group's gathered rows (sorted, unique) and each taker's indices into them. One destination
-    picks disjoint, ascending rows request after request: its rows are their concatenation."""
-    first = entries[0][0]
-    rows = np.concatenate([e[1] for e in entries]) if len(entries) > 1 else entries[0][1]
-    if all(e[0] is first for e in entries):
-        ends = np.cumsum([len(e[1]) for e in entries]).tolist()
-        starts = [0, *ends[:-1]]
-        return rows, [(d, r, np.arange(a, b)) for (d, _, r), a, b in zip(entries, starts, ends)]
-    rows = np.unique(rows)
-    return rows, [(d, r, np.searchsorted(rows, step_rows)) for d, step_rows, r in entries]
+    """A group's gathered rows (sorted, unique) and each taker's indices into them. Requests come in
+    step order and each picks ascending rows of its own chunk, so unless one request has several
+    destinations in the group (``overlapping``), the rows are the picks' concatenation and each
+    taker's indices a consecutive range (one row for a decode step, kept as an int until here)."""
+    if not overlapping:
+        sizes = [1 if isinstance(e[1], int) else len(e[1]) for e in entries]
+        if len(sizes) == sum(sizes):  # decode rows only: the common case, no array per taker
+            rows = np.fromiter((e[1] if isinstance(e[1], int) else e[1][0] for e in entries), np.int64, len(entries))
+        else:
+            rows = np.concatenate([np.array([e[1]]) if isinstance(e[1], int) else e[1] for e in entries])
+        index = np.arange(len(rows))
+        takers, start = [], 0
+        for (d, _, r), n in zip(entries, sizes):
+            takers.append((d, r, index[start:start + n]))
+            start += n
+        return rows, takers
+    picked = [np.array([e[1]]) if isinstance(e[1], int) else e[1] for e in entries]
+    rows = np.unique(np.concatenate(picked))
+    return rows, [(d, r, np.searchsorted(rows, step_rows)) for (d, _, r), step_rows in zip(entries, picked)]

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from steerable.capture.features import SAE_FEATURES, FeatureCapture
-from steerable.capture.planner import Delivery, Destination, RequestCapture, RowSelector, plan_step
+from steerable.capture.planner import (Delivery, Destination, RequestCapture, RowSelector, as_tensor, host_array,
+                                       plan_step)
 from steerable.capture.serialization import CaptureMeta
 from steerable.capture.sink_thread import SinkThread
 from steerable.capture.store import (
@@ -387,6 +388,7 @@ class CaptureSession:
         for group, block in zip(delivery.groups, captured):
             _fill_pending_tokens(group)
             streams: dict[int, tuple[Destination, list[tuple[Request, np.ndarray]]]] = {}
+            rows_np = None
             for destination, request, where in group.takers:
                 if request.finished or request.paused:
                     continue
@@ -394,7 +396,12 @@ class CaptureSession:
                 if not isinstance(destination.sink, RequestCapture):  # a stream's store or sink
                     streams.setdefault(id(destination), (destination, []))[1].append((request, where))
                 else:
-                    destination.sink.add(destination.key, block.index_select(1, torch.from_numpy(where)),
+                    if rows_np is None:
+                        rows_np = host_array(block)
+                    if group.consecutive:  # slices: views of this step's labels, one copy of the rows
+                        a = int(where[0])
+                        where = slice(a, a + len(where))
+                    destination.sink.add(destination.key, rows_np[:, where].copy(), block.dtype,
                                          group.positions[where], group.token_ids[where])
             for destination, takers in streams.values():
                 where = np.concatenate([w for _, w in takers]) if len(takers) > 1 else takers[0][1]
@@ -430,6 +437,7 @@ class CaptureSession:
         for destination in state.destinations:
             component = destination.component
             parts = state.rows.get(destination.key, [])
+            dtype = state.dtypes.get(destination.key)
             if destination.name is not None:  # sae_features, keyed by SAE name
                 features, meta = self.features.assemble(destination, parts, request.request_id)
                 tensors.setdefault(component, {})[destination.name] = features
@@ -439,12 +447,12 @@ class CaptureSession:
             positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
             token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
             if component == ATTENTION_PATTERNS:
-                tensors[component], metas[component] = self._patterns(request, destination, parts, positions,
+                tensors[component], metas[component] = self._patterns(request, destination, parts, dtype, positions,
                                                                       token_ids)
                 continue
             for i, layer in enumerate(destination.layers):
                 if parts:
-                    tensor = torch.cat([p[0][i] for p in parts])
+                    tensor = as_tensor(np.concatenate([p[0][i] for p in parts]), dtype)
                 else:
                     tensor = torch.empty(0, self.widths[component], dtype=destination.dtype or self.dtype)
                 tensor, kept_positions, kept_tokens = reduce_rows(tensor, positions, token_ids, destination.reduce,
@@ -458,8 +466,9 @@ class CaptureSession:
                     consumer.on_capture(request.request_id, component, tensors[component], metas[component])
         return tensors, metas
 
-    def _patterns(self, request: Request, destination: Destination, parts: list, positions: np.ndarray,
-                  token_ids: np.ndarray) -> tuple[dict[int, AttentionPatterns], dict[int, CaptureMeta]]:
+    def _patterns(self, request: Request, destination: Destination, parts: list, dtype: torch.dtype | None,
+                  positions: np.ndarray, token_ids: np.ndarray
+                  ) -> tuple[dict[int, AttentionPatterns], dict[int, CaptureMeta]]:
         """A request's attention patterns per layer, cut from the padded step blocks into rows (at
         most ``budget_rows`` of them), with their labels."""
         keep = len(positions) if destination.budget_rows is None else min(len(positions), destination.budget_rows)
@@ -469,7 +478,7 @@ class CaptureSession:
         for block, _, _ in parts:
             take = min(left, block.shape[1])
             for i in range(len(destination.layers)):
-                blocks_per_layer[i].append(block[i, :take])
+                blocks_per_layer[i].append(as_tensor(block[i, :take], dtype))
             left -= take
         meta = CaptureMeta([request.request_id] * keep, torch.from_numpy(positions[:keep].copy()),
                            torch.from_numpy(token_ids[:keep].copy()))
@@ -482,13 +491,18 @@ def _fill_pending_tokens(group: Any) -> None:
     """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
     delivery that token is known."""
     token_ids, positions = group.token_ids, group.positions
+    pending = token_ids == PLACEHOLDER
+    if not pending.any():
+        return
+    pending, position_of = pending.tolist(), positions.tolist()
     for _, request, where in group.takers:
         if request.finished or request.paused:
             continue
         if len(where) == 1:  # a decode row: scalar work
-            i = where[0]
-            if token_ids[i] == PLACEHOLDER:
-                token_ids[i] = request.all_token_ids[positions[i]]
+            i = int(where[0])
+            if pending[i]:
+                token_ids[i] = request.all_token_ids[position_of[i]]
             continue
-        for i in where[token_ids[where] == PLACEHOLDER].tolist():
-            token_ids[i] = request.all_token_ids[positions[i]]
+        for i in where.tolist():
+            if pending[i]:
+                token_ids[i] = request.all_token_ids[position_of[i]]
