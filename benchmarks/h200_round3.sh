@@ -9,6 +9,9 @@ cd "$(dirname "$0")"
 # .carry/site: wheels the device image lacks (fastapi, uvicorn, pydantic, gguf, xgrammar), .carry/bin: py-spy.
 root=$(cd .. && pwd)  # absolute: the test steps run from the repository root
 export PYTHONPATH=$root:$root/.carry/site PYTHONUNBUFFERED=1
+# The device's copy of the tree has no current git history: name the commit with
+# `git rev-parse --short HEAD > .carry/COMMIT` before the call (common.py reads STEERABLE_COMMIT).
+[ -f "$root/.carry/COMMIT" ] && export STEERABLE_COMMIT=$(cat "$root/.carry/COMMIT")
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
