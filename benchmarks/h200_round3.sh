@@ -84,5 +84,12 @@ case $part in
     cp ../steerable/layers/moe_tables/NVIDIA_H200.json "$out/moe-table.json"
     step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     ;;
+  j)  # session 4, call 1: the structured and bf16 GPU tests, SAE and pattern costs, the dense regression
+    (cd .. && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "structured or bf16" \
+        >"$out/gpu-tests-j.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 6 "$out/gpu-tests-j.txt")
+    step sae 160 python3 sae_cost.py --repeats 3
+    step patterns 160 python3 pattern_cost.py --repeats 3
+    step dense 80 python3 throughput.py --skip-hf --repeats 3
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
