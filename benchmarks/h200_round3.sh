@@ -91,5 +91,14 @@ case $part in
     step patterns 160 python3 pattern_cost.py --repeats 3
     step dense 80 python3 throughput.py --skip-hf --repeats 3
     ;;
+  k)  # session 4, call 2: pattern costs mode by mode; dense before (edbee46, unpacked in .carry/old by
+      # `git archive edbee46 | tar -x -C .carry/old`) and after, one process each; serve
+    step patterns-b 90 python3 pattern_cost.py --modes last_prompt_one_layer --repeats 3
+    step patterns-c 200 python3 pattern_cost.py --modes all_layers_generated --repeats 1
+    PYTHONPATH=$root/.carry/old:$root/.carry/site STEERABLE_COMMIT=edbee46 \
+        step dense-before 60 python3 ../.carry/old/benchmarks/throughput.py --skip-hf --repeats 3
+    step dense 60 python3 throughput.py --skip-hf --repeats 3
+    step serve 120 python3 serve.py
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
