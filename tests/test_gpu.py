@@ -375,3 +375,56 @@ def test_structured_outputs_mask_after_the_graph(model_dirs):
     assert llm.llm_engine.stats()["graph_replays"] > before
     assert [outs[0].token_ids, outs[2].token_ids] == alone
     assert re.fullmatch(regex, outs[1].text) and outs[3].text in choices
+
+
+
+def test_patterns_and_sae_features_on_gpu(capture_dirs):
+    """On CUDA in float32, with graphs on: attention patterns (eager steps), SAE features (decode
+    rows inside the graphs) and hidden states in the same steps, their row indices staged together
+    from pinned memory, equal HF eager on the CPU (patterns, states) and the SAE's reference math."""
+    llm = check_patterns_and_features(capture_dirs["llama"], "cuda")
+    assert llm.llm_engine.stats()["graph_replays"] > 0
+
+
+def check_patterns_and_features(path: str, device: str) -> LLM:
+    """Four requests in one batch, each with another capture kind; every row checked against HF."""
+    from test_capture_patterns import hf_patterns
+    from test_sae_capture import assert_features_match, hf_point, random_sae, reference
+
+    from steerable.capture import ATTENTION_PATTERNS
+
+    hf = hf_model(path)
+    llm = LLM(path, dtype="float32", device=device, kv_cache_tokens=8192, max_num_batched_tokens=32)
+    sae = random_sae(llm.engine.model_config.hidden_size, "jumprelu", 1)
+    llm.register_sae("res1", sae)
+    kinds = [("patterns", [0, 2], None, "all"), ("sae", [1], None, "all"), ("patterns", [1], [3, 0], "last_prompt"),
+             ("states", [0, 1], None, "all_generated")]
+    specs = [CaptureSpec(stream=ATTENTION_PATTERNS, layers=layers, heads=heads, select=select) if kind == "patterns"
+             else CaptureSpec(stream="sae_features", saes=["res1"], top_k=8, select=select) if kind == "sae"
+             else CaptureSpec(layers=layers, select=select) for kind, layers, heads, select in kinds]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=s) for s in specs]
+    outs = llm.generate([PROMPTS[1], PROMPTS[5], PROMPTS[2], PROMPTS[3]], params, use_tqdm=False)
+    for out, (kind, layers, heads, select) in zip(outs, kinds):
+        prompt_len = len(out.prompt_token_ids)
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 6)
+        if kind == "patterns":
+            ref = hf_patterns(hf, ids[:-1], prompt_len)
+            for layer in layers:
+                pat, meta = out.captures[ATTENTION_PATTERNS][layer], out.capture_meta[ATTENTION_PATTERNS][layer]
+                want = list(range(len(ids) - 1)) if select == "all" else [prompt_len - 1]
+                assert meta.positions.tolist() == want and pat.heads == sorted(heads or range(ref[layer].shape[0]))
+                for row, p in zip(pat.rows, want):
+                    assert (row - ref[layer][pat.heads, p, :p + 1]).abs().max() <= 1e-4
+        elif kind == "sae":
+            assert out.capture_meta["sae_features"]["res1"].positions.tolist() == list(range(len(ids) - 1))
+            assert_features_match(out.captures["sae_features"]["res1"],
+                                  reference(sae, hf_point(hf, ids[:-1], 1, "post_mlp"), 8))
+        else:
+            with torch.no_grad():
+                states = hf(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states
+            for layer in layers:
+                got = out.captures["hidden_states"][layer].cpu()
+                assert got.shape[0] == len(ids) - 1 - prompt_len > 0
+                assert (got - states[layer + 1][0, prompt_len:]).abs().max() <= 1e-4
+    return llm

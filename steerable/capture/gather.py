@@ -29,13 +29,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from steerable.capture.pattern_pass import PatternRows, layer_patterns
+from steerable.capture.patterns import padded_width
 from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
 from steerable.hook_points import ATTENTION_PATTERNS
 from steerable.sae.worker_tables import SaeTables
+from steerable.uploads import to_device
 from steerable.step import CapturePlan, Site, StepInput
 
 OUTBOX_SETS = 3
@@ -66,15 +69,27 @@ class CaptureBuffers:
     def step_view(self, plan: CapturePlan, padded_tokens: int, graphed: bool,
                   step: StepInput | None = None) -> "StepCapture":
         """``step``: the step's input, which places attention-pattern rows (never graphed)."""
-        patterns = {g: PatternRows.build(group.rows, step.positions, step.query_start,
-                                         [self.windows[layer] for layer in group.layers], self.device)
-                    for g, group in enumerate(plan.groups) if group.hook == ATTENTION_PATTERNS}
+        parts = [group.rows for group in plan.groups]
+        widths = {}
+        for g, group in enumerate(plan.groups):
+            if group.hook == ATTENTION_PATTERNS:
+                seqs, positions = PatternRows.host_columns(group.rows, step.positions, step.query_start)
+                parts += [seqs, positions]
+                widths[g] = padded_width(positions, [self.windows[layer] for layer in group.layers])
+        packed = to_device(np.concatenate(parts).astype(np.int64, copy=False), self.device)  # one copy
+        offsets = np.cumsum([0] + [len(p) for p in parts])
+        column = iter(range(len(plan.groups), len(parts)))
+        patterns = {}
+        for g, width in widths.items():
+            s, p = next(column), next(column)
+            patterns[g] = PatternRows(packed[offsets[g]:offsets[g + 1]], packed[offsets[s]:offsets[s + 1]],
+                                      packed[offsets[p]:offsets[p + 1]], width)
         while len(self.index) < len(plan.groups):
             self.index.append(torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device))
         views = []
-        for group, buffer in zip(plan.groups, self.index):
-            n = len(group.rows)
-            buffer[:n].copy_(torch.from_numpy(group.rows), non_blocking=True)
+        for g, buffer in enumerate(self.index[:len(plan.groups)]):
+            n = offsets[g + 1] - offsets[g]
+            buffer[:n].copy_(packed[offsets[g]:offsets[g + 1]])
             if graphed:  # the graph gathers padded_tokens rows; the extra ones read row 0 and are dropped
                 buffer[n:padded_tokens].zero_()
             views.append(buffer[:padded_tokens] if graphed else buffer[:n])

@@ -8,14 +8,12 @@ the keys held at once), and a step without pattern rows never runs it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from steerable.capture.patterns import padded_width
 from steerable.layers.attention_backends.torch_ref import dequantize
 
 # Keys gathered at once (rows x width x KV heads x head dim, in float32): 256 MiB.
@@ -34,14 +32,12 @@ class PatternRows:
     positions: torch.Tensor  # int64 [n]
     width: int
 
-    @classmethod
-    def build(cls, rows: np.ndarray, positions: np.ndarray, query_start: np.ndarray,
-              windows: Sequence[int | None], device: torch.device) -> PatternRows:
-        seqs = np.searchsorted(query_start, rows, side="right") - 1
-        row_positions = positions[rows]
-        packed = torch.from_numpy(np.stack([rows, seqs, row_positions]).astype(np.int64)).to(device,
-                                                                                             non_blocking=True)
-        return cls(packed[0], packed[1], packed[2], padded_width(row_positions, windows))
+    @staticmethod
+    def host_columns(rows: np.ndarray, positions: np.ndarray,
+                     query_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The selected rows' sequences in the step and their positions (host side, staged with the
+        step's other row indices)."""
+        return np.searchsorted(query_start, rows, side="right") - 1, positions[rows]
 
 
 def layer_patterns(q: torch.Tensor, attn: torch.nn.Module, block_table: torch.Tensor,

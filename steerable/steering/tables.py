@@ -18,6 +18,7 @@ from steerable.hook_points import SiteWrite
 from steerable.layers import fused
 from steerable.steering.ops import add_rows, clamp_rows
 from steerable.step import Site, SteeringPlan, SteeringUpdate
+from steerable.uploads import to_device
 
 
 class SteeringTables:
@@ -48,8 +49,8 @@ class SteeringTables:
             if table is None:
                 table = self.add[site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype,
                                                      device=self.device)
-            table.index_copy_(0, self._upload(torch.from_numpy(rows)),
-                              self._upload(torch.from_numpy(vectors).to(self.dtype)))
+            table.index_copy_(0, to_device(rows, self.device),
+                              to_device(torch.from_numpy(vectors).to(self.dtype), self.device))
         for site, rows in update.clamps.items():
             if self.owns(site):
                 self._write_clamps(site, rows)
@@ -73,12 +74,12 @@ class SteeringTables:
                 new_write[i, k] = torch.from_numpy(direction if write is None else write)
                 new_bounds[i, k] = torch.tensor([lo, hi, strength])
                 new_gate[i, k] = torch.tensor([bias, threshold])
-        index = self._upload(index)
-        directions.index_copy_(0, index, self._upload(new_dir.to(self.dtype)))
-        bounds.index_copy_(0, index, self._upload(new_bounds))
+        index = to_device(index, self.device)
+        directions.index_copy_(0, index, to_device(new_dir.to(self.dtype), self.device))
+        bounds.index_copy_(0, index, to_device(new_bounds, self.device))
         if site in self.clamp_write:
-            self.clamp_write[site].index_copy_(0, index, self._upload(new_write.to(self.dtype)))
-            self.clamp_gate[site].index_copy_(0, index, self._upload(new_gate))
+            self.clamp_write[site].index_copy_(0, index, to_device(new_write.to(self.dtype), self.device))
+            self.clamp_gate[site].index_copy_(0, index, to_device(new_gate, self.device))
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
@@ -105,12 +106,6 @@ class SteeringTables:
             gate[:, :have] = self.clamp_gate[site]
             self.clamp_write[site], self.clamp_gate[site] = write, gate
         self.clamp_dir[site], self.clamp_bounds[site] = directions, bounds
-
-    def _upload(self, values: torch.Tensor) -> torch.Tensor:
-        """Host -> device without waiting for the step in flight (a blocking copy would)."""
-        if self.device.type != "cuda":
-            return values
-        return values.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------ per step
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from steerable.step import PLACEHOLDER, BlockTableUpdate, StepInput
+from steerable.uploads import to_device
 
 # Rows of the per-token int64 block: token id (0 where pending), position, steering row, owner (the
 # slot whose last sample is the input; NOT_PENDING otherwise), sampling seed, the request slot of
@@ -69,9 +70,9 @@ class InputBuffers:
         self.last_sampled = torch.zeros(max_seqs + 2, dtype=torch.int64, device=device)
 
     def write_blocks(self, update: BlockTableUpdate) -> None:
-        index = torch.from_numpy(np.stack([update.rows, update.cols])).to(self.device, non_blocking=True)
-        values = torch.from_numpy(update.values.astype(np.int32)).to(self.device, non_blocking=True)
-        self.request_blocks[:, index[0], index[1]] = values
+        packed = to_device(np.concatenate([update.rows[None], update.cols[None], update.values]).astype(np.int64),
+                           self.device)  # one copy: rows, cols, then a row of block ids per KV group
+        self.request_blocks[:, packed[0], packed[1]] = packed[2:].int()
 
     def stage(self, step: StepInput, padded: int, seeds: np.ndarray | None = None,
               temperature: np.ndarray | None = None) -> StepViews:

@@ -33,6 +33,7 @@ from steerable.models.registry import model_class
 from steerable.sae.worker_tables import SaeTables
 from steerable.steering.tables import SteeringTables
 from steerable.step import SamplingInput, StepInput, StepOutput
+from steerable.uploads import to_device
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers, StepViews
@@ -260,7 +261,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, sampling: SamplingInput) -> SampleHandle | None:
         """Sample on the rank that has the logits; keep the tokens per request slot for the next
         step's placeholders (on every tensor-parallel rank: each embeds them)."""
-        rows = torch.from_numpy(sampling.rows).to(self.device, non_blocking=True)
+        rows = to_device(sampling.rows, self.device)
         logits = self.model.compute_logits(hidden[rows])
         samples = self.sampler.sample(logits, sampling) if logits is not None else None
         if samples is None and not self.share_samples:
@@ -269,7 +270,7 @@ class ModelRunner:
                                                                          device=self.device)
         if self.share_samples:
             self.parallel.tp.broadcast(tokens)
-        slots = torch.from_numpy(sampling.slots).to(self.device, non_blocking=True)
+        slots = to_device(sampling.slots, self.device)
         self.buffers.last_sampled.index_copy_(0, slots, tokens)
         return samples
 
