@@ -38,8 +38,8 @@ from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
 from steerable.hook_points import ATTENTION_PATTERNS
 from steerable.sae.worker_tables import SaeTables
-from steerable.uploads import to_device
 from steerable.step import CapturePlan, Site, StepInput
+from steerable.uploads import to_device
 
 OUTBOX_SETS = 3
 
@@ -78,12 +78,12 @@ class CaptureBuffers:
                 widths[g] = padded_width(positions, [self.windows[layer] for layer in group.layers])
         packed = to_device(np.concatenate(parts).astype(np.int64, copy=False), self.device)  # one copy
         offsets = np.cumsum([0] + [len(p) for p in parts])
-        column = iter(range(len(plan.groups), len(parts)))
+        part = iter(range(len(plan.groups), len(parts)))  # each pattern group's seqs, then positions
         patterns = {}
         for g, width in widths.items():
-            s, p = next(column), next(column)
-            patterns[g] = PatternRows(packed[offsets[g]:offsets[g + 1]], packed[offsets[s]:offsets[s + 1]],
-                                      packed[offsets[p]:offsets[p + 1]], width)
+            seqs, positions = next(part), next(part)
+            patterns[g] = PatternRows(packed[offsets[g]:offsets[g + 1]], packed[offsets[seqs]:offsets[seqs + 1]],
+                                      packed[offsets[positions]:offsets[positions + 1]], width)
         while len(self.index) < len(plan.groups):
             self.index.append(torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device))
         views = []
