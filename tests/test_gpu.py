@@ -377,7 +377,6 @@ def test_structured_outputs_mask_after_the_graph(model_dirs):
     assert re.fullmatch(regex, outs[1].text) and outs[3].text in choices
 
 
-
 def test_patterns_and_sae_features_on_gpu(capture_dirs):
     """On CUDA in float32, with graphs on: attention patterns (eager steps), SAE features (decode
     rows inside the graphs) and hidden states in the same steps, their row indices staged together
