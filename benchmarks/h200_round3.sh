@@ -109,5 +109,12 @@ case $part in
     step dense 55 python3 throughput.py --skip-hf --repeats 3
     step steering 110 python3 steering_cost.py --modes global_all_layers,mixed_distinct --repeats 3
     ;;
+  m)  # session 5, call 1: where the unmet targets' time goes (Gemma 2 workload, the chat workload with
+      # and without shared-prefix attention, mixed steering beside none, MoE batch-1 decode)
+    step gemma2-profile 170 python3 profile_kernels.py --shape gemma2-2b --phase workload --top 30
+    step chat-profile 150 python3 profile_kernels.py --phase chat --top 25
+    step mixed-profile 120 python3 profile_kernels.py --phase workload --steering none,mixed_distinct --top 30
+    step moe-profile-b1 90 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 1 --steps 32 --top 30
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

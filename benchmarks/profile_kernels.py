@@ -7,7 +7,9 @@ Three phases, each profiled after a warm-up of the same shape:
 - ``decode``: ``--batch`` requests of 16 prompt tokens decoding ``--steps`` tokens each (the
   one prefill step of 16 x batch tokens is included; per-step figures divide by ``--steps``);
 - ``prefill``: one prompt of ``--prefill-tokens`` tokens, one output token (one prefill chunk
-  when it is no longer than ``--max-num-batched-tokens``).
+  when it is no longer than ``--max-num-batched-tokens``);
+- ``chat``: ``shared_prefix.py``'s chat workload (chats sharing one system prompt), once with
+  prefix caching alone (``cache_on``) and once with shared-prefix attention (``shared``).
 Kernels are grouped into categories by name (MoE GEMM, MoE align, attention, dense GEMM, norms,
 ...) and the largest kernels listed, as JSON lines.
 
@@ -21,6 +23,7 @@ from collections import defaultdict
 
 import common
 import sae_cost
+import shared_prefix
 import steering_cost
 import torch
 from common import emit
@@ -30,7 +33,7 @@ from steerable import SamplingParams
 CATEGORIES = [  # first match wins
     ("moe_gemm", r"_moe_gemm_kernel"),
     ("moe_align", r"_moe_(count|place)_kernel|cumsum|searchsorted|scatter|bincount"),
-    ("attention", r"attention|_attn|split_kv|paged"),
+    ("attention", r"attention|_attn|split_kv|paged|_shared_pass|_own_pass"),
     ("norm_steering", r"rms_norm|_norm_kernel|_steer"),
     ("rope_kv_store", r"rope|store_kv"),
     ("gated_act", r"_gated_mul"),
@@ -85,39 +88,82 @@ def sae_capture(llm, requests: int, args) -> list[dict]:
     return [{"capture": CaptureSpec(stream="sae_features", saes=["sae"], top_k=32, select="all")}] * requests
 
 
+def profile_workload(llm, args, mode: str) -> None:
+    """One warm-up and one profiled run of the throughput workload steered as ``mode``."""
+    w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
+    global_specs, extras = steering_cost.mode_steering(llm, w, args)
+    llm.clear_steering_vectors()
+    if mode in global_specs:
+        llm.set_steering_vectors(global_specs[mode])
+    extra = extras.get(mode)
+    if args.sae_capture:
+        extra = sae_capture(llm, len(w), args)
+    common.warm_up(llm, w, args, f"warm-{mode}", extra=extra)
+    before = llm.llm_engine.stats()
+    totals, seconds = profile(lambda: llm.generate(w.prompts, common.sampling_params(w, f"profiled-{mode}", extra),
+                                                   use_tqdm=False))
+    after = llm.llm_engine.stats()
+    report(f"workload_{mode}", totals, seconds, 1, args.top)
+    emit({"record": "engine", "steering": mode, "sae_capture": args.sae_capture,
+          **{k: after[k] - before[k] for k in ("num_steps", "graph_captures", "graph_replays")}})
+
+
+def profile_chat(llm, args) -> None:
+    """The chat workload with prefix caching alone, then with shared-prefix attention: one warm-up and
+    one profiled run each, the step counts beside the kernel times."""
+    engine = llm.llm_engine
+    detector = engine.builder.shared_prefix
+    w = shared_prefix.chat_workload(args, common.prompt_vocab(llm))
+    for mode in ("cache_on", "shared"):
+        engine.builder.shared_prefix = detector if mode == "shared" else None
+        common.warm_up(llm, w, args, f"warm-{mode}")
+        before = engine.stats()
+        totals, seconds = profile(lambda: llm.generate(w.prompts, common.sampling_params(w, mode), use_tqdm=False))
+        after = engine.stats()
+        report(f"chat_{mode}", totals, seconds, 1, args.top)
+        emit({"record": "engine", "mode": mode, **{k: after[k] - before[k] for k in (
+            "num_steps", "shared_prefix_steps", "graph_captures", "graph_replays", "prefix_cache_hit_tokens")}})
+    engine.builder.shared_prefix = detector
+
+
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--phase", default="decode", choices=["workload", "decode", "prefill"])
+    p.add_argument("--phase", default="decode", choices=["workload", "decode", "prefill", "chat"])
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--prefill-tokens", type=int, default=None)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--steering", default="none", choices=steering_cost.MODES,
-                   help="workload phase: steer as steering_cost.py's mode of this name")
+    p.add_argument("--steering", default="none",
+                   help="workload phase: comma-separated steering_cost.py modes, each profiled in turn")
     p.add_argument("--sae-capture", action="store_true",
                    help="workload phase: capture sae_cost.py's top-32 features of every token (its random SAE)")
+    p.add_argument("--system-len", type=int, default=None, help="chat phase: tokens of the shared system prompt")
+    p.add_argument("--user-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     steering_cost.add_arguments(p)
     args = p.parse_args()
-    path = common.setup("profile_kernels", args, {"batch": (256, 2), "steps": (32, 3), "prefill_tokens": (8192, 12)})
+    if set(args.steering.split(",")) - set(steering_cost.MODES):
+        p.error(f"--steering takes modes of {list(steering_cost.MODES)}")
+    if args.sae_capture and args.steering != "none":
+        p.error("--sae-capture profiles an unsteered workload: leave --steering at none")
+    defaults = {"batch": (256, 2), "steps": (32, 3), "prefill_tokens": (8192, 12), "system_len": (1200, 48),
+                "user_len": ((20, 200), (2, 12)), "output_len": ((20, 400), (2, 10))}
+    if args.phase == "chat":
+        defaults["num_requests"] = (512, 12)  # shared_prefix.py's workload
+    path = common.setup("profile_kernels", args, defaults)
     llm = common.make_llm(args, path)
     vocab = common.prompt_vocab(llm)
     g = torch.Generator().manual_seed(args.seed)
+    if args.phase == "chat":
+        profile_chat(llm, args)
+        llm.shutdown()
+        return
     if args.phase == "workload":
-        w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, vocab)
-        global_specs, extras = steering_cost.mode_steering(llm, w, args)
-        if args.steering in global_specs:
-            llm.set_steering_vectors(global_specs[args.steering])
-        extra = extras.get(args.steering)
-        if args.sae_capture:
-            if extra is not None:
-                p.error("--sae-capture profiles an unsteered workload: leave --steering at none")
-            extra = sae_capture(llm, len(w), args)
-        common.warm_up(llm, w, args, extra=extra)
-        before = llm.llm_engine.stats()
-        run = lambda: llm.generate(w.prompts, common.sampling_params(w, "profiled", extra),  # noqa: E731
-                                   use_tqdm=False)
-        divide = 1
-    elif args.phase == "decode":
+        for mode in args.steering.split(","):
+            profile_workload(llm, args, mode)
+        llm.shutdown()
+        return
+    if args.phase == "decode":
         prompts = torch.randint(0, vocab, (args.batch, 16), generator=g).tolist()
         params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=0.6, seed=1)
         llm.generate(prompts, params, use_tqdm=False)
@@ -131,10 +177,6 @@ def main() -> None:
         divide = 1
     totals, seconds = profile(run)
     report(args.phase, totals, seconds, divide, args.top)
-    if args.phase == "workload":
-        after = llm.llm_engine.stats()
-        emit({"record": "engine", "steering": args.steering, "sae_capture": args.sae_capture,
-              **{k: after[k] - before[k] for k in ("num_steps", "graph_captures", "graph_replays")}})
     llm.shutdown()
 
 
