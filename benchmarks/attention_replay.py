@@ -25,12 +25,19 @@ from common import emit, timed
 from steerable.layers.attention import value_cache_view
 from steerable.layers.attention_backends import triton_paged as tp
 
-# Qwen3-0.6B's attention: 28 layers, 16 query and 8 KV heads of 128; the engine's blocks of 16.
-SHAPE = dict(layers=28, q_heads=16, kv_heads=8, head_size=128, block_size=16)
+# --shape's attention (the engine's blocks of 16): Qwen3-0.6B 28 layers, 16 query and 8 KV heads of
+# 128; Gemma 2 2B 26 layers, 8 query and 4 KV heads of 256, scores soft-capped at 50.
+SHAPES = {"qwen3-0.6b": dict(layers=28, q_heads=16, kv_heads=8, head_size=128, block_size=16),
+          "gemma2-2b": dict(layers=26, q_heads=8, kv_heads=4, head_size=256, block_size=16, softcap=50.0)}
 SMOKE_SHAPE = dict(layers=2, q_heads=4, kv_heads=2, head_size=16, block_size=4)
 # name -> CONFIG fields changed from the shipped defaults (the baseline, "shipped").
 CONFIGS = {"shipped": {}, "decode_tile_64": {"decode_tile_n": 64}, "decode_tile_256": {"decode_tile_n": 256},
-           "split_kv_to_512_programs": {"split_kv_max_programs": 512}}
+           "split_kv_to_512_programs": {"split_kv_max_programs": 512},
+           "decode_tile_32": {"decode_tile_n": 32}, "decode_tile_64_w8": {"decode_tile_n": 64, "decode_num_warps": 8},
+           "decode_tile_128_w8": {"decode_tile_n": 128, "decode_num_warps": 8},
+           "decode_tile_64_s3": {"decode_tile_n": 64, "decode_num_stages": 3},
+           "decode_tile_32_s3": {"decode_tile_n": 32, "decode_num_stages": 3},
+           "decode_tile_64_s1": {"decode_tile_n": 64, "decode_num_stages": 1}}
 # The smoke batches are small enough for the split-KV path; the other config takes the unified kernel.
 SMOKE_CONFIGS = {"shipped": {}, "unified_tile_16": {"split_kv_max_programs": 0, "decode_tile_n": 16}}
 BUCKETS = (16, 32, 64, 128)
@@ -50,12 +57,23 @@ def caches(num_blocks: int, shape: dict, dtype: torch.dtype, device: str) -> tup
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--stride", type=int, default=8, help="time every stride-th decode step")
+    p.add_argument("--configs", default=None, help="comma-separated names of CONFIGS to time (default: all)")
+    p.add_argument("--model-dtype-only", action="store_true", help="skip the float8 cache")
     args = p.parse_args()
     common.setup("attention_replay", args, model=False)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("attention_replay times GPU kernels: run it on a CUDA machine (or --smoke on a CPU)")
-    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    if args.shape not in SHAPES:
+        raise SystemExit(f"attention_replay knows the shapes {sorted(SHAPES)}")
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
+    configs = SMOKE_CONFIGS if args.smoke else CONFIGS
+    if args.configs:
+        names = ["shipped", *(n for n in args.configs.split(",") if n != "shipped")]
+        unknown = set(names) - set(configs)
+        if unknown:
+            raise SystemExit(f"unknown configs {sorted(unknown)}; expected some of {sorted(configs)}")
+        configs = {n: configs[n] for n in names}
     device, model_dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if cuda:
         from triton.testing import do_bench
@@ -74,11 +92,11 @@ def main() -> None:
     block_tables = torch.randperm(len(w) * blocks_per_seq, generator=gen).view(len(w), -1).to(torch.int32).to(device)
     shipped = dataclasses.asdict(tp.CONFIG)
     workspace = tp.DecodeWorkspace(len(w), shape["q_heads"], shape["head_size"], device)
-    for dtype in (model_dtype, torch.float8_e4m3fn):
+    for dtype in (model_dtype,) if args.model_dtype_only else (model_dtype, torch.float8_e4m3fn):
         k_cache, v_cache = caches(block_tables.numel(), shape, dtype, device)
         totals: dict[str, float] = {}
         shipped_out: dict[int, torch.Tensor] = {}  # each step's output under the shipped CONFIG
-        for name, changes in (SMOKE_CONFIGS if args.smoke else CONFIGS).items():
+        for name, changes in configs.items():
             for field, value in {**shipped, **changes}.items():
                 setattr(tp.CONFIG, field, value)
             by_bucket: dict[str, float] = {}
@@ -94,7 +112,7 @@ def main() -> None:
 
                 def attend() -> None:
                     tp.paged_attention(q, k_cache, v_cache, out, starts, seq_lens, table, 1,
-                                       shape["head_size"] ** -0.5, workspace=workspace)
+                                       shape["head_size"] ** -0.5, workspace=workspace, softcap=shape.get("softcap"))
 
                 attend()
                 reference = shipped_out.setdefault(step, out.clone())

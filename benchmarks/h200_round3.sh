@@ -116,5 +116,12 @@ case $part in
     step mixed-profile 120 python3 profile_kernels.py --phase workload --steering none,mixed_distinct --top 30
     step moe-profile-b1 90 python3 profile_kernels.py --shape qwen3-30b-a3b --phase decode --batch 1 --steps 32 --top 30
     ;;
+  n)  # session 5, call 2: Gemma 2 decode-attention tiles, where the chat workload's host time goes,
+      # mixed steering beside none
+    step gemma2-attention 150 python3 attention_replay.py --shape gemma2-2b --model-dtype-only
+    step chat-pyspy 150 "$root/.carry/site/bin/py-spy" record -r 200 --idle -f raw -o "$out/chat-pyspy.txt" -- \
+        python3 shared_prefix.py --repeats 1
+    step mixed-profile 200 python3 profile_kernels.py --phase workload --steering none,mixed_distinct --top 30
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
