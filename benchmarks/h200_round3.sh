@@ -119,7 +119,7 @@ case $part in
   n)  # session 5, call 2: Gemma 2 decode-attention tiles, where the chat workload's host time goes,
       # mixed steering beside none
     step gemma2-attention 150 python3 attention_replay.py --shape gemma2-2b --model-dtype-only
-    step chat-pyspy 150 "$root/.carry/site/bin/py-spy" record -r 200 --idle -f raw -o "$out/chat-pyspy.txt" -- \
+    step chat-pyspy 150 "$root/.carry/site/bin/py-spy" record -r 200 --idle --threads -f raw -o "$out/chat-pyspy.txt" -- \
         python3 shared_prefix.py --repeats 1
     step mixed-profile 200 python3 profile_kernels.py --phase workload --steering none,mixed_distinct --top 30
     ;;
