@@ -123,5 +123,12 @@ case $part in
         python3 shared_prefix.py --repeats 1
     step mixed-profile 200 python3 profile_kernels.py --phase workload --steering none,mixed_distinct --top 30
     ;;
+  o)  # session 5, call 3: Gemma 2 decode tiles that fit in shared memory, the chat workload's host profile (gzipped)
+    step gemma2-attention 120 python3 attention_replay.py --shape gemma2-2b --model-dtype-only \
+        --configs decode_tile_64,decode_tile_32,decode_tile_64_w8,decode_tile_128_w8,decode_tile_64_s3,decode_tile_32_s3,decode_tile_64_s1,split_kv_to_512_programs
+    step chat-pyspy 170 "$root/.carry/site/bin/py-spy" record -r 100 --idle --threads -f raw -o /tmp/chat-pyspy.txt -- \
+        python3 shared_prefix.py --repeats 1
+    gzip -c /tmp/chat-pyspy.txt >"$out/chat-pyspy.txt.gz"; ls -la "$out"
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
