@@ -37,7 +37,8 @@ CONFIGS = {"shipped": {}, "decode_tile_64": {"decode_tile_n": 64}, "decode_tile_
            "decode_tile_128_w8": {"decode_tile_n": 128, "decode_num_warps": 8},
            "decode_tile_64_s3": {"decode_tile_n": 64, "decode_num_stages": 3},
            "decode_tile_32_s3": {"decode_tile_n": 32, "decode_num_stages": 3},
-           "decode_tile_64_s1": {"decode_tile_n": 64, "decode_num_stages": 1}}
+           "decode_tile_64_s1": {"decode_tile_n": 64, "decode_num_stages": 1},
+           "wide_tile_128": {"decode_tile_n_wide": 128}, "wide_tile_32": {"decode_tile_n_wide": 32}}
 # The smoke batches are small enough for the split-KV path; the other config takes the unified kernel.
 SMOKE_CONFIGS = {"shipped": {}, "unified_tile_16": {"split_kv_max_programs": 0, "decode_tile_n": 16}}
 BUCKETS = (16, 32, 64, 128)

@@ -383,6 +383,20 @@ def test_tile_configurations(monkeypatch, prefill_block_m, tile_n, block_size):
                   sliding_window=33)
 
 
+def test_wide_heads_take_their_own_decode_tile(monkeypatch):
+    """Heads wider than 128 (Gemma 2's 256) decode with ``decode_tile_n_wide``: with the narrow
+    tile set to a size the kernel cannot build, a 256-wide decode batch still runs and is exact,
+    soft-capped as Gemma 2 caps, and a 128-wide one fails."""
+    monkeypatch.setattr(tp.CONFIG, "split_kv_max_programs", 0)  # the unified kernel's decode tile
+    monkeypatch.setattr(tp.CONFIG, "decode_tile_n", 3)
+    monkeypatch.setattr(tp.CONFIG, "decode_tile_n_wide", 32)
+    wide = make_case([(n - 1, 1) for n in (1, 40, 97)], 4, 2, 256, 16, seed=73)
+    run_and_check(wide)
+    run_and_check(wide, softcap=50.0)
+    with pytest.raises(Exception, match="power of 2"):
+        run_and_check(make_case([(n - 1, 1) for n in (1, 40)], 4, 2, 128, 16, seed=74))
+
+
 # --------------------------------------------------------------------------------------
 # GPU only: CUDA-graph capture of the decode paths
 # --------------------------------------------------------------------------------------

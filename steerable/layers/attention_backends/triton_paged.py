@@ -86,6 +86,11 @@ class TritonAttentionConfig:
     # decode steps replayed on the H200 (benchmarks/attention_replay.py; bf16 4.39 s against 4.55
     # and 5.44, float8 3.53 against 3.71 and 3.87).
     decode_tile_n: int = 128
+    # Heads wider than 128 (Gemma 2's 256): a 128-position K and V tile pair is 128 KB, two stages
+    # do not fit beside each other in shared memory, and one program per SM hides no latency. 64
+    # beat 128 (4.22 s against 4.86 over the Gemma 2 2B workload's decode steps replayed on the
+    # H200) and 32, and 8 warps or 1 or 3 stages did not help (benchmarks/results/2026-12-03-h200-*-round3-o.jsonl).
+    decode_tile_n_wide: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # Split-KV decode.
@@ -592,7 +597,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
 
     if max_query_len <= 1:
         block_q = 1
-        tile_n, num_warps, num_stages = cfg.decode_tile_n, cfg.decode_num_warps, cfg.decode_num_stages
+        tile_n = cfg.decode_tile_n if head_d <= 128 else cfg.decode_tile_n_wide
+        num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
         tile_n, num_warps, num_stages = (cfg.prefill_tile_n, cfg.prefill_num_warps,
