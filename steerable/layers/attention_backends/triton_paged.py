@@ -89,7 +89,8 @@ class TritonAttentionConfig:
     # Heads wider than 128 (Gemma 2's 256): a 128-position K and V tile pair is 128 KB, two stages
     # do not fit beside each other in shared memory, and one program per SM hides no latency. 64
     # beat 128 (4.22 s against 4.86 over the Gemma 2 2B workload's decode steps replayed on the
-    # H200) and 32, and 8 warps or 1 or 3 stages did not help (benchmarks/results/2026-12-03-h200-b5102f1-round3-o.jsonl).
+    # H200) and 32; 8 warps or 1 or 3 stages did not help
+    # (benchmarks/results/2026-12-03-h200-b5102f1-round3-o.jsonl).
     decode_tile_n_wide: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
