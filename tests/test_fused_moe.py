@@ -1,6 +1,7 @@
 """The static-shape MoE dispatch (``layers.fused_moe``) vs the PyTorch expert loop it replaces on the
 GPU: the layout puts every assignment exactly once in a block of its own expert, and the grouped
-GEMMs give the loop's outputs. On CUDA, or under ``TRITON_INTERPRET=1``."""
+GEMMs give the loop's outputs. The one-kernel router (``layers.moe_routing``) vs softmax + topk.
+On CUDA, or under ``TRITON_INTERPRET=1``."""
 
 import os
 
@@ -14,8 +15,10 @@ if not torch.cuda.is_available() and not INTERPRET:
                 allow_module_level=True)
 
 from steerable.hook_points import HookPoints  # noqa: E402
-from steerable.layers import moe_configs  # noqa: E402
+from steerable.layers import fused, moe_configs  # noqa: E402
 from steerable.layers.fused_moe import fused_experts, moe_align, moe_align_reference, num_blocks  # noqa: E402
+from steerable.layers.moe_routing import route_topk, route_topk_reference  # noqa: E402
+from steerable.models import qwen3_moe  # noqa: E402
 from steerable.models.qwen3_moe import MoeConfig, Qwen3MoeSparseBlock  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -134,3 +137,89 @@ def test_table_lookup_takes_the_nearest_token_count(tmp_path, monkeypatch):
         assert moe_configs.tile_configs(200, 8, 96, 80, torch.bfloat16, cuda) == moe_configs.DEFAULT
     finally:
         moe_configs._table.cache_clear()
+
+
+def _assert_routes_equal(logits, top_k, renormalize):
+    experts, weights = route_topk(logits, top_k, renormalize)
+    ref_experts, ref_weights = route_topk_reference(logits, top_k, renormalize)
+    assert experts.dtype == torch.int64 and weights.dtype == torch.float32
+    assert experts.shape == weights.shape == (logits.shape[0], top_k)
+    assert torch.equal(experts.cpu(), ref_experts.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_weights.cpu(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("experts", [60, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_equals_softmax_topk(dtype, experts, top_k, renormalize):
+    """Float32 and bf16 logits, a power-of-two expert count and one that is not, 1 and 300 tokens."""
+    g = torch.Generator().manual_seed(experts * top_k)
+    for tokens in (1, 300):
+        if dtype == torch.float32:
+            logits = torch.randn(tokens, experts, generator=g) * 3
+        else:  # distinct multiples of 1/16, exact in bf16: random bf16 logits tie, and torch breaks ties its own way
+            logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]) / 16 - 4
+        _assert_routes_equal(logits.to(DEVICE, dtype), top_k, renormalize)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_topk_layouts(renormalize):
+    """No tokens (no launch), k up to 16, and logits whose rows or columns are strided."""
+    g = torch.Generator().manual_seed(5)
+    experts, weights = route_topk(torch.empty(0, 60, device=DEVICE), 8, renormalize)
+    assert experts.shape == weights.shape == (0, 8)
+    _assert_routes_equal(torch.randn(9, 60, generator=g).to(DEVICE), 16, renormalize)
+    wide = torch.randn(7, 80, generator=g).to(DEVICE)
+    _assert_routes_equal(wide[:, 3:63], 4, renormalize)  # row stride 80
+    _assert_routes_equal(torch.randn(60, 7, generator=g).to(DEVICE).t(), 4, renormalize)  # column stride 7
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_topk_ties_go_to_the_lowest_expert(renormalize):
+    """Equal probabilities are picked lowest expert first. A tie inside the top k: torch's set, in
+    our order; a tie across the cut (all logits equal): experts 0..k-1 (torch's CPU topk picks
+    another subset of the tied ones), with torch's weights."""
+    logits = torch.randn(2, 128, generator=torch.Generator().manual_seed(9))
+    logits[0, [99, 7, 30]] = 5.0
+    logits[1] = 0.25
+    logits = logits.to(DEVICE)
+    experts, weights = route_topk(logits, 5, renormalize)
+    ref_experts, ref_weights = route_topk_reference(logits, 5, renormalize)
+    experts, weights, ref_experts, ref_weights = experts.cpu(), weights.cpu(), ref_experts.cpu(), ref_weights.cpu()
+    assert experts[0, :3].tolist() == [7, 30, 99]
+    assert sorted(experts[0].tolist()) == sorted(ref_experts[0].tolist())
+    assert experts[1].tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=0)
+
+
+def _unavailable(*args, **kwargs):
+    raise AssertionError("the PyTorch routing ran")
+
+
+def test_route_topk_runs_the_kernel(monkeypatch):
+    """The kernel gives the answer on its own: with softmax and topk unavailable, it still routes."""
+    logits = torch.randn(5, 60, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ref_experts, ref_weights = route_topk_reference(logits, 8, True)
+    monkeypatch.setattr(torch, "softmax", _unavailable)
+    monkeypatch.setattr(torch, "topk", _unavailable)
+    experts, weights = route_topk(logits, 8, True)
+    assert torch.equal(experts.cpu(), ref_experts.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_weights.cpu(), rtol=1e-6, atol=0)
+
+
+def test_fused_block_routes_with_the_kernel(monkeypatch):
+    """On the fused path the sparse block routes with the kernel, never the PyTorch reference, and
+    keeps the reference's contract: int64 ids, weights in the activation dtype."""
+    block = _block(torch.float32, experts=16, top_k=4)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    if not fused.enabled(x):
+        pytest.skip("CPU tensors take the fused path only with STEERABLE_FUSED_ON_CPU=1")
+    ctx = type("Ctx", (), {"capture": None})()
+    with torch.no_grad():
+        ref_experts, ref_weights = route_topk_reference(block.gate(x), 4, True)
+        monkeypatch.setattr(qwen3_moe, "route_topk_reference", _unavailable)
+        experts, weights = block.route(x, ctx)
+    assert experts.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=0)

@@ -27,6 +27,7 @@ from steerable.layers import fused
 from steerable.layers.activation import silu_and_mul
 from steerable.layers.fused_moe import fused_experts
 from steerable.layers.linear import Weight, check_shape, default_weight_loader, even_shard
+from steerable.layers.moe_routing import route_topk, route_topk_reference
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qwen3_config
 
@@ -121,10 +122,8 @@ class Qwen3MoeSparseBlock(nn.Module):
         """Top-k expert ids [T, k] and their weights [T, k] (in the activation dtype, as HF)."""
         router_logits = self.gate(x)  # [T, E]
         self.hooks.observe(ROUTER_LOGITS, self.layer, router_logits, ctx)
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        route = route_topk if fused.enabled(x) else route_topk_reference  # one kernel instead of 5-6
+        experts, weights = route(router_logits, self.top_k, self.norm_topk_prob)
         return experts, weights.to(router_logits.dtype)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
