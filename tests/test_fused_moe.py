@@ -223,3 +223,19 @@ def test_fused_block_routes_with_the_kernel(monkeypatch):
     assert experts.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=0)
+
+
+def test_route_topk_stores_the_activation_dtype():
+    """Weights stored as bf16 equal the float32 weights cast to bf16: on a GPU the kernel rounds as
+    ``.to`` does."""
+    logits = (torch.stack([torch.randperm(128, generator=torch.Generator().manual_seed(s)) for s in range(6)])
+              / 16 - 4).to(DEVICE, torch.bfloat16)
+    experts, weights = route_topk(logits, 8, True, torch.bfloat16)
+    ref_experts, ref_weights = route_topk_reference(logits, 8, True)
+    assert weights.dtype == torch.bfloat16
+    assert torch.equal(experts.cpu(), ref_experts.cpu())
+    expected = ref_weights.to(torch.bfloat16).cpu()
+    if INTERPRET:  # the CPU interpreter truncates float32 -> bfloat16 where a GPU rounds to nearest
+        torch.testing.assert_close(weights.cpu(), expected, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(weights.cpu(), expected)

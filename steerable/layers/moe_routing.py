@@ -58,19 +58,22 @@ if triton is not None:
             top = top / tl.sum(top, 0)  # the padding slots hold 0
         out = t.to(tl.int64) * TOP_K + slots
         tl.store(experts_ptr + out, ids.to(tl.int64), mask=slots < TOP_K)
-        tl.store(weights_ptr + out, top, mask=slots < TOP_K)
+        tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids [T, k] int64, weights [T, k] float32) of router logits [T, E] (any float dtype):
-    the ``top_k`` largest softmax probabilities in descending order (ties to the lowest expert id),
-    divided by their sum with ``renormalize``. One launch, none for T = 0."""
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k] int64, weights [T, k]) of router logits [T, E] (any float dtype): the
+    ``top_k`` largest softmax probabilities in descending order (ties to the lowest expert id),
+    divided by their sum with ``renormalize``, computed in float32 and stored as ``weight_dtype``
+    (rounded as ``.to(weight_dtype)`` rounds: the cast is not a launch of its own). One launch,
+    none for T = 0."""
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in 1..{num_experts}")
     device = router_logits.device
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    weights = torch.empty(num_tokens, top_k, dtype=weight_dtype, device=device)
     if num_tokens == 0:
         return experts, weights
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
