@@ -130,5 +130,13 @@ case $part in
         python3 shared_prefix.py --repeats 1
     gzip -c /tmp/chat-pyspy.txt >"$out/chat-pyspy.txt.gz"; ls -la "$out"
     ;;
+  p)  # session 5, call 4 (the last ~4 minutes of device time): the new kernels' GPU tests, Gemma 2
+      # with the wide-head decode tile, MoE batch-1 with the one-kernel routing
+    (cd .. && timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_triton_attention.py \
+        -k "route or routes or wide or cuda_graph" >"$out/gpu-tests-p.txt" 2>&1; echo "gpu tests rc=$?";
+     tail -n 4 "$out/gpu-tests-p.txt")
+    step gemma2 110 python3 throughput.py --shape gemma2-2b --skip-hf --repeats 1
+    step moe-latency 60 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
