@@ -337,6 +337,20 @@ def test_profile_kernels(cache_dir, phase):
     positive(profile, "wall_s")
 
 
+def test_profile_kernels_workload_modes_and_chat(cache_dir):
+    """Several steering modes profiled in one process, each with its engine counts; the chat phase
+    profiles caching alone, then shared-prefix attention, on the same chats."""
+    r = run("profile_kernels", cache_dir, "--phase", "workload", "--steering", "none,mixed_distinct")
+    assert [p["phase"] for p in r["profile"]] == ["workload_none", "workload_mixed_distinct"]
+    assert [e["steering"] for e in r["engine"]] == ["none", "mixed_distinct"]
+    for engine in r["engine"]:
+        positive(engine, "num_steps")
+    chat = run("profile_kernels", cache_dir, "--phase", "chat", "--max-num-batched-tokens", "64")
+    assert [p["phase"] for p in chat["profile"]] == ["chat_cache_on", "chat_shared"]
+    on, shared = chat["engine"]
+    assert on["num_steps"] == shared["num_steps"] > 0 and on["prefix_cache_hit_tokens"] > 0
+
+
 def test_shared_prefix(cache_dir):
     """Three modes on one engine; a small token budget admits chats over several steps, so the later
     ones hit the system prompt in the prefix cache (CPU: the torch backend has no shared kernel)."""
