@@ -89,8 +89,16 @@ def main() -> None:
         finally:
             llm.clear_steering_vectors()
 
-    for mode in modes:  # steered paths (tables, kernels, graphs) get warmed too
-        in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}", extras.get(mode)))
+    # Steered paths (tables, kernels, graphs) get warmed too, until a pass leaves the steering tables'
+    # layout as it found it: a later mode that adds a site or widens a table makes the graphs of the
+    # modes warmed before it stale, and they would be captured again inside a timed run.
+    tables = llm.llm_engine.steering.tables
+    version, passes = None, 0
+    while version != tables.version:
+        version, passes = tables.version, passes + 1
+        for mode in modes:
+            in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}-{passes}", extras.get(mode)))
+    emit({"record": "warmup", "passes": passes, "steering_table_version": version})
 
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
