@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,6 +15,12 @@ FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def all_ints(values: Sequence[Any]) -> bool:
+    """Whether every item is an int (bools refused), judged once per distinct type: a prompt of
+    thousands of token ids costs one pass in C, not a Python call per token."""
+    return all(issubclass(kind, int) and not issubclass(kind, bool) for kind in set(map(type, values)))
 
 
 def is_number(value: Any) -> bool:

@@ -41,6 +41,11 @@ def test_bad_prompts(llm):
         llm.generate([[5] * 300], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[10**7]], use_tqdm=False)
+    for ids in ([5, True], [5, 6.0], [5, "6"], [5, None]):  # token ids are ints, bools refused
+        with pytest.raises(ValueError, match="lists of integers"):
+            llm.generate([ids], use_tqdm=False)
+        with pytest.raises(ValueError, match="lists of integers"):  # the engine judges them too
+            llm.llm_engine.add_request("bad-ids", ids)
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_waiting"] == 0
 

@@ -19,6 +19,7 @@ from typing import Any
 from steerable import cpu_threads
 from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
+from steerable.checks import all_ints
 from steerable.config import EngineConfig
 from steerable.distributed.executor import create_worker
 from steerable.distributed.placement import pipeline_micro_batches
@@ -443,7 +444,7 @@ class LLMEngine(ResumableRequests):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=not continuation)
         else:
             text, ids = None, list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not all_ints(ids):
                 raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
         if not ids:
             raise InvalidRequestError("prompt: must contain at least one token")

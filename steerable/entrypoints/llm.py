@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from steerable.checks import all_ints
 from steerable.config import EngineConfig
 from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
@@ -218,7 +219,7 @@ def parse_prompt(prompt: Any) -> Prompt:
         return prompt
     if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not all_ints(ids):
             raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
         return ids
     return _bad_prompt(prompt)
