@@ -25,11 +25,22 @@ from common import emit, timed
 from steerable.layers.attention import value_cache_view
 from steerable.layers.attention_backends import triton_paged as tp
 
-# --shape's attention (the engine's blocks of 16): Qwen3-0.6B 28 layers, 16 query and 8 KV heads of
-# 128; Gemma 2 2B 26 layers, 8 query and 4 KV heads of 256, scores soft-capped at 50.
-SHAPES = {"qwen3-0.6b": dict(layers=28, q_heads=16, kv_heads=8, head_size=128, block_size=16),
-          "gemma2-2b": dict(layers=26, q_heads=8, kv_heads=4, head_size=256, block_size=16, softcap=50.0)}
-SMOKE_SHAPE = dict(layers=2, q_heads=4, kv_heads=2, head_size=16, block_size=4)
+BLOCK_SIZE = 16  # the engine's
+
+
+def attention_shape(shape: str) -> dict:
+    """``--shape``'s attention, from the config common.py builds the model with: layers, query and
+    KV heads, head size, the score scale and Gemma 2's soft-cap."""
+    config = common.SHAPES[shape][1]
+    if "head_dim" not in config:
+        raise SystemExit(f"attention_replay needs a shape with head_dim in its config, not {shape}")
+    return dict(layers=config["num_hidden_layers"], q_heads=config["num_attention_heads"],
+                kv_heads=config["num_key_value_heads"], head_size=config["head_dim"], block_size=BLOCK_SIZE,
+                scale=config.get("query_pre_attn_scalar", config["head_dim"]) ** -0.5,
+                softcap=config.get("attn_logit_softcapping"))
+
+
+SMOKE_SHAPE = dict(layers=2, q_heads=4, kv_heads=2, head_size=16, block_size=4, scale=0.25, softcap=None)
 # name -> CONFIG fields changed from the shipped defaults (the baseline, "shipped").
 CONFIGS = {"shipped": {}, "decode_tile_64": {"decode_tile_n": 64}, "decode_tile_256": {"decode_tile_n": 256},
            "split_kv_to_512_programs": {"split_kv_max_programs": 512},
@@ -65,9 +76,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("attention_replay times GPU kernels: run it on a CUDA machine (or --smoke on a CPU)")
-    if args.shape not in SHAPES:
-        raise SystemExit(f"attention_replay knows the shapes {sorted(SHAPES)}")
-    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
+    shape = SMOKE_SHAPE if args.smoke else attention_shape(args.shape)
     configs = SMOKE_CONFIGS if args.smoke else CONFIGS
     if args.configs:
         names = ["shipped", *(n for n in args.configs.split(",") if n != "shipped")]
@@ -113,7 +122,7 @@ def main() -> None:
 
                 def attend() -> None:
                     tp.paged_attention(q, k_cache, v_cache, out, starts, seq_lens, table, 1,
-                                       shape["head_size"] ** -0.5, workspace=workspace, softcap=shape.get("softcap"))
+                                       shape["scale"], workspace=workspace, softcap=shape["softcap"])
 
                 attend()
                 reference = shipped_out.setdefault(step, out.clone())

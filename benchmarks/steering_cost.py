@@ -93,11 +93,14 @@ def main() -> None:
     # layout as it found it: a later mode that adds a site or widens a table makes the graphs of the
     # modes warmed before it stale, and they would be captured again inside a timed run.
     tables = llm.llm_engine.steering.tables
-    version, passes = None, 0
-    while version != tables.version:
-        version, passes = tables.version, passes + 1
+    for passes in range(1, 4):
+        version = tables.version
         for mode in modes:
             in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}-{passes}", extras.get(mode)))
+        if tables.version == version:
+            break
+    else:
+        raise SystemExit("the steering tables' layout still changed in the third warm-up pass")
     emit({"record": "warmup", "passes": passes, "steering_table_version": version})
 
     times: dict[str, list[float]] = {m: [] for m in modes}
