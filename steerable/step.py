@@ -173,7 +173,8 @@ class CapturePlan:
 @dataclass
 class SharedPrefix:
     """Decode rows that hold the same leading KV blocks of one full-attention KV group: attention
-    reads those blocks once for all of them (``attention_backends.shared_prefix``)."""
+    reads those blocks once for all of them (``attention_backends.shared_prefix``). In a step that
+    mixes prefill chunks in, those chunks have length 0 here."""
 
     group: int  # the KV group whose block tables share the prefix
     lengths: np.ndarray  # int64 [B]: shared tokens of each row (whole blocks), 0 outside the group
@@ -196,7 +197,7 @@ class StepInput:
     steering_update: SteeringUpdate | None = None
     steering: SteeringPlan | None = None
     capture: CapturePlan | None = None
-    shared_prefix: SharedPrefix | None = None  # decode steps only
+    shared_prefix: SharedPrefix | None = None  # rows of one query token only (0 for prefill chunks)
     prompt_logprobs: list[PromptLogprobsInput] | None = None
     sae_update: SaeUpdate | None = None
 

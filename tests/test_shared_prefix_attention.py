@@ -126,11 +126,48 @@ def test_float16():
     torch.testing.assert_close(run_shared(case), run_unshared(case, split=True), atol=2e-3, rtol=2e-3)
 
 
-def test_rejects_non_decode_and_small_workspace():
+def test_rejects_small_workspace():
     case = shared_case(2, [(True, 4), (True, 1)])
     with pytest.raises(ValueError, match="DecodeWorkspace"):
         run_shared(case, num_segments=4)
-    with pytest.raises(ValueError, match="decode"):
-        shared_prefix_attention(case["q"][:1], case["k_cache"], case["v_cache"], case["q"][:1].clone(),
-                                case["query_start_loc"], case["seq_lens"], case["block_table"], case["prefix_lens"],
-                                case["scale"], DecodeWorkspace(2, 4, 32, DEVICE))
+
+
+def _with_prefill_chunks(case, chunks: dict[int, int]):
+    """``case`` with the rows in ``chunks`` turned into prefill chunks of that many query tokens (the
+    last ones of the row's keys); their prefix length is 0, as the step builder gives them."""
+    g = torch.Generator().manual_seed(1)
+    B, heads, head_d = case["q"].shape
+    lens = [chunks.get(b, 1) for b in range(B)]
+    q = torch.randn(sum(lens), heads, head_d, generator=g).to(case["q"].dtype)
+    prefix = case["prefix_lens"].clone()
+    prefix[list(chunks)] = 0
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return dict(case, q=q.to(DEVICE), query_start_loc=starts.to(DEVICE), prefix_lens=prefix), max(lens)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_mixed_step_equals_the_unified_kernel(dtype, tol):
+    """A step mixing prefill chunks (a member's blocks among them, one of a single token) with decode
+    rows in and out of the group: the unified kernel attends the chunks (``skip_single``), the
+    shared-prefix op every single-token row, and together they equal the unified kernel alone."""
+    base = shared_case(3, [(True, 5), (False, 20), (True, 30), (True, 2), (False, 7), (True, 9), (True, 4)],
+                       dtype=dtype, pad_rows=2)
+    case, longest = _with_prefill_chunks(base, {1: 12, 2: 17, 6: 1})
+    ws = DecodeWorkspace(base["q"].shape[0], case["q"].shape[1], case["q"].shape[2], DEVICE, 6)
+    args = (case["k_cache"], case["v_cache"])
+    got = torch.full_like(case["q"], 7.0)
+    paged_attention(case["q"], *args, got, case["query_start_loc"], case["seq_lens"], case["block_table"], longest,
+                    case["scale"], workspace=ws, skip_single=True)
+    shared_prefix_attention(case["q"], *args, got, case["query_start_loc"], case["seq_lens"], case["block_table"],
+                            case["prefix_lens"], case["scale"], ws)
+    expected = torch.full_like(case["q"], 7.0)
+    paged_attention(case["q"], *args, expected, case["query_start_loc"], case["seq_lens"], case["block_table"],
+                    longest, case["scale"])
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    # Each op alone leaves the other's rows untouched: the chunks' rows stay 7 without the unified kernel.
+    alone = torch.full_like(case["q"], 7.0)
+    shared_prefix_attention(case["q"], *args, alone, case["query_start_loc"], case["seq_lens"], case["block_table"],
+                            case["prefix_lens"], case["scale"], ws)
+    starts = case["query_start_loc"].tolist()
+    chunk_rows = [t for b in (1, 2) for t in range(starts[b], starts[b + 1])]
+    assert (alone[chunk_rows] == 7.0).all() and not (alone[starts[0]] == 7.0).all()

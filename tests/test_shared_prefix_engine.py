@@ -15,13 +15,15 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
 from conftest import hf_greedy, hf_model  # noqa: E402
 
 from steerable import LLM, SamplingParams, SteeringSpec  # noqa: E402
+from steerable.worker.cuda_graphs import CudaGraphRunner  # noqa: E402
 
 pytestmark = pytest.mark.triton
 PREFIX = list(range(5, 45))  # 40 tokens: two whole blocks of 16 shared, the rest mid-block and private
 
 
-def _engine(path: str, shared: bool) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", kv_cache_tokens=2048, attention_backend="triton", max_num_seqs=3,
+def _engine(path: str, shared: bool, max_num_seqs: int = 3) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", kv_cache_tokens=2048, attention_backend="triton",
+               max_num_seqs=max_num_seqs,
                enable_shared_prefix_attention=shared, shared_prefix_min_tokens=16, shared_prefix_min_requests=2)
 
 
@@ -56,3 +58,65 @@ def test_outputs_equal_unshared_engine_and_hf(model_dirs):
     hf = hf_model(path)
     first = outs[True][1]
     assert first.outputs[0].token_ids == hf_greedy(hf, list(first.prompt_token_ids), 4)
+
+
+class _EagerGraphs(CudaGraphRunner):
+    """The graph runner's padding without CUDA: every "replay" runs the step's program, so the
+    padded shapes a graph would see (padding sequences and tokens, the mixed query hint) run
+    through the real kernels; records each key."""
+
+    def __init__(self, max_num_seqs: int, max_mixed_tokens: int):
+        super().__init__(max_num_seqs, max_mixed_tokens)
+        self.keys = []
+
+    def run(self, ctx, key, program):
+        self.keys.append(key)
+        hidden, tokens = program()
+        return hidden, tokens, ctx.capture.staged() if ctx.capture is not None else []
+
+
+def _recording(llm: LLM) -> list:
+    """Wrap the worker's launch to record (max_query_len, shares a prefix) of every step."""
+    worker = llm.llm_engine.worker
+    launch, seen = worker.launch, []
+
+    def recorded(step):
+        seen.append((step.max_query_len, step.shared_prefix is not None))
+        return launch(step)
+
+    worker.launch = recorded
+    return seen
+
+
+def _run_mixed(llm: LLM) -> list:
+    """Three long decodes and a short one share the cached prefix; when the short one ends, a fifth
+    request's prefill joins the three decode rows in one step."""
+    greedy = dict(temperature=0, ignore_eos=True, logprobs=2)
+    llm.generate([PREFIX + [50]], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+    prompts = [PREFIX + list(range(60, 60 + n)) for n in (1, 3, 5, 2, 11)]
+    params = [SamplingParams(max_tokens=m, **greedy) for m in (6, 6, 6, 2, 3)]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_mixed_steps_share_and_pad(model_dirs):
+    """Steps that mix a new request's prefill with decode rows share the prefix among their decode
+    rows, padded as the graph runner pads them (mixed steps to the mixed ladder and one sequence
+    more, decode steps to the decode ladder), and equal an engine without sharing or padding."""
+    path = model_dirs["qwen3"]
+    llm = _engine(path, True, max_num_seqs=4)
+    graphs = llm.llm_engine.worker.graphs = _EagerGraphs(4, 256)
+    seen = _recording(llm)
+    got = _run_mixed(llm)
+    llm.shutdown()
+    assert any(q > 1 and shared for q, shared in seen), seen
+    plain = _engine(path, False, max_num_seqs=4)
+    expected = _run_mixed(plain)
+    plain.shutdown()
+    for on, off in zip(got, expected):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
+        for a, b in zip(on.outputs[0].logprobs, off.outputs[0].logprobs):
+            for token, entry in b.items():
+                assert abs(a[token].logprob - entry.logprob) <= 1e-5
+    keys = graphs.keys
+    assert any(key[5] for key in keys) and any(not key[5] for key in keys)  # mixed and decode shapes
+    assert any(key[4] and key[5] for key in keys)  # a mixed step that shares, padded

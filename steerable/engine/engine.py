@@ -77,9 +77,11 @@ class LLMEngine(ResumableRequests):
             max_len = config.max_model_len
         self.tokenizer = Tokenizer(load_tokenizer(self.source))
         self.worker = create_worker(config, self.model_config, self.source, self.device, self.dtype, max_len)
-        if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-            self.worker.warmup()  # compile and capture now, not in the first steps
         kv_groups = KVGroups.for_model(self.model_config)
+        shared_prefix = self._shared_prefix(kv_groups)
+        if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+            # compile and capture now, not in the first steps
+            self.worker.warmup(shared_prefix[0] if shared_prefix is not None else None)
         kv_capacity = kv_groups.max_tokens(self.worker.num_blocks, config.block_size, config.max_num_batched_tokens,
                                            max_len)
         if kv_capacity < max_len:
@@ -98,7 +100,7 @@ class LLMEngine(ResumableRequests):
                                    cache_limit=self.capture.cache_limit,
                                    micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
-                                   kv_groups.num_groups, self._shared_prefix(kv_groups))
+                                   kv_groups.num_groups, shared_prefix)
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.structured = StructuredPlane(self.tokenizer.hf, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}  # by engine id

@@ -59,16 +59,29 @@ class StepBuilder:
         slot_mapping = self.block_rows[:, slots[token_req], positions // bs] * bs + positions % bs
         step = StepInput(step_id, token_ids, positions, slot_mapping, query_start, starts + counts, slots,
                          max_query_len, update)
-        if max_query_len == 1 and self.shared_prefix is not None:
-            group, detector = self.shared_prefix
-            lengths = detector.detect(self.block_rows[group], slots, step.seq_lens)
-            if lengths is not None:
-                step.shared_prefix = SharedPrefix(group, lengths)
+        if self.shared_prefix is not None:
+            step.shared_prefix = self._shared_prefix(slots, step.seq_lens, counts)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
         if sampling_rows:
             step.sampling = self._sampling([scheduled[i].request for i in sampling_rows],
                                            query_start[1:][sampling_rows] - 1, slots[sampling_rows])
         return step
+
+    def _shared_prefix(self, slots: np.ndarray, seq_lens: np.ndarray, counts: np.ndarray) -> SharedPrefix | None:
+        """The shared group among the step's rows of one query token (decode rows; in a mixed step
+        the prefill chunks read their prefix in the unified kernel), or None."""
+        group, detector = self.shared_prefix
+        single = counts == 1
+        if single.all():
+            lengths = detector.detect(self.block_rows[group], slots, seq_lens)
+            return None if lengths is None else SharedPrefix(group, lengths)
+        rows = np.flatnonzero(single)
+        found = detector.detect(self.block_rows[group], slots[rows], seq_lens[rows]) if len(rows) else None
+        if found is None:
+            return None
+        lengths = np.zeros(len(slots), dtype=np.int64)
+        lengths[rows] = found
+        return SharedPrefix(group, lengths)
 
     def _slot_rows(self, requests: list[Request]) -> tuple[np.ndarray, BlockTableUpdate | None]:
         """Each request's block-table row, and the block ids the worker does not have yet."""

@@ -1,15 +1,20 @@
-"""CUDA graphs for decode-only steps, with steering, capture and (where it can) sampling inside.
+"""CUDA graphs for decode and mixed steps, with steering, capture and (where it can) sampling inside.
 
 A decode step of n requests is padded to the next size of a ladder and replayed from a graph of
 the step's forward program captured the first time that shape is seen (the worker captures the
-unsteered ladder at start-up). Everything that changes per step lives in persistent buffers the
+unsteered ladder at start-up). A step that mixes prefill chunks with decode rows (a new request
+joining running ones) is padded to the next size of a second ladder of token counts and to one
+sequence more than the engine runs: its attention grid depends only on those two, so one graph
+serves any mix of query lengths. Its launches would otherwise take longer on the host than its
+kernels on the device (about 20 ms against 10 for a 0.6B model at 256 running requests); steps
+beyond the ladder's top run eagerly, where the kernels dominate. Everything that changes per step lives in persistent buffers the
 graph reads: token ids and the owners of pending ones, positions, slot mapping, each sequence's
 request slot (its block-table row is gathered in the graph), sequence lengths, the steering row
 of every token, the capture row indices, sampling seeds and temperatures. What the graph cannot
 read from a buffer is part of its key: the padded size, the steering signature (which op runs at
 which site, and the table layout version: a table that grew has moved in memory), the shape of
 the capture plan (which hook sites gather for which groups), and whether the step samples inside
-(the LM head and the fused sampler). Mixed and prefill steps run the same program eagerly.
+(the LM head and the fused sampler), and for a mixed step that it is one.
 """
 
 from __future__ import annotations
@@ -35,20 +40,33 @@ class _Graph:
     staged: list[torch.Tensor] = field(default_factory=list)  # capture blocks per group, owned by the graph
 
 
+def mixed_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
+    """Token counts of the mixed-step graphs: four per doubling (at most 25 % padding), multiples of
+    16 from ``smallest`` up to ``max_tokens``."""
+    sizes, base = set(), smallest
+    while base <= max_tokens:
+        sizes.update(base + base * i // 4 for i in range(4))
+        base *= 2
+    return sorted(s for s in sizes if s <= max_tokens)
+
+
 class CudaGraphRunner:
-    def __init__(self, max_num_seqs: int):
+    def __init__(self, max_num_seqs: int, max_mixed_tokens: int = 0):
+        """``max_mixed_tokens``: the largest mixed step that replays a graph (0: none does)."""
         self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
                             | {max_num_seqs})
+        self.mixed_sizes = mixed_ladder(max_mixed_tokens)
+        self.mixed_seqs = max_num_seqs + 1
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         self.num_replays = 0
         self.num_captures = 0
 
     def padded_size(self, num_seqs: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        return _next(self.sizes, num_seqs)
+
+    def mixed_padded_size(self, num_tokens: int) -> int | None:
+        return _next(self.mixed_sizes, num_tokens)
 
     def run(self, ctx: ForwardContext, key: tuple, program: Program
             ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
@@ -85,3 +103,8 @@ class CudaGraphRunner:
         self.num_captures += 1
         logger.debug("captured CUDA graph %s (%d total)", key[0], len(self.graphs))
         return output, tokens, staged
+
+
+def _next(ladder: list[int], n: int) -> int | None:
+    """The smallest size of ``ladder`` that holds ``n``, or None."""
+    return next((size for size in ladder if size >= n), None)

@@ -22,9 +22,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # int32 [G, B, max_blocks], per KV group
     max_query_len: int
     workspace: Any = None  # the attention backend's scratch buffers
-    # Decode steps whose rows share leading blocks of KV group ``shared_group``: each row's shared
-    # tokens (int32 [B], 0 outside the group), and the op that reads them (the backend's
-    # ``shared_prefix_attention``); None: the step shares nothing.
+    # Steps whose decode rows share leading blocks of KV group ``shared_group``: each sequence's
+    # shared tokens (int32 [B], 0 outside the group and for prefill chunks), and the op that reads
+    # them (the backend's ``shared_prefix_attention``); None: the step shares nothing.
     prefix_lens: torch.Tensor | None = None
     shared_group: int = 0
     shared_attention: Any = None

@@ -49,22 +49,24 @@ class InputBuffers:
         self.not_pending = max_seqs + 1  # an entry of last_sampled that stays 0
         pin = device.type == "cuda"
         rows = SLOTS + num_kv_groups
+        # A mixed step replaying a graph has max_seqs + 1 sequences: the padding one holds its padding tokens.
+        max_tokens = max(max_tokens, max_seqs + 1)
         self.tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, device=device)
         # query_start, seq_lens, shared-prefix lengths (steerable.step.SharedPrefix)
-        self.seqs = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=device)
+        self.seqs = torch.zeros(3, max_seqs + 2, dtype=torch.int32, device=device)
         self.temperature = torch.zeros(max_tokens, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         # Sets of host staging used in turn: a step fills a set whose last copies (steps_in_flight
         # steps ago at least) have left it, so nothing queued behind a step in flight is overwritten.
         sets = steps_in_flight + 1
         self._tokens_host = [torch.zeros(rows, max_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(sets)]
-        self._seqs_host = [torch.zeros(3, max_seqs + 1, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
+        self._seqs_host = [torch.zeros(3, max_seqs + 2, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
         self._temperature_host = [torch.zeros(max_tokens, dtype=torch.float32, pin_memory=pin) for _ in range(sets)]
         self.parity = 0
         # Each running request owns a row of block ids per KV group (the last row stays zero for
         # padding); the step's block tables are gathered from them on the device.
         self.request_blocks = torch.zeros(num_kv_groups, max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(num_kv_groups, max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(num_kv_groups, max_seqs + 1, max_blocks, dtype=torch.int32, device=device)
         # The token each request slot sampled last (padding sequences sample into slot max_seqs);
         # entry max_seqs + 1 is never written: the owner of every token that is not pending.
         self.last_sampled = torch.zeros(max_seqs + 2, dtype=torch.int64, device=device)
@@ -74,15 +76,19 @@ class InputBuffers:
                            self.device)  # one copy: rows, cols, then a row of block ids per KV group
         self.request_blocks[:, packed[0], packed[1]] = packed[2:].int()
 
-    def stage(self, step: StepInput, padded: int, seeds: np.ndarray | None = None,
+    def stage(self, step: StepInput, padded: int, pad_seqs: int | None = None, seeds: np.ndarray | None = None,
               temperature: np.ndarray | None = None) -> StepViews:
-        """Copy the step's columns up, padded to ``padded`` tokens (a decode step replaying a graph
-        pads with sequences of length 0 that read the all-zero block row and write no KV). Tokens
-        still being sampled (PLACEHOLDER) take their request's last sample in ``gather``. ``seeds``
-        and ``temperature`` (per token) are staged for sampling inside the forward program."""
+        """Copy the step's columns up, padded to ``padded`` tokens and ``pad_seqs`` sequences (a step
+        replaying a graph): padding sequences read the all-zero block row, have length 0 and write
+        no KV; each holds one padding token, the last one all that remain (a mixed step pads more
+        tokens than sequences), so every padding row's attention output is 0. Tokens still being
+        sampled (PLACEHOLDER) take their request's last sample in ``gather``. ``seeds`` and
+        ``temperature`` (per token) are staged for sampling inside the forward program."""
         self.parity = (self.parity + 1) % len(self._tokens_host)
         n, num_seqs = step.num_tokens, step.num_requests
-        pad_seqs = padded if padded != n else num_seqs
+        pad_seqs = num_seqs if pad_seqs is None else pad_seqs
+        if pad_seqs > self.max_seqs + 1 or (padded > n and pad_seqs == num_seqs):
+            raise ValueError(f"cannot pad {num_seqs} sequences of {n} tokens to {pad_seqs} of {padded}")
         host_tensor = self._tokens_host[self.parity]
         host = host_tensor.numpy()
         pending = step.token_ids == PLACEHOLDER
@@ -108,7 +114,8 @@ class InputBuffers:
         seq_tensor = self._seqs_host[self.parity]
         seq_host = seq_tensor.numpy()
         seq_host[0, :num_seqs + 1] = step.query_start
-        seq_host[0, num_seqs + 1:pad_seqs + 1] = np.arange(n + 1, padded + 1)
+        seq_host[0, num_seqs + 1:pad_seqs] = np.minimum(np.arange(n + 1, n + pad_seqs - num_seqs), padded)
+        seq_host[0, pad_seqs] = padded
         seq_host[1, :num_seqs] = step.seq_lens
         seq_host[1, num_seqs:pad_seqs] = 0
         seq_host[2, :pad_seqs] = 0

@@ -39,12 +39,14 @@ from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers, StepViews
 from steerable.worker.prompt_logprobs import prompt_logprobs, to_host
 from steerable.worker.sampler import SampleHandle, Sampler
-from steerable.worker.warmup import warmup_steps
+from steerable.worker.warmup import compile_steps, graph_steps
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU when kv_cache_tokens is not given
 _GRAPH_RESERVE_BYTES = 1 << 30  # kept free for CUDA-graph pools and sampler temporaries
+# Mixed steps up to this many tokens replay graphs: beyond it their kernels outlast their launches.
+_MAX_MIXED_GRAPH_TOKENS = 2048
 
 
 def select_backend(name: str, device: torch.device) -> ModuleType:
@@ -113,7 +115,8 @@ class ModelRunner:
         self.workspace = None
         self.shared_attention = None  # the shared-prefix decode op, where the backend has one
         if self.backend is not torch_ref:
-            self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs, self.attention_layers[0].num_heads,
+            # One row more than the engine runs: a mixed step replaying a graph has a padding sequence.
+            self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs + 1, self.attention_layers[0].num_heads,
                                                           model_config.head_dim, device)
             from steerable.layers.attention_backends import shared_prefix
             if self.workspace.num_segments > shared_prefix.SHARED_SEGMENTS:
@@ -132,7 +135,7 @@ class ModelRunner:
         self.graphs = None
         if (device.type == "cuda" and not config.enforce_eager and self.backend is not torch_ref
                 and getattr(self.model, "supports_cuda_graphs", True)):
-            self.graphs = CudaGraphRunner(config.max_num_seqs)
+            self.graphs = CudaGraphRunner(config.max_num_seqs, min(_MAX_MIXED_GRAPH_TOKENS, max_tokens))
 
     # ------------------------------------------------------------ memory
 
@@ -297,27 +300,41 @@ class ModelRunner:
                 and not step.prompt_logprobs and all(n is None for n in sampling.logprobs))
 
     def _shares_prefix(self, step: StepInput) -> bool:
-        """Whether the step's attention runs the shared-prefix kernels: a decode step with a shared
-        group on a backend that has them."""
-        return step.shared_prefix is not None and step.max_query_len == 1 and self.shared_attention is not None
+        """Whether the step's attention runs the shared-prefix kernels: a step whose decode rows
+        have a shared group, on a backend that has them."""
+        return step.shared_prefix is not None and self.shared_attention is not None
+
+    def _graph_shape(self, step: StepInput) -> tuple[int, int, bool] | None:
+        """(padded tokens, padded sequences, mixed) of the graph the step can replay, or None: a
+        decode step pads its sequences to the decode ladder; a mixed step without capture pads its
+        tokens to the mixed ladder and its sequences to one more than the engine runs."""
+        if self.graphs is None or _captures_patterns(step):
+            return None
+        if step.max_query_len == 1:
+            size = self.graphs.padded_size(step.num_requests)
+            return None if size is None else (size, size, False)
+        size = self.graphs.mixed_padded_size(step.num_tokens)
+        if size is None or step.capture is not None:
+            return None
+        return size, self.graphs.mixed_seqs, True
 
     def _prepare(self, step: StepInput) -> tuple[ForwardContext, StepViews, tuple | None, bool]:
-        """Stage the step's columns in the persistent buffers (padded to a graph size for a decode
-        step that can replay one) and build the forward context; the key is None for an eager step."""
+        """Stage the step's columns in the persistent buffers (padded to a graph's shape for a step
+        that can replay one) and build the forward context; the key is None for an eager step."""
         buf = self.buffers
         if step.block_update is not None:
             buf.write_blocks(step.block_update)
         num_tokens = step.num_tokens
-        padded, graphed = num_tokens, False
-        if self.graphs is not None and step.max_query_len == 1 and not _captures_patterns(step):
-            size = self.graphs.padded_size(step.num_requests)
-            if size is not None:
-                padded, graphed = size, True
+        shape = self._graph_shape(step)
+        padded, pad_seqs, mixed = shape if shape is not None else (num_tokens, step.num_requests, False)
         inside = self._samples_inside(step)
         sampling = step.sampling
-        views = buf.stage(step, padded, sampling.seeds if inside else None, sampling.temperature if inside else None)
+        views = buf.stage(step, padded, pad_seqs, sampling.seeds if inside else None,
+                          sampling.temperature if inside else None)
+        # A mixed graph serves any query lengths: its attention tiles follow the padded size.
+        query_len_hint = padded if mixed else step.max_query_len
         attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
-                                 step.max_query_len, self.workspace)
+                                 query_len_hint, self.workspace)
         shared = self._shares_prefix(step)
         if shared:
             attn.prefix_lens, attn.shared_group = views.prefix_lens, step.shared_prefix.group
@@ -329,25 +346,35 @@ class ModelRunner:
         if step.steering is not None:
             ctx.steering = self.steering.step_view(step.steering, views.steer_index)
         if step.capture is not None:
-            ctx.capture = self.capture.step_view(step.capture, padded, graphed, step)
+            ctx.capture = self.capture.step_view(step.capture, padded, shape is not None, step)
         key = None
-        if graphed:
+        if shape is not None:
             key = (padded, step.steering.signature if step.steering is not None else None,
-                   step.capture.signature if step.capture is not None else None, inside, shared)
+                   step.capture.signature if step.capture is not None else None, inside, shared, mixed)
         return ctx, views, key, inside
 
     # ------------------------------------------------------------ lifecycle
 
-    def warmup(self) -> None:
-        """Run the start-up steps of ``worker.warmup``: every kernel variant compiled and every decode
-        CUDA graph captured now, not in the first requests. Leaves nothing a request can see (K/V
-        only in free blocks); the replay counter restarts at zero."""
-        sizes = self.graphs.sizes if self.graphs is not None else []
-        for step in warmup_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
-                                 self.block_size, sizes):
+    def warmup(self, shared_group: int | None = None) -> None:
+        """Run the start-up steps of ``worker.warmup``: every kernel variant compiled (eagerly) and
+        every decode and mixed CUDA graph captured now, not in the first requests; with
+        ``shared_group`` (the KV group the step builder finds shared prefixes in) the graphs of
+        steps that share one too. Leaves nothing a request can see (K/V only in free blocks); the
+        replay counter restarts at zero."""
+        graphs, self.graphs = self.graphs, None
+        try:
+            for step in compile_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
+                                      self.block_size):
+                self.finish(self.launch(step))
+        finally:
+            self.graphs = graphs
+        if graphs is None:
+            return
+        shared = shared_group if self.shared_attention is not None else None
+        for step in graph_steps(graphs.sizes, graphs.mixed_sizes, self.max_num_seqs, self.max_model_len,
+                                self.block_size, shared):
             self.finish(self.launch(step))
-        if self.graphs is not None:
-            self.graphs.num_replays = 0
+        graphs.num_replays = 0
 
     def stats(self) -> dict[str, int]:
         graphs = self.graphs

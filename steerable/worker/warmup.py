@@ -1,6 +1,7 @@
 """The synthetic steps a worker runs at start-up, so that the first requests run as fast as later
-ones: every Triton kernel variant a workload meets is compiled and the decode CUDA graphs of the
-padded-size ladder (unsteered, without capture) are captured inside ``LLM(...)``, as vLLM does.
+ones: every Triton kernel variant a workload meets is compiled (eagerly) and the CUDA graphs of the
+decode and mixed ladders (unsteered, without capture; and sharing a prefix, where the engine
+looks for shared prefixes) are captured inside ``LLM(...)``, as vLLM does.
 
 Triton compiles one variant per combination of constexprs and of integer arguments that are 1 or a
 multiple of 16 (the number of sequences, the number of MoE assignments); the attention kernel's
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from steerable.step import SamplingInput, StepInput
+from steerable.step import SamplingInput, SharedPrefix, StepInput
 
 PREFILL_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128)
 PREFILL_SEQS = (1, 3, 16)
@@ -37,15 +38,34 @@ def synthetic_step(num_seqs: int, query_len: int, block_size: int, top_p: float 
                      max_query_len=query_len, sampling=sampling)
 
 
-def warmup_steps(max_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-                 decode_sizes: list[int]) -> Iterator[StepInput]:
-    """Prefill shapes first (each fits the step buffers and the model length), then decode steps of
-    every padded batch size, largest first: one that samples inside the graph and one that filters
-    (top-p) outside it, the two graphs a size can need."""
+def compile_steps(max_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> Iterator[StepInput]:
+    """Prefill shapes, each fitting the step buffers and the model length."""
     for query_len in PREFILL_QUERY_LENS:
         for num_seqs in PREFILL_SEQS:
             if num_seqs <= max_num_seqs and num_seqs * query_len <= max_tokens and query_len <= max_model_len:
                 yield synthetic_step(num_seqs, query_len, block_size)
+
+
+def graph_steps(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: int, max_model_len: int,
+                block_size: int, shared_group: int | None) -> Iterator[StepInput]:
+    """A step of every mixed size (sequences of 16 to 128 tokens, where the limits allow), then decode steps of every padded
+    batch size, largest first: one that samples inside the graph and one that filters (top-p)
+    outside it, the two graphs a size can need. With ``shared_group``, each mixed size and each
+    decode size of two rows or more again with a (zero-length) shared prefix, which replays the
+    graph of the shared-prefix kernels."""
+    for size in mixed_sizes:
+        fits = [q for q in (128, 64, 32, 16) if size % q == 0 and q <= max_model_len and size // q <= max_num_seqs]
+        if fits:
+            yield synthetic_step(size // fits[0], fits[0], block_size)
+            if shared_group is not None:
+                yield _sharing(synthetic_step(size // fits[0], fits[0], block_size), shared_group)
     for size in sorted(decode_sizes, reverse=True):
         yield synthetic_step(size, 1, block_size)
         yield synthetic_step(size, 1, block_size, top_p=0.9)
+        if shared_group is not None and size >= 2:
+            yield _sharing(synthetic_step(size, 1, block_size), shared_group)
+
+
+def _sharing(step: StepInput, group: int) -> StepInput:
+    step.shared_prefix = SharedPrefix(group, np.zeros(len(step.seq_lens), dtype=np.int64))
+    return step

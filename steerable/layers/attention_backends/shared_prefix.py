@@ -15,7 +15,9 @@ Both write unnormalised partial outputs with their running max / sum into the sp
 them. ``prefix_lens[b]`` (int32, device) is the shared length of row b in tokens (a multiple of
 the block size, below the row's current position), or 0 for rows outside the group: the step's
 shape alone fixes the launches, so the op is CUDA-graph safe with the lengths in a persistent
-buffer. Full attention only (a sliding window may start inside the prefix), decode only.
+buffer. Full attention only (a sliding window may start inside the prefix). In a step that mixes
+prefill chunks with decode rows, this op attends the rows of one query token and the unified
+kernel the others.
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def _own_pass_kernel(
     kv_head = tl.program_id(1)
     seg = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_start <= 0:
-        return  # not a sequence of this step: the reduce skips it too
+    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
+        return  # padding, or a mixed step's prefill chunk (the unified kernel's): the reduce skips it too
     kv_hi = tl.maximum(tl.load(seq_lens_ptr + seq), 0)
     kv_lo = tl.minimum(tl.load(prefix_lens_ptr + seq), kv_hi)
 
@@ -156,16 +158,16 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
                             seq_lens: Tensor, block_table: Tensor, prefix_lens: Tensor, scale: float,
                             workspace: tp.DecodeWorkspace, k_scale: float = 1.0, v_scale: float = 1.0,
                             softcap: float | None = None) -> None:
-    """Decode attention (one query token per sequence, full attention) equal to
-    ``triton_paged.paged_attention`` with ``max_query_len=1``, reading the prefix that the rows with
-    ``prefix_lens[b] > 0`` share once per block of rows. Same tensors as ``paged_attention`` plus
-    ``prefix_lens`` int32 ``[>= B]`` (and ``softcap`` as there); needs a workspace of ``B`` rows and more than
-    ``SHARED_SEGMENTS`` segments."""
+    """Decode attention (full attention) of every sequence with one query token, equal to
+    ``triton_paged.paged_attention``'s, reading the prefix that the rows with ``prefix_lens[b] > 0``
+    share once per block of rows. Same tensors as ``paged_attention`` plus ``prefix_lens`` int32
+    ``[>= B]`` (and ``softcap`` as there); needs a workspace of ``B`` rows and more than
+    ``SHARED_SEGMENTS`` segments. Sequences of several query tokens (a mixed step's prefill chunks,
+    which ``paged_attention(..., skip_single=True)`` attends) are left unwritten and must have a
+    prefix length of 0."""
     T, num_q_heads, head_d = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     B = seq_lens.shape[0]
-    if T != B:
-        raise ValueError(f"shared-prefix attention is for decode steps: {T} tokens for {B} sequences")
     if out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[3] != head_d:
         raise ValueError("q, out and the caches do not match")
     if prefix_lens.shape[0] < B or block_table.shape[0] < B:

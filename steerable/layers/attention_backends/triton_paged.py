@@ -300,7 +300,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr, FP16_TILES: tl.constexpr,
-    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
+    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
@@ -330,8 +330,11 @@ def _unified_attention_kernel(
     if BLOCK_Q > 1:
         seq_first_block += seq
     q_off0 = (pid_q - seq_first_block) * BLOCK_Q
-    if (q_off0 < 0) | (q_off0 >= q_len):
-        return  # surplus program (grid is sized for the worst case)
+    surplus = (q_off0 < 0) | (q_off0 >= q_len)  # the grid is sized for the worst case
+    if SKIP_SINGLE:
+        surplus = surplus | (q_len == 1)  # a row another op attends
+    if surplus:
+        return
 
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
@@ -468,8 +471,8 @@ def _split_kv_reduce_kernel(
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if q_len <= 0:
-        return
+    if q_len != 1:
+        return  # padding, or (shared-prefix op of a mixed step) a prefill chunk the unified kernel attends
     offs_s = tl.arange(0, SEG_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_mask = offs_s < NUM_SEGMENTS
@@ -503,7 +506,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
                     workspace: "DecodeWorkspace | None" = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0, softcap: float | None = None) -> None:
+                    v_scale: float = 1.0, softcap: float | None = None, skip_single: bool = False) -> None:
     """Causal paged attention over a ragged batch; writes ``out`` in place.
 
     ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]`` (V of either
@@ -514,6 +517,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     (and ``>`` own - ``sliding_window`` when set); ``softcap`` caps the scaled scores as
     ``softcap * tanh(score / softcap)`` before the mask (Gemma 2). Rows not covered by
     ``query_start_loc`` are not written; a row whose sequence sees no key (seq_len 0) gets 0.
+    ``skip_single``: sequences of one query token are not written either (unified kernel only: a
+    mixed step's decode rows go to the shared-prefix op, ``attention_backends.shared_prefix``).
 
     Path: split-KV decode when ``max_query_len <= 1`` and ``workspace`` is given and
     ``B * Hkv <= CONFIG.split_kv_max_programs`` and ``B <= workspace.max_num_seqs`` (then every
@@ -561,7 +566,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     fp16_tiles = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     v_by_block = v_cache.stride(-1) != 1  # position-major V
 
-    use_split = (max_query_len <= 1 and workspace is not None
+    use_split = (max_query_len <= 1 and workspace is not None and not skip_single
                  and B * num_kv_heads <= cfg.split_kv_max_programs
                  and B <= workspace.max_num_seqs)
     if use_split:
@@ -619,6 +624,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
         # At most one query token per sequence and as many tokens as sequences: exactly one each.
         NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B, FP16_TILES=fp16_tiles,
-        V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap,
+        V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap, SKIP_SINGLE=skip_single,
         num_warps=num_warps, num_stages=num_stages,
     )
