@@ -138,5 +138,15 @@ case $part in
     step gemma2 110 python3 throughput.py --shape gemma2-2b --skip-hf --repeats 1
     step moe-latency 60 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     ;;
+  q)  # session 6, call 1: mixed-step graphs and sharing in mixed steps (GPU tests, the chat workload,
+      # the dense workload and start-up time), the LM head's GEMM forms, the wide-head test's fix
+    (cd .. && timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_shared_prefix_attention.py \
+        tests/test_triton_attention.py -k "captured_inside or bit_identical or gemma_graph or moe_decodes or gemma2_graph \
+        or greedy_matches_hf_on_gpu or mixed or wide or softcap" >"$out/gpu-tests-q.txt" 2>&1; echo "gpu tests rc=$?";
+     tail -n 4 "$out/gpu-tests-q.txt")
+    step chat 170 python3 shared_prefix.py --repeats 3
+    step dense 80 python3 throughput.py --skip-hf --repeats 1
+    step lm-head 60 python3 lm_head_sweep.py
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -366,3 +366,12 @@ def test_shared_prefix(cache_dir):
     assert runs["cache_off"]["prefix_cache_hit_tokens"] == 0 < runs["cache_on"]["prefix_cache_hit_tokens"]
     assert runs["cache_on"]["output_tokens"] == runs["shared"]["output_tokens"] == runs["cache_off"]["output_tokens"]
     positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")
+
+
+def test_lm_head_sweep_smoke(cache_dir):
+    r = run("lm_head_sweep", cache_dir, model=False)
+    rows = r["lm_head"]
+    assert [x["rows"] for x in rows] == [1, 5]
+    for x in rows:
+        positive(x["us"], "linear", "transposed", "transposed_copy", "padded_64")
+        assert x["best"] in x["us"] and x["vs_linear"]["linear"] == 1.0

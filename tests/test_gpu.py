@@ -242,18 +242,27 @@ def test_qwen3_moe_decodes_from_cuda_graphs(tmp_path):
 
 
 def test_graphs_are_captured_inside_llm_construction(model_dirs):
-    """LLM(...) compiles and captures every decode graph size (sampling inside the graph, and
-    outside it for top-p); the first generate captures nothing."""
-    llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, max_num_seqs=40)
+    """LLM(...) compiles and captures every decode graph size (sampling inside the graph, outside it
+    for top-p, and sharing a prefix) and every mixed size (sharing a prefix or not); the first
+    generate, whose chats share a system prompt and join running ones, captures nothing."""
+    llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, max_num_seqs=40,
+              shared_prefix_min_tokens=32, shared_prefix_min_requests=2)
     stats = llm.llm_engine.stats()
-    sizes = llm.llm_engine.worker.graphs.sizes
-    assert stats["graph_captures"] == 2 * len(sizes) and stats["graph_replays"] == 0
-    prompts = [[7 + i] * (5 + 3 * i) for i in range(33)]
+    graphs = llm.llm_engine.worker.graphs
+    keys = set(graphs.graphs)
+    assert {(k[0], k[3], k[4]) for k in keys if not k[5]} == {
+        (size, inside, shared) for size in graphs.sizes for inside in (True, False) for shared in (False, True)
+        if size >= 2 or not shared}
+    assert {(k[0], k[4]) for k in keys if k[5]} == {(size, shared) for size in graphs.mixed_sizes
+                                                    for shared in (False, True) if size <= 40 * 128}
+    assert stats["graph_captures"] == len(keys) and stats["graph_replays"] == 0
+    system = [11] * 96
+    prompts = [system + [7 + i] * (5 + 3 * i) for i in range(33)]
     for top_p in (1.0, 0.8):
-        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, top_p=top_p, ignore_eos=True),
-                     use_tqdm=False)
+        params = [SamplingParams(max_tokens=4 + i % 9, temperature=0.7, top_p=top_p, ignore_eos=True) for i in range(33)]
+        llm.generate(prompts, params, use_tqdm=False)
     after = llm.llm_engine.stats()
-    assert after["graph_captures"] == 2 * len(sizes) and after["graph_replays"] > 0
+    assert after["graph_captures"] == len(keys) and after["graph_replays"] > 0 and after["shared_prefix_steps"] > 0
     eager = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, enforce_eager=True)
     assert eager.llm_engine.stats()["graph_captures"] == 0
 

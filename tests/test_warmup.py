@@ -36,7 +36,8 @@ def test_graph_steps_cover_both_ladders():
     _check_synthetic(steps)
     shared = list(graph_steps([1, 2, 8], [64], max_num_seqs=8, max_model_len=64, block_size=16, shared_group=1))
     sharing = [s for s in shared if s.shared_prefix is not None]
-    assert [(s.num_tokens, s.max_query_len) for s in sharing] == [(64, 64), (8, 1), (2, 1)]
+    assert [(s.num_tokens, s.max_query_len) for s in sharing] == [(64, 64), (8, 1), (8, 1), (2, 1), (2, 1)]
+    assert [bool(s.sampling.filtered) for s in sharing[1:]] == [False, True] * 2
     assert all(s.shared_prefix.group == 1 and not s.shared_prefix.lengths.any() for s in sharing)
 
 

@@ -51,8 +51,8 @@ def graph_steps(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: i
     """A step of every mixed size (sequences of 16 to 128 tokens, where the limits allow), then decode steps of every padded
     batch size, largest first: one that samples inside the graph and one that filters (top-p)
     outside it, the two graphs a size can need. With ``shared_group``, each mixed size and each
-    decode size of two rows or more again with a (zero-length) shared prefix, which replays the
-    graph of the shared-prefix kernels."""
+    decode size of two rows or more again (both ways) with a (zero-length) shared prefix: the
+    graphs of the shared-prefix kernels."""
     for size in mixed_sizes:
         fits = [q for q in (128, 64, 32, 16) if size % q == 0 and q <= max_model_len and size // q <= max_num_seqs]
         if fits:
@@ -64,6 +64,7 @@ def graph_steps(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: i
         yield synthetic_step(size, 1, block_size, top_p=0.9)
         if shared_group is not None and size >= 2:
             yield _sharing(synthetic_step(size, 1, block_size), shared_group)
+            yield _sharing(synthetic_step(size, 1, block_size, top_p=0.9), shared_group)
 
 
 def _sharing(step: StepInput, group: int) -> StepInput:
