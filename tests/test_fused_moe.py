@@ -178,6 +178,43 @@ def test_float32_one_token_keeps_the_grouped_gemm(monkeypatch):
     assert _rel_err(alone, ref) <= 1e-6
 
 
+class _Capture:
+    def __init__(self):
+        self.rows = {}
+
+    def record(self, site, value):
+        self.rows[site] = value.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sparse_block_one_token_uses_the_gemv_kernels(dtype, monkeypatch):
+    """``Qwen3MoeSparseBlock.forward`` at one token, as rank 1 of 2 under tensor parallelism
+    (experts 4-7 local; the others' assignments add exact zeros): the router's logits come from the
+    GEMV kernel (still observed by the hook), the experts from the one-token kernels, and the
+    output is the expert loop's."""
+    block = _block(dtype, experts=8, top_k=4, hidden=72, inter=44)
+    block.first_expert = 4
+    block.experts_gate_up = torch.nn.Parameter(block.experts_gate_up[4:].clone())
+    block.experts_down = torch.nn.Parameter(block.experts_down[4:].clone())
+    x = torch.randn(1, 1, 72, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    if not fused.enabled(x):
+        pytest.skip("CPU tensors take the fused path only with STEERABLE_FUSED_ON_CPU=1")
+    ctx = type("Ctx", (), {"capture": _Capture()})()
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x[0], block.gate.weight)
+        chosen, weights = block.route(x[0], ctx)
+        ref = _token_sums(block, x[0], chosen, weights)
+        monkeypatch.setattr(fused_moe_module, "fused_experts", _grouped_unavailable)
+        monkeypatch.setattr(torch.nn.functional, "linear", _grouped_unavailable)
+        out = block(x, ctx)
+    owners = (chosen >= 4).flatten().tolist()
+    assert any(owners) and not all(owners)  # some assignments local, some another rank's
+    assert out.shape == x.shape
+    tol = BF16_TOL if dtype == torch.bfloat16 else 1e-2
+    assert _rel_err(ctx.capture.rows[("router_logits", 0)], logits) <= tol
+    assert _rel_err(out.reshape(1, -1), ref) <= tol
+
+
 def _table_configs() -> list[tuple[str, int, tuple]]:
     """Every configuration the shipped tables hold (each device, shape and token count)."""
     import json
