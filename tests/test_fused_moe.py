@@ -1,7 +1,7 @@
 """The static-shape MoE dispatch (``layers.fused_moe``) vs the PyTorch expert loop it replaces on the
 GPU: the layout puts every assignment exactly once in a block of its own expert, and the grouped
-GEMMs give the loop's outputs. The one-kernel router (``layers.moe_routing``) vs softmax + topk.
-On CUDA, or under ``TRITON_INTERPRET=1``."""
+GEMMs give the loop's outputs; so do the one-token GEMV kernels. The one-kernel router
+(``layers.moe_routing``) vs softmax + topk. On CUDA, or under ``TRITON_INTERPRET=1``."""
 
 import os
 
@@ -16,7 +16,9 @@ if not torch.cuda.is_available() and not INTERPRET:
 
 from steerable.hook_points import HookPoints  # noqa: E402
 from steerable.layers import fused, moe_configs  # noqa: E402
-from steerable.layers.fused_moe import fused_experts, moe_align, moe_align_reference, num_blocks  # noqa: E402
+from steerable.layers import fused_moe as fused_moe_module  # noqa: E402
+from steerable.layers.fused_moe import GemvTile, fused_experts, fused_moe, moe_align  # noqa: E402
+from steerable.layers.fused_moe import moe_align_reference, num_blocks  # noqa: E402
 from steerable.layers.moe_routing import route_topk, route_topk_reference  # noqa: E402
 from steerable.models import qwen3_moe  # noqa: E402
 from steerable.models.qwen3_moe import MoeConfig, Qwen3MoeSparseBlock  # noqa: E402
@@ -89,6 +91,128 @@ def test_grouped_gemm_equals_expert_loop(dtype, tokens, experts, top_k):
     with torch.no_grad():
         alone = fused_experts(x[:1], chosen[:1], weights[:1], block.experts_gate_up, block.experts_down)
     assert torch.equal(alone, fast[:top_k])
+
+
+# Tiles narrower than the test shape (hidden 72, intermediate 44), so every loop of the one-token
+# kernels runs several steps and ends on a partial tile, in the rows and in the reduction (the
+# default tiles run in the other tests).
+SMALL_TILES = (GemvTile(block_n=8, block_k=32), GemvTile(block_n=16, block_k=16))
+
+
+def _one_token(dtype, experts, top_k, seed):
+    """A block, one token, and its routing with a distinct expert per slot, except that for k > 1
+    the last slot is another rank's under tensor parallelism: expert 0 with weight exactly 0."""
+    block = _block(dtype, experts, top_k, hidden=72, inter=44)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 72, generator=g).to(DEVICE, dtype)
+    chosen = torch.randperm(experts, generator=g)[:top_k][None]
+    weights = torch.rand(1, top_k, generator=g)
+    if top_k > 1:
+        chosen[0, -1], weights[0, -1] = 0, 0.0
+    return block, x, chosen.to(DEVICE), weights.to(DEVICE, dtype)
+
+
+def _token_sums(block, x, chosen, weights):
+    """The reference: the expert loop's k outputs, summed per token as the PyTorch path sums them."""
+    return block._experts_loop(x, chosen, weights).view(x.shape[0], chosen.shape[1], -1).sum(dim=1)
+
+
+def _rel_err(got, ref):
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# The interpreter truncates float32 -> bfloat16 where a GPU rounds to nearest: each of the seven
+# roundings on the way (gate, up, activation, hidden, expert output, weighted output, sum) loses up
+# to 2^-7 towards zero, 1-2.5% in all against the PyTorch loop; float16 it rounds as a GPU does.
+BF16_TOL = 5e-2 if INTERPRET else 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("experts, top_k", [(8, 1), (8, 2), (8, 3), (16, 8)])
+def test_one_token_kernels_equal_expert_loop(dtype, experts, top_k):
+    """One token in 16 bits: two GEMV kernels give the expert loop's token sum, zero weights
+    included (k = 3 also pads the down kernel's tile of assignments to 4). Float16, which the
+    interpreter rounds as a GPU does, shows that they round where the loop rounds: the sums agree
+    to the bit but for float32 summation order."""
+    block, x, chosen, weights = _one_token(dtype, experts, top_k, seed=experts + top_k)
+    with torch.no_grad():
+        fast = fused_moe(x, chosen, weights, block.experts_gate_up, block.experts_down, tiles=SMALL_TILES)
+        ref = _token_sums(block, x, chosen, weights)
+    assert fast.shape == (1, 72) and fast.dtype == dtype
+    if dtype == torch.float16:
+        torch.testing.assert_close(fast, ref, rtol=2 ** -10, atol=2 ** -14)
+    else:
+        assert _rel_err(fast, ref) <= BF16_TOL
+
+
+def _grouped_unavailable(*args, **kwargs):
+    raise AssertionError("the grouped GEMM path ran")
+
+
+def test_one_token_takes_the_gemv_kernels(monkeypatch):
+    """One 16-bit token never reaches the layout or the grouped GEMMs; more tokens do, and give
+    each token the sum the one-token kernels give it alone."""
+    block, x, chosen, weights = _one_token(torch.float16, 8, 2, seed=1)
+    args = (block.experts_gate_up, block.experts_down)
+    with torch.no_grad():
+        batch = fused_moe(x.repeat(3, 1), chosen.repeat(3, 1), weights.repeat(3, 1), *args)
+        monkeypatch.setattr(fused_moe_module, "moe_align", _grouped_unavailable)
+        monkeypatch.setattr(fused_moe_module, "fused_experts", _grouped_unavailable)
+        alone = fused_moe(x, chosen, weights, *args)
+    torch.testing.assert_close(alone, _token_sums(block, x, chosen, weights), rtol=2 ** -10, atol=2 ** -14)
+    torch.testing.assert_close(batch, alone.expand(3, -1), rtol=2 ** -10, atol=2 ** -14)
+
+
+def test_float32_one_token_keeps_the_grouped_gemm(monkeypatch):
+    """Float32 results must not depend on the batch: one token takes the grouped GEMM too, and
+    gets exactly what it gets inside a batch."""
+    block, x, chosen, weights = _one_token(torch.float32, 8, 2, seed=2)
+    others = torch.randn(4, 72, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    args = (block.experts_gate_up, block.experts_down)
+    monkeypatch.setattr(fused_moe_module, "moe_gemv", _grouped_unavailable)
+    with torch.no_grad():
+        alone = fused_moe(x, chosen, weights, *args)
+        batch = fused_moe(torch.cat([x, others]), chosen.repeat(5, 1), weights.repeat(5, 1), *args)
+        ref = _token_sums(block, x, chosen, weights)
+    assert torch.equal(alone, batch[:1])
+    assert _rel_err(alone, ref) <= 1e-6
+
+
+class _Capture:
+    def __init__(self):
+        self.rows = {}
+
+    def record(self, site, value):
+        self.rows[site] = value.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sparse_block_one_token_uses_the_gemv_kernels(dtype, monkeypatch):
+    """``Qwen3MoeSparseBlock.forward`` at one token, as rank 1 of 2 under tensor parallelism
+    (experts 4-7 local; the others' assignments add exact zeros): the router's logits come from the
+    GEMV kernel (still observed by the hook), the experts from the one-token kernels, and the
+    output is the expert loop's."""
+    block = _block(dtype, experts=8, top_k=4, hidden=72, inter=44)
+    block.first_expert = 4
+    block.experts_gate_up = torch.nn.Parameter(block.experts_gate_up[4:].clone())
+    block.experts_down = torch.nn.Parameter(block.experts_down[4:].clone())
+    x = torch.randn(1, 1, 72, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    if not fused.enabled(x):
+        pytest.skip("CPU tensors take the fused path only with STEERABLE_FUSED_ON_CPU=1")
+    ctx = type("Ctx", (), {"capture": _Capture()})()
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x[0], block.gate.weight)
+        chosen, weights = block.route(x[0], ctx)
+        ref = _token_sums(block, x[0], chosen, weights)
+        monkeypatch.setattr(fused_moe_module, "fused_experts", _grouped_unavailable)
+        monkeypatch.setattr(torch.nn.functional, "linear", _grouped_unavailable)
+        out = block(x, ctx)
+    owners = (chosen >= 4).flatten().tolist()
+    assert any(owners) and not all(owners)  # some assignments local, some another rank's
+    assert out.shape == x.shape
+    tol = BF16_TOL if dtype == torch.bfloat16 else 1e-2
+    assert _rel_err(ctx.capture.rows[("router_logits", 0)], logits) <= tol
+    assert _rel_err(out.reshape(1, -1), ref) <= tol
 
 
 def _table_configs() -> list[tuple[str, int, tuple]]:

@@ -125,6 +125,21 @@ def test_moe_align_kernels():
                        BLOCK_M=16, CHUNK=1024, BLOCKS_CHUNK=64)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_moe_gemv_kernels(pdl):
+    """The one-token MoE kernels at the Qwen3-30B-A3B shape's tiles, with programmatic dependent
+    launch (the wait before the expert ids are read) or without."""
+    gate_up = dict(x_ptr=BF16, w_ptr=BF16, experts_ptr=I64, h_ptr=BF16, I=1, H=1, stride_we=1, stride_wn=1,
+                   PDL=pdl, BLOCK_N=fused_moe.GEMV_GATE_UP.block_n, BLOCK_K=fused_moe.GEMV_GATE_UP.block_k)
+    down = dict(h_ptr=BF16, w_ptr=BF16, experts_ptr=I64, weights_ptr=BF16, y_ptr=BF16, H=1, I=1, stride_we=1,
+                stride_wn=1, TOP_K=6, K_PAD=8, PDL=pdl, BLOCK_N=fused_moe.GEMV_DOWN.block_n,
+                BLOCK_K=fused_moe.GEMV_DOWN.block_k)
+    for kernel, args in ((fused_moe._moe_gemv_gate_up_kernel, gate_up), (fused_moe._moe_gemv_down_kernel, down)):
+        ptx = compile_for_hopper(kernel, **args)
+        assert "ld.global" in ptx and "mma" not in ptx
+        assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+
+
 @pytest.mark.parametrize("gelu_tanh", [False, True])
 def test_gated_mul_kernel(gelu_tanh):
     """SwiGLU (Llama, Qwen) and GeGLU with the tanh GELU (Gemma 3)."""

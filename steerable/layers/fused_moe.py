@@ -13,12 +13,19 @@ Tile sizes come from a table keyed by the number of tokens (``moe_configs.py``; 
 and shape by ``benchmarks/moe_tune.py``): small tiles for decode, where the weights' bytes set
 the time, large ones for prefill, where the MMA does. Float32 always uses one configuration, so
 its results do not depend on the batch size.
+
+One token (a batch-1 decode step) skips the layout: its ``k`` assignments are known by position,
+so two GEMV kernels stream the chosen experts' weights directly (``moe_gemv``), the second summing
+the ``k`` weighted outputs itself. ``fused_moe`` picks the path and returns the token sums.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from steerable.layers.fused import pdl_args
 from steerable.layers.moe_configs import TileConfig, tile_configs
 
 try:
@@ -56,7 +63,7 @@ def moe_align_reference(experts: torch.Tensor, num_experts: int, block_m: int) -
 
 
 if triton is not None:
-    from steerable.layers.fused import gated_act
+    from steerable.layers.fused import gated_act, pdl_enter
 
     @triton.jit
     def _moe_count_kernel(experts_ptr, counts_ptr, num_assignments, CHUNK: tl.constexpr):
@@ -157,6 +164,67 @@ if triton is not None:
         tl.store(c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], out,
                  mask=valid[:, None] & (offs_n[None, :] < N))
 
+    # The one-token kernels start with ``pdl_enter``: which weights to read is the routing kernel's
+    # output, so under programmatic dependent launch only their launch latency hides, no loads.
+
+    @triton.jit
+    def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, experts_ptr, h_ptr, I, H, stride_we, stride_wn, PDL: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (j, b): features ``[b * BLOCK_N, +BLOCK_N)`` of assignment j's hidden vector
+        ``silu(gate) * up``, gate and up being rows n and I + n of its expert's [2I, H] weights
+        times x, each rounded to the activation dtype first (as the grouped kernel rounds)."""
+        pdl_enter(PDL)
+        j = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        expert = tl.load(experts_ptr + j).to(tl.int64)
+        gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        up_rows = gate_rows + I * stride_wn
+        acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < H
+            mask = n_mask[:, None] & k_mask[None, :]
+            gate = tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc_gate += tl.sum(gate * x[None, :], axis=1)
+            acc_up += tl.sum(up * x[None, :], axis=1)
+        dtype = h_ptr.dtype.element_ty
+        h = gated_act(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype, False)
+        tl.store(h_ptr + j * I + offs_n, h, mask=n_mask)
+
+    @triton.jit
+    def _moe_gemv_down_kernel(h_ptr, w_ptr, experts_ptr, weights_ptr, y_ptr, H, I, stride_we, stride_wn,
+                              TOP_K: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        """Program b: output features ``[b * BLOCK_N, +BLOCK_N)`` of the token, the sum over its
+        ``TOP_K`` assignments of (expert's down rows times its hidden vector, rounded) times the
+        routing weight, rounded: the grouped kernel's epilogue, then one rounding of a float32 sum,
+        as torch's ``sum`` of the k rows rounds. Each step loads a tile of every assignment's rows
+        at once, so the k experts' weights stream concurrently rather than one after another."""
+        pdl_enter(PDL)
+        slots = tl.arange(0, K_PAD)
+        used = slots < TOP_K
+        experts = tl.load(experts_ptr + slots, mask=used, other=0).to(tl.int64)
+        weight = tl.load(weights_ptr + slots, mask=used, other=0.0).to(tl.float32)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        rows = w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+        row_mask = used[:, None, None] & n_mask[None, :, None]
+        acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < I
+            w = tl.load(rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0)
+            h = tl.load(h_ptr + slots[:, None] * I + offs_k[None, :], mask=used[:, None] & k_mask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * h[:, None, :], axis=2)
+        dtype = y_ptr.dtype.element_ty
+        y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)
+        tl.store(y_ptr + offs_n, tl.sum(y, axis=0).to(dtype), mask=n_mask)
+
 
 def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(assignment ids laid out by expert [num_blocks * block_m], the sentinel ``T * k`` in padding;
@@ -212,3 +280,69 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     hidden = _grouped_gemm(x, gate_up, ids, block_expert, assignments, top_k, None, True, block_m, gate_up_tile)
     return _grouped_gemm(hidden, down, ids, block_expert, assignments, 1, weights.reshape(-1).contiguous(), False,
                          block_m, down_tile)
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """One MoE GEMV launch: ``block_n`` weight rows per program (per half, gate and up, in the
+    gate-up kernel), streamed ``block_k`` columns at a time; Triton's ``num_warps`` / ``num_stages``."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Starting points for the decode shape of Qwen3-30B-A3B (H 2048, I 768, k 8), to be tuned on the
+# device. Both kernels only stream weights (32 KB per gate-up program, 48 KB per down program), so
+# what matters is enough programs, and loads in flight, to keep every SM loading: gate-up gets
+# k * I / 4 = 1,536 programs, each loading two 4 x 1024 tiles per step (the dense GEMV's
+# wide-output tile, 8 x 1024); down gets H / 4 = 512, each loading k x 4 x 256 per step (as many
+# elements, 3 steps for I = 768 with no masked lanes).
+GEMV_GATE_UP = GemvTile(block_n=4, block_k=1024)
+GEMV_DOWN = GemvTile(block_n=4, block_k=256)
+
+
+def gemv_eligible(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``fused_moe`` takes the one-token kernels: one token, row-major weights, and not
+    float32, whose results must not depend on the batch (the grouped GEMM's reduction order)."""
+    return x.shape[0] == 1 and x.dtype != torch.float32 and gate_up.stride(-1) == 1 and down.stride(-1) == 1
+
+
+def moe_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, tiles: tuple[GemvTile, GemvTile] | None = None) -> torch.Tensor:
+    """One token's summed expert output [1, H]: x [1, H], experts and weights [1, k], gate_up
+    [E, 2I, H], down [E, H, I]. Two launches and no layout; ``tiles`` (gate-up, down) overrides
+    ``GEMV_GATE_UP`` / ``GEMV_DOWN`` (tuning)."""
+    gate_up_tile, down_tile = tiles or (GEMV_GATE_UP, GEMV_DOWN)
+    top_k = experts.shape[1]
+    hidden_size, inter = down.shape[1], down.shape[2]
+    experts = experts.reshape(-1).contiguous()
+    weights = weights.reshape(-1).contiguous()
+    x = x.contiguous()
+    hidden = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, hidden_size, dtype=x.dtype, device=x.device)
+    pdl = pdl_args(x)
+    _moe_gemv_gate_up_kernel[(top_k, triton.cdiv(inter, gate_up_tile.block_n))](
+        x, gate_up, experts, hidden, inter, hidden_size, gate_up.stride(0), gate_up.stride(1),
+        BLOCK_N=gate_up_tile.block_n, BLOCK_K=min(gate_up_tile.block_k, triton.next_power_of_2(hidden_size)),
+        num_warps=gate_up_tile.num_warps, num_stages=gate_up_tile.num_stages, **pdl)
+    _moe_gemv_down_kernel[(triton.cdiv(hidden_size, down_tile.block_n),)](
+        hidden, down, experts, weights, out, hidden_size, inter, down.stride(0), down.stride(1), TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down_tile.block_n,
+        BLOCK_K=min(down_tile.block_k, triton.next_power_of_2(inter)), num_warps=down_tile.num_warps,
+        num_stages=down_tile.num_stages, **pdl)
+    return out
+
+
+def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, configs: tuple[int, TileConfig, TileConfig] | None = None,
+              tiles: tuple[GemvTile, GemvTile] | None = None) -> torch.Tensor:
+    """Each token's weighted sum of its expert outputs [T, H] (arguments as ``fused_experts``): the
+    one-token kernels where ``gemv_eligible``, else the grouped GEMMs and a sum over the k outputs,
+    which rounds once from float32 as the down kernel does. ``configs`` / ``tiles`` override the
+    grouped / one-token launch configurations."""
+    if gemv_eligible(x, gate_up, down):
+        return moe_gemv(x, experts, weights, gate_up, down, tiles)
+    num_tokens, top_k = experts.shape
+    return fused_experts(x, experts, weights, gate_up, down, configs).view(num_tokens, top_k, -1).sum(dim=1)

@@ -23,9 +23,9 @@ from torch import nn
 from steerable.config import ModelConfig
 from steerable.distributed.groups import current_tp
 from steerable.hook_points import ROUTER_LOGITS, HookLayout, HookPoints
-from steerable.layers import fused
+from steerable.layers import fused, gemv
 from steerable.layers.activation import silu_and_mul
-from steerable.layers.fused_moe import fused_experts
+from steerable.layers.fused_moe import fused_moe
 from steerable.layers.linear import Weight, check_shape, default_weight_loader, even_shard
 from steerable.layers.moe_routing import route_topk, route_topk_reference
 from steerable.layers.rotary import RotaryEmbedding
@@ -120,7 +120,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def route(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, k] and their weights [T, k] (in the activation dtype, as HF)."""
-        router_logits = self.gate(x)  # [T, E]
+        router_logits = gemv.linear(x, self.gate.weight)  # [T, E]; one row (batch-1 decode): the GEMV kernel
         self.hooks.observe(ROUTER_LOGITS, self.layer, router_logits, ctx)
         if fused.enabled(x):  # one kernel instead of 6, the weights stored in the activation dtype
             return route_topk(router_logits, self.top_k, self.norm_topk_prob, router_logits.dtype)
@@ -132,14 +132,13 @@ class Qwen3MoeSparseBlock(nn.Module):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, ctx)
         num_tokens, k = experts.shape
-        if fused.enabled(x):  # grouped GEMMs with static shapes: no host sync, CUDA-graph safe
-            out = fused_experts(x, *self._local_assignments(experts, weights), self.experts_gate_up,
-                                self.experts_down)
-        else:
-            out = self._experts_loop(x, experts, weights)
-        # Sum the k expert outputs of each token: deterministic and independent of which other
+        # Each token's sum of its k expert outputs: deterministic and independent of which other
         # tokens share the batch; under tensor parallelism each rank holds its experts' share.
-        return self.tp.all_reduce(out.view(num_tokens, k, -1).sum(dim=1)).reshape(shape)
+        if fused.enabled(x):  # static shapes: no host sync, CUDA-graph safe; a 16-bit token: two GEMVs
+            out = fused_moe(x, *self._local_assignments(experts, weights), self.experts_gate_up, self.experts_down)
+        else:
+            out = self._experts_loop(x, experts, weights).view(num_tokens, k, -1).sum(dim=1)
+        return self.tp.all_reduce(out).reshape(shape)
 
     def _local_assignments(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids in this rank's numbering; another rank's assignments go to expert 0 with
