@@ -148,5 +148,15 @@ case $part in
     step dense 80 python3 throughput.py --skip-hf --repeats 1
     step lm-head 60 python3 lm_head_sweep.py
     ;;
+  r)  # session 6, call 2: the GPU tests of mixed-step graphs and of the one-token MoE kernels, MoE
+      # batch-1 latency with them, mixed steering beside none
+    (cd .. && timeout 320 python3 -m pytest -q -p no:cacheprovider --durations=12 tests/test_gpu.py \
+        tests/test_shared_prefix_attention.py tests/test_triton_attention.py tests/test_fused_moe.py \
+        -k "captured_inside or bit_identical or gemma_graph or moe_decodes or gemma2_graph or greedy_matches_hf_on_gpu \
+        or mixed or wide or softcap or gemv or one_token or route" >"$out/gpu-tests-r.txt" 2>&1; echo "gpu tests rc=$?";
+     tail -n 4 "$out/gpu-tests-r.txt")
+    step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step mixed 90 python3 steering_cost.py --modes mixed_distinct --repeats 1
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
