@@ -94,7 +94,7 @@ def test_kv_cache_kernels(kv):
                  SOFTCAP=kv == BF16)  # Gemma 2's soft-capped scores, on the bf16 variant
     unified = dict(cache, q_ptr=BF16, out_ptr=BF16, num_seqs=1, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1,
                    stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
-                   ONE_TOKEN_PER_SEQ=True)
+                   ONE_TOKEN_PER_SEQ=True, SKIP_SINGLE=kv == BF16)  # a mixed step's skip, on the bf16 variant
     ptx = compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv == FP8)  # one packed conversion per two float8 values
     split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_qt=1, stride_qh=1,
