@@ -200,13 +200,19 @@ class SteeringManager:
         steered prompt position); blocks with generated tokens also carry the decode steering."""
         keys = []
         prompt_items, first = [], len(prompt)
+        firsts: dict[int, int | None] = {}  # per selection (by id: items share it), its first prompt row
         for item in items:
-            if item.select is None:
+            select = item.select
+            if select is None:
                 prompt_items.append(item)
                 first = 0
-            elif item.select.selects_prompt(prompt):
+                continue
+            if id(select) not in firsts:
+                selected = select.prompt_positions_selected(prompt)
+                firsts[id(select)] = selected[0] if selected else None
+            if firsts[id(select)] is not None:
                 prompt_items.append(item)
-                first = min(first, item.select.prompt_positions_selected(prompt)[0])
+                first = min(first, firsts[id(select)])
         if prompt_items:
             keys.append((first, b"steer-prefill:" + config_identity(prompt_items)))
         decode_items = [i for i in items if i.select is None or i.select.may_select_generation()]

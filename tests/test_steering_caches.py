@@ -1,8 +1,9 @@
-"""The steering plane's per-step caches: a decode step's rows come from what earlier steps resolved
-(each request's row holds over a span of positions), and must equal what resolving every token's
+"""The steering plane's caches. A decode step's rows come from what earlier steps resolved (each
+request's row holds over a span of positions), and must equal what resolving every token's
 selections from scratch gives, whatever happens between steps: windows and position lists
 crossed, token selections, requests finishing, joining, reordered, preempted or prefilled one
-token at a time, prompts grown by streaming input. Freed table rows are cleared lazily."""
+token at a time, prompts grown by streaming input. Freed table rows are cleared lazily. A parse
+checks a vector or selection given for many layers once, with the same interventions as one by one."""
 
 from __future__ import annotations
 
@@ -156,6 +157,24 @@ def test_a_freed_row_sends_nothing_and_its_reuse_clears_what_it_left():
     update = tables.take_update()
     assert set(update.adds) == {("post_mlp", 0), ("pre_attn", 2)} and not update.clamps
     assert update.adds[("post_mlp", 0)][1].tolist() == [[0.0] * H]
+
+
+def test_a_parse_checks_each_vector_and_selection_once_with_the_same_interventions():
+    parser = SpecParser(H, LAYERS)
+    directions = torch.randn(2, H, generator=torch.Generator().manual_seed(4)) * 3
+    vector = _vec(5)  # a list: known by identity
+    spec = SteeringSpec(interventions=[
+        *[Clamp(layer, directions[0], min=-1.0, max=1.0, select=SelectSpec(generation="all")) for layer in range(LAYERS)],
+        *[Add(layer, vector, hook="pre_attn", select=SelectSpec(generation="all")) for layer in range(LAYERS)],
+        Clamp(0, directions[1], hook="post_attn", max=0.0, select="all_prompt")])
+    items = parser.parse(spec, "s")
+    assert len({id(item.vector) for item in items[:LAYERS]}) == 1  # one unit direction for every layer
+    assert len({id(item.select) for item in items[:2 * LAYERS]}) == 1  # equal selections: one object
+    for item, given in zip(items, spec.interventions):
+        alone = parser.parse([given], "s")[0]
+        assert item.digest == alone.digest and item.select == alone.select and torch.equal(item.vector, alone.vector)
+    with pytest.raises(ValueError, match="direction"):
+        parser.parse([Clamp(0, [0.0] * H), Clamp(1, [0.0] * H)], "s")
 
 
 def test_a_streaming_input_chunk_counts_its_window_from_its_own_prompt(model_dirs):
