@@ -111,6 +111,7 @@ def test_decode_rows_equal_resolving_every_selection(seed):
     for request, _ in batch:
         manager.release(request)
     assert not manager.row_refs and not manager.configs and not manager.reads_generated_tokens()
+    assert manager.spans.live == 0
 
 
 def test_a_repeated_decode_batch_resolves_only_requests_leaving_their_span():

@@ -265,6 +265,8 @@ class SteeringManager:
     def plan(self, scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,
              query_start: np.ndarray) -> SteeringPlan | None:
         """Each token's row for one step (rows allocated on first use); None when nothing is steered."""
+        if not self.spans.live:
+            return None
         if len(positions) == len(scheduled):  # decode only, one row per request: the common case, kept lean
             keys = np.fromiter((0 if (state := s.request.steering) is None else state.key for s in scheduled),
                                dtype=np.int64, count=len(scheduled))

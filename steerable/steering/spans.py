@@ -34,6 +34,11 @@ class DecodeSpans:
     def free(self, key: int) -> None:
         self._free.append(key)
 
+    @property
+    def live(self) -> int:
+        """Keys in use: requests (and ``n``-request templates) holding steering."""
+        return self._next - 1 - len(self._free)
+
     def reset(self, key: int) -> None:
         """Forget what ``key`` resolved (its request's prompt grew, or it is new)."""
         self.entries[:, key] = 0.0
