@@ -1,6 +1,6 @@
-"""Host time of steering on a CPU, with the forward taken out: a random Qwen3 of the benchmark's
-depth (28 layers, so every per-site cost counts as often as on Qwen3-0.6B) but tiny widths, running
-steering_cost's workload shape in its modes. On a GPU the decode steps replay CUDA graphs and the
+"""Host time of steering on a CPU, with the forward taken out: a random Qwen3 of Qwen3-0.6B's depth
+and hidden size (28 layers of 1024, so every per-site cost and table row counts as there), every
+other width tiny, running steering_cost's modes on a workload of its shape. On a GPU the decode steps replay CUDA graphs and the
 host thread is the bottleneck, so what a mode adds here (admission, scheduling, step building,
 steering plans and table uploads, output bookkeeping) is what it adds to the wall time there.
 
