@@ -8,6 +8,7 @@ graph to replay, which rows to gather). Nothing in here refers to engine objects
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,20 +82,38 @@ class SamplingInput:
         return bool(self.top_k.any() or (self.top_p < 1.0).any() or self.min_p.any())
 
 
+NO_CLAMP = (-math.inf, math.inf, 0.0)  # lo, hi, strength of an unused clamp slot: it changes nothing
+NO_GATE = (0.0, -math.inf)  # bias, threshold of a projection clamp: it reads a = h·d
+
+
+@dataclass
+class ClampRows:
+    """New contents of some rows of one site's clamp tables, every slot of the table's width: a
+    slot a row does not use (and every slot of a cleared row) has a zero direction, ``NO_CLAMP``
+    and ``NO_GATE``."""
+
+    rows: np.ndarray  # int64 [n]
+    directions: np.ndarray  # float32 [n, K, H]: the direction each slot reads
+    bounds: np.ndarray  # float32 [n, K, 3]: lo, hi, strength
+    # Only at a site with a feature clamp: the direction each slot writes (a projection clamp's is
+    # the one it reads) and how it gates what it reads, float32 [n, K, 2]: bias, threshold.
+    write: np.ndarray | None = None  # float32 [n, K, H]
+    gate: np.ndarray | None = None
+
+
 @dataclass
 class SteeringUpdate:
     """Changes to the worker's steering tables since the last step, applied before its forward.
 
     ``capacity``: rows every table must hold (tables only grow). ``adds[site]``: rows of the additive
-    table and their new vectors (zeros clear a row). ``clamps[site]``: per row, the clamp slots'
-    (read direction, min, max, strength, write direction or None for the read one, bias,
-    threshold); an empty list clears the row's slots. A slot with a write direction (a feature
-    clamp) makes the site keep write and gate tables from then on.
+    table and their new vectors (zeros clear a row). ``clamps[site]``: rows of the site's clamp
+    tables and their new slots; write directions and gates (a feature clamp's) make the site keep
+    write and gate tables from then on.
     """
 
     capacity: int
     adds: dict[Site, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rows [n], vectors [n, H]
-    clamps: dict[Site, dict[int, list[tuple]]] = field(default_factory=dict)
+    clamps: dict[Site, ClampRows] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

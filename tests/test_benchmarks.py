@@ -116,6 +116,16 @@ def test_steering_cost(cache_dir):
     assert warmup["passes"] == 2 and warmup["steering_table_version"] > 0
 
 
+def test_host_step_cost(cache_dir):
+    r = run("host_step_cost", cache_dir, "--repeats", "1", "--modes", "global_all_layers,mixed_distinct",
+            model=False)
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["none", "global_all_layers", "mixed_distinct"] and runs["none"]["extra_host_ms"] == 0
+    for x in runs.values():
+        positive(x, "admit_ms", "steps", "step_host_ms", "decode_host_ms", "total_host_ms")
+        assert x["total_host_ms"] == pytest.approx(x["admit_ms"] + x["steps"] * x["step_host_ms"])
+
+
 def test_capture_cost(cache_dir):
     r = run("capture_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}

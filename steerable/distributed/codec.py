@@ -19,6 +19,7 @@ import torch
 from steerable.step import (
     BlockTableUpdate,
     CaptureGroup,
+    ClampRows,
     CapturePlan,
     PenaltyInput,
     PromptLogprobsInput,
@@ -32,7 +33,7 @@ from steerable.step import (
     StepOutput,
 )
 
-_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput,
+_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, ClampRows, PenaltyInput,
                                           PromptLogprobsInput, SaeUpdate, SaeWeights, SamplingInput, SharedPrefix,
                                           StepInput, StepOutput, SteeringPlan, SteeringUpdate)}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,

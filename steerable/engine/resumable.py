@@ -71,6 +71,7 @@ class ResumableRequests:
             self.kv.truncate_hashes(request, keep)
             request.detokenizer = self.tokenizer.stream(request.prompt_token_ids, params.skip_special_tokens)
             self.capture.prompt_extended(request)
+            self.steering.prompt_extended(request)
             self.scheduler.resume(request)
         return outputs
 

@@ -27,6 +27,7 @@ from steerable.sae.features import FeatureClamp
 from steerable.sae.registry import SaeRegistry
 from steerable.selection import SelectSpec
 from steerable.steering.rows import RowTables
+from steerable.steering.spans import DecodeSpans
 from steerable.steering.spec import Add, Clamp, Intervention, SpecParser, SteeringSpec, config_identity
 from steerable.step import SteeringPlan, SteeringUpdate
 
@@ -57,6 +58,7 @@ class ConfigEntry:
 @dataclass
 class RequestSteering:
     config: ConfigEntry
+    key: int  # its entry in the manager's DecodeSpans
     rows: set[int] = field(default_factory=set)
     fixed_row: int | None = None  # the row of every token (a config without selections)
     decode_row: int | None = None  # the row of every generated token, when selections allow
@@ -79,6 +81,8 @@ class SteeringManager:
         self.row_owner: dict[int, tuple[bytes, int]] = {}
         self._free_rows: list[int] = []
         self._next_row = 1
+        self._token_readers = 0  # live configs that select generated rows by token id
+        self.spans = DecodeSpans(max_num_seqs + 1)
 
     # ------------------------------------------------------------ control plane
 
@@ -167,10 +171,12 @@ class SteeringManager:
         if not items:
             return
         identity = config_identity(items)
-        config = self.configs.get(identity) or self._new_config(identity, items)
+        config = self.configs.get(identity)
+        if config is None:
+            config = self.configs[identity] = self._new_config(identity, items)
+            self._token_readers += config.reads_generated_tokens
         config.refcount += 1
-        self.configs[identity] = config
-        request.steering = RequestSteering(config)
+        request.steering = RequestSteering(config, self.spans.new())
         request.hash_keys.extend(self._cache_keys(items, request.prompt_token_ids))
 
     @staticmethod
@@ -194,13 +200,19 @@ class SteeringManager:
         steered prompt position); blocks with generated tokens also carry the decode steering."""
         keys = []
         prompt_items, first = [], len(prompt)
+        firsts: dict[int, int | None] = {}  # per selection (by id: items share it), its first prompt row
         for item in items:
-            if item.select is None:
+            select = item.select
+            if select is None:
                 prompt_items.append(item)
                 first = 0
-            elif item.select.selects_prompt(prompt):
+                continue
+            if id(select) not in firsts:
+                selected = select.prompt_positions_selected(prompt)
+                firsts[id(select)] = selected[0] if selected else None
+            if firsts[id(select)] is not None:
                 prompt_items.append(item)
-                first = min(first, item.select.prompt_positions_selected(prompt)[0])
+                first = min(first, firsts[id(select)])
         if prompt_items:
             keys.append((first, b"steer-prefill:" + config_identity(prompt_items)))
         decode_items = [i for i in items if i.select is None or i.select.may_select_generation()]
@@ -213,7 +225,15 @@ class SteeringManager:
         completions keep the group's snapshot, whatever the global spec became since)."""
         if template.steering is not None:
             template.steering.config.refcount += 1
-            request.steering = RequestSteering(template.steering.config)
+            request.steering = RequestSteering(template.steering.config, self.spans.new())
+
+    def prompt_extended(self, request: Request) -> None:
+        """A streaming-input chunk grew the prompt: what decode rows resolved to was decided from
+        the old prompt's length (generation windows and positions count from the prompt's end)."""
+        state = request.steering
+        if state is not None:
+            state.decode_row = state.decode_span = None
+            self.spans.reset(state.key)
 
     def release(self, request: Request) -> None:
         """Drop the request's references; rows and configs nobody uses any more are freed."""
@@ -221,6 +241,7 @@ class SteeringManager:
         if state is None:
             return
         request.steering = None
+        self.spans.free(state.key)
         for row in state.rows:
             self.row_refs[row] -= 1
             if self.row_refs[row] == 0:
@@ -233,27 +254,29 @@ class SteeringManager:
         config.refcount -= 1
         if config.refcount == 0:
             del self.configs[config.identity]
+            self._token_readers -= config.reads_generated_tokens
 
     # ------------------------------------------------------------ per step
 
     def reads_generated_tokens(self) -> bool:
         """A live config selects generated rows by token id: planning needs sampled tokens on the host."""
-        return any(config.reads_generated_tokens for config in self.configs.values())
+        return self._token_readers > 0
 
     def plan(self, scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,
              query_start: np.ndarray) -> SteeringPlan | None:
         """Each token's row for one step (rows allocated on first use); None when nothing is steered."""
-        if not any(s.request.steering is not None for s in scheduled):
+        if not self.spans.live:
             return None
-        index = np.zeros(len(positions), dtype=np.int64)
         if len(positions) == len(scheduled):  # decode only, one row per request: the common case, kept lean
-            for i, s in enumerate(scheduled):
-                state = s.request.steering
-                if state is not None:
-                    row = state.fixed_row
-                    index[i:i + 1] = row if row is not None else self._rows_for(
-                        s.request, state, positions[i:i + 1], token_ids[i:i + 1])
+            keys = np.fromiter((0 if (state := s.request.steering) is None else state.key for s in scheduled),
+                               dtype=np.int64, count=len(scheduled))
+            if not keys.any():
+                return None
+            index = self._decode_index(scheduled, keys, positions, token_ids)
         else:
+            if not any(s.request.steering is not None for s in scheduled):
+                return None
+            index = np.zeros(len(positions), dtype=np.int64)
             for i, s in enumerate(scheduled):
                 state = s.request.steering
                 if state is not None:
@@ -262,6 +285,34 @@ class SteeringManager:
         if not index.any():
             return None
         return SteeringPlan(index, *self.tables.plan_sites(), self.tables.version)
+
+    def _decode_index(self, scheduled: Sequence[ScheduledRequest], keys: np.ndarray, positions: np.ndarray,
+                      token_ids: np.ndarray) -> np.ndarray:
+        """The row of each request's one token (``keys``: their ``DecodeSpans`` keys): what the
+        request's last such row resolved to, resolved again only where the position left its span."""
+        lo, hi, rows = self.spans.gather(keys)
+        for i in np.flatnonzero((positions < lo) | (positions >= hi)).tolist():
+            request = scheduled[i].request
+            state = request.steering
+            row = int(np.ravel(self._rows_for(request, state, positions[i:i + 1], token_ids[i:i + 1]))[0])
+            self.spans.set(state.key, *self._decode_span(request, state, int(positions[i])), row)
+            rows[i] = row
+        return rows.astype(np.int64)
+
+    @staticmethod
+    def _decode_span(request: Request, state: RequestSteering, position: int) -> tuple[float, float]:
+        """The positions [lo, hi) over which the row just resolved for a step's one row of the request
+        at ``position`` holds (``_rows_for`` has set the state's spans); none for a prompt row (the
+        end of a prefill in chunks) or a selection by generated token ids: resolved every time."""
+        config = state.config
+        if state.fixed_row is not None:
+            return 0, math.inf
+        prompt_len = request.num_prompt_tokens
+        if position < prompt_len or config.reads_generated_tokens:
+            return 0, 0
+        if config.generation_uniform:
+            return prompt_len, math.inf
+        return state.decode_span[:2]
 
     def take_update(self) -> SteeringUpdate | None:
         """Table changes since the last step, for the worker to apply before the next forward."""

@@ -2,8 +2,10 @@
 many rows and clamp slots the tables have, and the changes not yet sent.
 
 Row contents travel to the worker in the next step's ``SteeringUpdate``, all of them in one
-message (a row freed and reused within a step sends only its final contents). A change that makes
-the worker reallocate a table bumps ``version``: CUDA graphs captured before it are stale.
+message (a row freed and reused within a step sends only its final contents). A freed row keeps
+its values on the worker until it is reused: no token reads it meanwhile, and its next write also
+clears the sites the new contents leave out, so a request that finishes sends nothing. A change
+that makes the worker reallocate a table bumps ``version``: CUDA graphs captured before it are stale.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from steerable.steering.spec import Intervention
-from steerable.step import Site, SteeringUpdate
+from steerable.step import NO_CLAMP, NO_GATE, ClampRows, Site, SteeringUpdate
 
 # read direction, min, max, strength, write direction (None: the read one), bias, threshold
 ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float]
+RowSites = tuple[list[Site], list[Site]]  # (sites of a row's adds, sites of its clamps)
 
 
 class RowTables:
@@ -30,6 +33,8 @@ class RowTables:
         self.split_sites: set[Site] = set()  # sites whose clamp tables hold write directions and gates
         self._adds: dict[Site, dict[int, np.ndarray | None]] = {}  # None: back to zeros
         self._clamps: dict[Site, dict[int, list[ClampSlot]]] = {}  # []: every slot cleared
+        self._row_sites: dict[int, RowSites] = {}  # every live row's sites
+        self._stale: dict[int, RowSites] = {}  # freed rows' sites, whose old values the worker still holds
         self._sent_capacity = 0
         self._live: tuple[frozenset[Site], frozenset[Site]] | None = None  # cached until rows change
         # Sites used since the tables were last idle (see plan_sites), and their cached frozensets.
@@ -65,7 +70,8 @@ class RowTables:
             self.version += 1
 
     def write(self, row: int, items: Sequence[Intervention]) -> None:
-        """Fill ``row`` with the interventions active on its tokens (adds at one site are summed)."""
+        """Fill ``row`` (a new or freed one) with the interventions active on its tokens (adds at
+        one site are summed); sites its old contents held and these do not are cleared."""
         self._live = None
         adds: dict[Site, np.ndarray] = {}
         clamps: dict[Site, list[ClampSlot]] = {}
@@ -76,6 +82,13 @@ class RowTables:
                 write = None if item.write is None else item.write.numpy()
                 clamps.setdefault(item.site, []).append((item.vector.numpy(), item.lo, item.hi, item.strength, write,
                                                          item.bias, item.threshold))
+        stale_adds, stale_clamps = self._stale.pop(row, ((), ()))
+        for site in stale_adds:
+            if site not in adds:
+                self._adds.setdefault(site, {})[row] = None
+        for site in stale_clamps:
+            if site not in clamps:
+                self._clamps.setdefault(site, {})[row] = []
         for site, vector in adds.items():
             if site not in self.add_rows:
                 self.add_rows[site] = set()
@@ -97,18 +110,20 @@ class RowTables:
             if site not in self._used_clamp:
                 self._used_clamp.add(site)
                 self._plan = None
+        self._row_sites[row] = (list(adds), list(clamps))
 
     def clear(self, row: int) -> None:
+        """``row`` is free: nothing is sent now (see the module docstring), its sites are noted."""
+        sites = self._row_sites.pop(row, None)
+        if sites is None:
+            return
         self._live = None
-        for site, rows in self.add_rows.items():
-            if row in rows:
-                self._adds.setdefault(site, {})[row] = None
-                rows.discard(row)
-        for site, rows in self.clamp_rows.items():
-            if row in rows:
-                self._clamps.setdefault(site, {})[row] = []
-                rows.discard(row)
-        if not any(self.add_rows.values()) and not any(self.clamp_rows.values()):
+        for site in sites[0]:
+            self.add_rows[site].discard(row)
+        for site in sites[1]:
+            self.clamp_rows[site].discard(row)
+        self._stale[row] = sites
+        if not self._row_sites:
             self._used_add.clear()
             self._used_clamp.clear()
             self._plan = None
@@ -117,11 +132,33 @@ class RowTables:
         """Everything changed since the last call (None when nothing did)."""
         if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
             return None
-        update = SteeringUpdate(self.capacity, clamps=self._clamps)
+        update = SteeringUpdate(self.capacity)
         zeros = np.zeros(self.hidden_size, dtype=np.float32)
         for site, rows in self._adds.items():
             update.adds[site] = (np.fromiter(rows, dtype=np.int64, count=len(rows)),
                                  np.stack([zeros if v is None else v for v in rows.values()]))
+        for site, rows in self._clamps.items():
+            update.clamps[site] = self._clamp_rows(site, rows)
         self._adds, self._clamps = {}, {}
         self._sent_capacity = self.capacity
         return update
+
+    def _clamp_rows(self, site: Site, rows: dict[int, list[ClampSlot]]) -> ClampRows:
+        """``rows``' slots as the site's tables hold them (every slot of the table's width), packed on
+        the host so the worker writes each table with one copy."""
+        n, width, split = len(rows), self.clamp_slots[site], site in self.split_sites
+        directions = np.zeros((n, width, self.hidden_size), dtype=np.float32)
+        bounds = np.empty((n, width, 3), dtype=np.float32)
+        bounds[:] = NO_CLAMP
+        write = np.zeros_like(directions) if split else None
+        gate = np.empty((n, width, 2), dtype=np.float32) if split else None
+        if split:
+            gate[:] = NO_GATE
+        for i, slots in enumerate(rows.values()):
+            for k, (direction, lo, hi, strength, written, bias, threshold) in enumerate(slots):
+                directions[i, k] = direction
+                bounds[i, k] = lo, hi, strength
+                if split:
+                    write[i, k] = direction if written is None else written
+                    gate[i, k] = bias, threshold
+        return ClampRows(np.fromiter(rows, dtype=np.int64, count=n), directions, bounds, write, gate)

@@ -23,7 +23,17 @@ from steerable.selection import SelectSpec
 PREFILL = SelectSpec(prompt="all")
 DECODE = SelectSpec(generation="all")
 
-Seen = dict[tuple, tuple[Any, torch.Tensor, bytes]]  # one parse's vectors: key -> (given, checked copy, hash)
+
+@dataclass
+class Seen:
+    """What one parse has checked already, so a vector or a selection given for many layers costs
+    once: vectors by the memory they view (``SpecParser._vector``), the unit direction of each
+    checked one, and selections by value (equal ones become one object, so what is kept per
+    selection -- a config's bits, cache keys, resolutions per prompt length -- is computed once)."""
+
+    vectors: dict[tuple, tuple[Any, torch.Tensor, bytes]] = field(default_factory=dict)  # (given, copy, hash)
+    units: dict[int, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # id of a copy -> (unit, hash)
+    selects: dict[SelectSpec, SelectSpec] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -179,7 +189,7 @@ class SpecParser:
             spec = spec.to_spec()
         if isinstance(spec, ITEM_TYPES):
             spec = [spec]
-        seen: Seen = {}
+        seen = Seen()
         if isinstance(spec, SteeringSpec):
             return self._parse_spec(spec, where, seen)
         if isinstance(spec, Mapping):
@@ -204,7 +214,7 @@ class SpecParser:
             if not isinstance(feature, (Feature, FeatureClamp)):
                 raise InvalidRequestError(f"{where}.features[{i}]: expected a Feature or FeatureClamp, got "
                                           f"{type(feature).__name__}")
-            items.append(self._feature(feature, f"{where}.features[{i}]"))
+            items.append(self._feature(feature, f"{where}.features[{i}]", seen))
         return [item.scaled(scale, f"{where}.scale") for item in items] if scale != 1.0 else items
 
     def _parse_vectors(self, vectors: Any, select: SelectSpec | None, where: str, seen: Seen) -> list[Intervention]:
@@ -236,25 +246,28 @@ class SpecParser:
 
     def _parse_item(self, item: Add | Clamp | Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         if isinstance(item, (Feature, FeatureClamp)):
-            return self._feature(item, where)
+            return self._feature(item, where, seen)
         if isinstance(item, Add):
             add = self._add(item.hook, item.layer, item.vector, item.select, where, seen)
             scale = finite_number(item.scale, f"{where}.scale")
             return add.scaled(scale, where) if scale != 1.0 else add
-        layer, select = self._site(item.hook, item.layer, item.select, where)
+        layer, select = self._site(item.hook, item.layer, item.select, where, seen)
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
-        norm = float(direction.norm())
-        if norm == 0.0:
-            raise InvalidRequestError(f"{where}.direction: must not be the zero vector")
+        unit = seen.units.get(id(direction))  # the copy lives as long as the parse: its id is its own
+        if unit is None:
+            norm = float(direction.norm())
+            if norm == 0.0:
+                raise InvalidRequestError(f"{where}.direction: must not be the zero vector")
+            unit_direction = direction / norm
+            unit = seen.units[id(direction)] = unit_direction, _vector_hash(unit_direction)
         lo = -math.inf if item.min is None else finite_number(item.min, f"{where}.min")
         hi = math.inf if item.max is None else finite_number(item.max, f"{where}.max")
         if lo > hi:
             raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
         strength = _strength(item.strength, where)
-        direction = direction / norm
-        return Intervention("clamp", item.hook, layer, direction, _vector_hash(direction), select, lo, hi, strength)
+        return Intervention("clamp", item.hook, layer, *unit, select, lo, hi, strength)
 
-    def _feature(self, item: Feature | FeatureClamp, where: str) -> Intervention:
+    def _feature(self, item: Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         """A feature item resolved against the registry: its SAE's point, decoder row and (for a
         clamp) how the SAE reads the feature. Its identity is the SAE's content hash and the index
         (plus scale, or value and strength), never the name the SAE is registered under."""
@@ -263,7 +276,7 @@ class SpecParser:
         sae = self.saes.get(item.sae, f"{where}.sae")
         if not is_int(item.index) or not 0 <= item.index < sae.d_sae:
             raise InvalidRequestError(f"{where}.index: {item.index!r} is not a feature index in [0, {sae.d_sae})")
-        layer, select = self._site(sae.hook, sae.layer, item.select, where)
+        layer, select = self._site(sae.hook, sae.layer, item.select, where, seen)
         index = item.index
         head = sae.content_hash + f"|{index}|".encode()
         if isinstance(item, Feature):
@@ -280,11 +293,11 @@ class SpecParser:
 
     def _add(self, hook: str, layer: Any, vector: Any, select: Any, where: str, seen: Seen) -> Intervention:
         """The unscaled ``Add``: the dict shorthand comes here directly, without building one."""
-        layer, select = self._site(hook, layer, select, where)
+        layer, select = self._site(hook, layer, select, where, seen)
         vector, vector_hash = self._vector(vector, f"{where}.vector", seen)
         return Intervention("add", hook, layer, vector, vector_hash, select)
 
-    def _site(self, hook: str, layer: Any, select: Any, where: str) -> tuple[int, SelectSpec | None]:
+    def _site(self, hook: str, layer: Any, select: Any, where: str, seen: Seen) -> tuple[int, SelectSpec | None]:
         """Checks the hook and the layer (a digit string is accepted) and parses the selection."""
         check_residual_point(hook, f"{where}.hook")
         index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
@@ -293,22 +306,27 @@ class SpecParser:
         if select is None:
             return index, None
         try:
-            return index, SelectSpec.parse(select)
+            select = SelectSpec.parse(select)
         except ValueError as err:
             raise InvalidRequestError(f"{where}.{err}") from None  # the message starts with "select"
+        return index, seen.selects.setdefault(select, select)
 
     def _vector(self, value: Any, where: str, seen: Seen) -> tuple[torch.Tensor, bytes]:
         """A float32 CPU copy (later in-place changes by the caller never reach an admitted config)
         and its hash, checked with numpy (a small torch op costs microseconds). A vector given for
         many layers is checked, copied and hashed once per parse: ``seen`` knows a tensor by the
         memory it views (``t[i]`` is a new object at each layer) and anything else by identity, and
-        holds the given value, so no other object can take over its id or memory meanwhile."""
+        holds the given value, so no other object can take over its id or memory meanwhile. The
+        same object given again is found by identity first (a tensor's key costs microseconds)."""
+        by_id = (id(value),)
+        if by_id in seen.vectors:
+            return seen.vectors[by_id][1:]
+        key = by_id
         if isinstance(value, torch.Tensor) and value.layout == torch.strided:
             key = value.data_ptr(), value.dtype, value.device, value.shape, value.stride(), value.is_neg()
-        else:
-            key = (id(value),)
-        if key in seen:
-            return seen[key][1:]
+            if key in seen.vectors:
+                seen.vectors[by_id] = value, *seen.vectors[key][1:]
+                return seen.vectors[key][1:]
         try:
             if isinstance(value, torch.Tensor):
                 array = value.detach().to("cpu", torch.float32).numpy(force=True)
@@ -323,6 +341,6 @@ class SpecParser:
             raise InvalidRequestError(f"{where}: contains NaN or Inf")
         tensor = torch.from_numpy(array.copy())
         vector_hash = _vector_hash(tensor)
-        seen[key] = value, tensor, vector_hash
+        seen.vectors[key] = seen.vectors[by_id] = value, tensor, vector_hash
         return tensor, vector_hash
 

@@ -8,7 +8,6 @@ bumps the layout version it sends), so every rank reallocates at the same step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from steerable.hook_points import SiteWrite
 from steerable.layers import fused
 from steerable.steering.ops import add_rows, clamp_rows
-from steerable.step import Site, SteeringPlan, SteeringUpdate
+from steerable.step import NO_CLAMP, NO_GATE, ClampRows, Site, SteeringPlan, SteeringUpdate
 from steerable.uploads import to_device
 
 
@@ -51,41 +50,32 @@ class SteeringTables:
                                                      device=self.device)
             table.index_copy_(0, to_device(rows, self.device),
                               to_device(torch.from_numpy(vectors).to(self.dtype), self.device))
-        for site, rows in update.clamps.items():
+        for site, clamps in update.clamps.items():
             if self.owns(site):
-                self._write_clamps(site, rows)
+                self._write_clamps(site, clamps)
 
-    def _write_clamps(self, site: Site, rows: dict[int, list[tuple]]) -> None:
-        self._ensure_clamp_slots(site, max(len(slots) for slots in rows.values()))
-        if site not in self.clamp_write and any(slot[4] is not None for slots in rows.values() for slot in slots):
-            self.clamp_write[site] = self.clamp_dir[site].clone()  # rows written so far: projection clamps
-            self.clamp_gate[site] = torch.tensor(_NO_GATE, device=self.device).repeat(
-                *self.clamp_dir[site].shape[:2], 1)
-        directions, bounds = self.clamp_dir[site], self.clamp_bounds[site]
-        width = directions.shape[1]
-        index = torch.tensor(list(rows), dtype=torch.int64)
-        new_dir = torch.zeros(len(rows), width, self.hidden_size)
-        new_write = torch.zeros(len(rows), width, self.hidden_size)
-        new_bounds = torch.tensor(_NO_CLAMP).repeat(len(rows), width, 1)
-        new_gate = torch.tensor(_NO_GATE).repeat(len(rows), width, 1)
-        for i, slots in enumerate(rows.values()):
-            for k, (direction, lo, hi, strength, write, bias, threshold) in enumerate(slots):
-                new_dir[i, k] = torch.from_numpy(direction)
-                new_write[i, k] = torch.from_numpy(direction if write is None else write)
-                new_bounds[i, k] = torch.tensor([lo, hi, strength])
-                new_gate[i, k] = torch.tensor([bias, threshold])
-        index = to_device(index, self.device)
-        directions.index_copy_(0, index, to_device(new_dir.to(self.dtype), self.device))
-        bounds.index_copy_(0, index, to_device(new_bounds, self.device))
-        if site in self.clamp_write:
-            self.clamp_write[site].index_copy_(0, index, to_device(new_write.to(self.dtype), self.device))
-            self.clamp_gate[site].index_copy_(0, index, to_device(new_gate, self.device))
+    def _write_clamps(self, site: Site, update: ClampRows) -> None:
+        """One copy per table: the driver packs every slot at the table's width (``RowTables``), and
+        sends write directions and gates at every site that has them."""
+        self._ensure_clamp_slots(site, update.directions.shape[1])
+        index = to_device(update.rows, self.device)
+        self.clamp_dir[site].index_copy_(0, index, to_device(torch.from_numpy(update.directions).to(self.dtype),
+                                                             self.device))
+        self.clamp_bounds[site].index_copy_(0, index, to_device(update.bounds, self.device))
+        if update.write is not None:
+            if site not in self.clamp_write:
+                self.clamp_write[site] = self.clamp_dir[site].clone()  # rows written so far: projection clamps
+                self.clamp_gate[site] = torch.tensor(NO_GATE, device=self.device).repeat(
+                    *self.clamp_dir[site].shape[:2], 1)
+            self.clamp_write[site].index_copy_(0, index, to_device(torch.from_numpy(update.write).to(self.dtype),
+                                                                   self.device))
+            self.clamp_gate[site].index_copy_(0, index, to_device(update.gate, self.device))
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        for tables, fill in ((self.add, 0.0), (self.clamp_dir, 0.0), (self.clamp_bounds, _NO_CLAMP),
-                             (self.clamp_write, 0.0), (self.clamp_gate, _NO_GATE)):
+        for tables, fill in ((self.add, 0.0), (self.clamp_dir, 0.0), (self.clamp_bounds, NO_CLAMP),
+                             (self.clamp_write, 0.0), (self.clamp_gate, NO_GATE)):
             for site, old in tables.items():
                 tables[site] = _grown(old, capacity, fill)
         self.capacity = capacity
@@ -95,12 +85,12 @@ class SteeringTables:
         if have >= slots:
             return
         directions = torch.zeros(self.capacity, slots, self.hidden_size, dtype=self.dtype, device=self.device)
-        bounds = torch.tensor(_NO_CLAMP, device=self.device).repeat(self.capacity, slots, 1)
+        bounds = torch.tensor(NO_CLAMP, device=self.device).repeat(self.capacity, slots, 1)
         if have:
             directions[:, :have] = self.clamp_dir[site]
             bounds[:, :have] = self.clamp_bounds[site]
         if site in self.clamp_write:
-            write, gate = torch.zeros_like(directions), torch.tensor(_NO_GATE, device=self.device).repeat(
+            write, gate = torch.zeros_like(directions), torch.tensor(NO_GATE, device=self.device).repeat(
                 self.capacity, slots, 1)
             write[:, :have] = self.clamp_write[site]
             gate[:, :have] = self.clamp_gate[site]
@@ -113,11 +103,7 @@ class SteeringTables:
         return StepSteering(self, plan, index)
 
 
-_NO_CLAMP = [-math.inf, math.inf, 0.0]  # lo, hi, strength of an unused clamp slot
-_NO_GATE = [0.0, -math.inf]  # bias, threshold of a projection clamp: a = h·d
-
-
-def _grown(old: torch.Tensor, capacity: int, fill: float | list[float]) -> torch.Tensor:
+def _grown(old: torch.Tensor, capacity: int, fill: float | tuple[float, ...]) -> torch.Tensor:
     """``old`` with rows up to ``capacity``, the new ones filled with 'no steering'."""
     row = torch.tensor(fill, dtype=old.dtype, device=old.device)
     new = row.expand(capacity, *old.shape[1:]).clone()
