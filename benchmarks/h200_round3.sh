@@ -158,5 +158,19 @@ case $part in
     step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     step mixed 90 python3 steering_cost.py --modes mixed_distinct --repeats 1
     ;;
+  s)  # session 6, call 3 (the last of its device time): the GPU tests of mixed-step graphs and the
+      # one-token MoE kernels (verbose: what passed is in the file even if the limit cuts the run),
+      # steering costs after the host fixes, the chat workload's five interleaved rounds
+    (cd .. && g=tests/test_gpu.py && timeout 230 python3 -m pytest -v -p no:cacheprovider --durations=10 \
+        tests/test_shared_prefix_attention.py "tests/test_fused_moe.py::test_one_token_kernels_equal_expert_loop" \
+        "tests/test_fused_moe.py::test_one_token_takes_the_gemv_kernels" tests/test_triton_attention.py::test_wide_heads_take_their_own_decode_tile \
+        $g::test_graphs_are_captured_inside_llm_construction $g::test_graph_replay_is_bit_identical_to_eager \
+        $g::test_qwen3_moe_decodes_from_cuda_graphs $g::test_gemma2_graph_replay_equals_eager \
+        "$g::test_greedy_matches_hf_on_gpu[qwen3]" "$g::test_greedy_matches_hf_on_gpu[gemma2]" \
+        "$g::test_greedy_matches_hf_on_gpu[gpt_neox_seq]" >"$out/gpu-tests-s.txt" 2>&1; echo "gpu tests rc=$?";
+     tail -n 4 "$out/gpu-tests-s.txt")
+    step steering 150 python3 steering_cost.py --modes global_all_layers,mixed_distinct --repeats 3
+    step chat 170 python3 shared_prefix.py --repeats 5
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
