@@ -360,7 +360,7 @@ class ModelRunner:
         every decode and mixed CUDA graph captured now, not in the first requests; with
         ``shared_group`` (the KV group the step builder finds shared prefixes in) the graphs of
         steps that share one too. Leaves nothing a request can see (K/V only in free blocks); the
-        replay counter restarts at zero."""
+        replay and shared-step counters restart at zero."""
         graphs, self.graphs = self.graphs, None
         try:
             for step in compile_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
@@ -374,7 +374,7 @@ class ModelRunner:
         for step in graph_steps(graphs.sizes, graphs.mixed_sizes, self.max_num_seqs, self.max_model_len,
                                 self.block_size, shared):
             self.finish(self.launch(step))
-        graphs.num_replays = 0
+        graphs.num_replays = self.num_shared_prefix_steps = 0
 
     def stats(self) -> dict[str, int]:
         graphs = self.graphs
