@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from steerable.steering.spec import Intervention
-from steerable.step import NO_CLAMP, NO_GATE, ClampRows, Site, SteeringUpdate
+from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringUpdate, TableWrite
 
 # read direction, min, max, strength, write direction (None: the read one), bias, threshold
 ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float]
@@ -71,17 +71,25 @@ class RowTables:
 
     def write(self, row: int, items: Sequence[Intervention]) -> None:
         """Fill ``row`` (a new or freed one) with the interventions active on its tokens (adds at
-        one site are summed); sites its old contents held and these do not are cleared."""
+        one site are summed); sites its old contents held and these do not are cleared. Vectors
+        are kept as views until the update packs them (a config's one vector given at many layers
+        is one tensor: it is viewed once)."""
         self._live = None
         adds: dict[Site, np.ndarray] = {}
         clamps: dict[Site, list[ClampSlot]] = {}
+        arrays: dict[int, np.ndarray] = {}
         for item in items:
+            site = item.point, item.layer
+            vector = arrays.get(id(item.vector))
+            if vector is None:
+                vector = arrays[id(item.vector)] = item.vector.numpy()
             if item.kind == "add":
-                adds[item.site] = adds.get(item.site, 0) + item.vector.numpy()
+                have = adds.get(site)
+                adds[site] = vector if have is None else have + vector
             else:
                 write = None if item.write is None else item.write.numpy()
-                clamps.setdefault(item.site, []).append((item.vector.numpy(), item.lo, item.hi, item.strength, write,
-                                                         item.bias, item.threshold))
+                clamps.setdefault(site, []).append((vector, item.lo, item.hi, item.strength, write, item.bias,
+                                                    item.threshold))
         stale_adds, stale_clamps = self._stale.pop(row, ((), ()))
         for site in stale_adds:
             if site not in adds:
@@ -93,7 +101,7 @@ class RowTables:
             if site not in self.add_rows:
                 self.add_rows[site] = set()
                 self.version += 1  # a new table
-            self._adds.setdefault(site, {})[row] = vector.astype(np.float32)
+            self._adds.setdefault(site, {})[row] = vector
             self.add_rows[site].add(row)
             if site not in self._used_add:
                 self._used_add.add(site)
@@ -129,36 +137,49 @@ class RowTables:
             self._plan = None
 
     def take_update(self) -> SteeringUpdate | None:
-        """Everything changed since the last call (None when nothing did)."""
+        """Everything changed since the last call (None when nothing did), packed in one buffer."""
         if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
             return None
-        update = SteeringUpdate(self.capacity)
-        zeros = np.zeros(self.hidden_size, dtype=np.float32)
+        writes, num_rows, num_params, num_vectors = [], 0, 0, 0
         for site, rows in self._adds.items():
-            update.adds[site] = (np.fromiter(rows, dtype=np.int64, count=len(rows)),
-                                 np.stack([zeros if v is None else v for v in rows.values()]))
+            writes.append(TableWrite("add", *site, num_rows, len(rows), num_vectors))
+            num_rows += len(rows)
+            num_vectors += len(rows)
         for site, rows in self._clamps.items():
-            update.clamps[site] = self._clamp_rows(site, rows)
+            n, slots, split = len(rows), self.clamp_slots[site], site in self.split_sites
+            writes.append(TableWrite("clamp", *site, num_rows, n, num_vectors, num_params, slots, split))
+            num_rows += n
+            num_vectors += n * slots * (2 if split else 1)
+            num_params += n * slots * (5 if split else 3)
+        hidden = self.hidden_size
+        data = np.empty(num_rows + num_params + num_vectors * hidden, dtype=np.float32)
+        row_ids = data[:num_rows].view(np.int32)
+        params = data[num_rows:num_rows + num_params]
+        vectors = data[num_rows + num_params:].reshape(num_vectors, hidden)
+        zeros = np.zeros(hidden, dtype=np.float32)
+        for write, rows in zip(writes, [*self._adds.values(), *self._clamps.values()]):
+            row_ids[write.rows:write.rows + write.n] = np.fromiter(rows, dtype=np.int32, count=write.n)
+            if write.table == "add":
+                np.stack([zeros if v is None else v for v in rows.values()],
+                         out=vectors[write.vectors:write.vectors + write.n])
+            else:
+                _pack_clamps(write, list(rows.values()), vectors, params, zeros)
         self._adds, self._clamps = {}, {}
         self._sent_capacity = self.capacity
-        return update
+        return SteeringUpdate(self.capacity, hidden, data, writes, num_rows, num_params)
 
-    def _clamp_rows(self, site: Site, rows: dict[int, list[ClampSlot]]) -> ClampRows:
-        """``rows``' slots as the site's tables hold them (every slot of the table's width), packed on
-        the host so the worker writes each table with one copy."""
-        n, width, split = len(rows), self.clamp_slots[site], site in self.split_sites
-        directions = np.zeros((n, width, self.hidden_size), dtype=np.float32)
-        bounds = np.empty((n, width, 3), dtype=np.float32)
-        bounds[:] = NO_CLAMP
-        write = np.zeros_like(directions) if split else None
-        gate = np.empty((n, width, 2), dtype=np.float32) if split else None
-        if split:
-            gate[:] = NO_GATE
-        for i, slots in enumerate(rows.values()):
-            for k, (direction, lo, hi, strength, written, bias, threshold) in enumerate(slots):
-                directions[i, k] = direction
-                bounds[i, k] = lo, hi, strength
-                if split:
-                    write[i, k] = direction if written is None else written
-                    gate[i, k] = bias, threshold
-        return ClampRows(np.fromiter(rows, dtype=np.int64, count=n), directions, bounds, write, gate)
+
+def _pack_clamps(write: TableWrite, rows: list[list[ClampSlot]], vectors: np.ndarray, params: np.ndarray,
+                 zeros: np.ndarray) -> None:
+    """Rows' slots at every slot of the table's width: a slot a row leaves unused reads and writes
+    zeros with ``NO_CLAMP`` and ``NO_GATE``."""
+    count = write.n * write.slots
+    slots = [row[k] if k < len(row) else None for row in rows for k in range(write.slots)]
+    np.stack([zeros if s is None else s[0] for s in slots], out=vectors[write.vectors:write.vectors + count])
+    params[write.params:write.params + 3 * count].reshape(count, 3)[:] = \
+        [NO_CLAMP if s is None else s[1:4] for s in slots]
+    if write.split:
+        np.stack([zeros if s is None else s[0] if s[4] is None else s[4] for s in slots],
+                 out=vectors[write.vectors + count:write.vectors + 2 * count])
+        gates = params[write.params + 3 * count:write.params + 5 * count].reshape(count, 2)
+        gates[:] = [NO_GATE if s is None else s[5:7] for s in slots]
