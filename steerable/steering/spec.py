@@ -34,6 +34,10 @@ class Seen:
     vectors: dict[tuple, tuple[Any, torch.Tensor, bytes]] = field(default_factory=dict)  # (given, copy, hash)
     units: dict[int, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # id of a copy -> (unit, hash)
     selects: dict[SelectSpec, SelectSpec] = field(default_factory=dict)
+    # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them
+    # all) -> (the item, which keeps those ids taken, and what was checked: kind, point, vector, hash,
+    # select, lo, hi, strength, scale).
+    items: dict[tuple, tuple] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,10 +252,29 @@ class SpecParser:
         if isinstance(item, (Feature, FeatureClamp)):
             return self._feature(item, where, seen)
         if isinstance(item, Add):
-            add = self._add(item.hook, item.layer, item.vector, item.select, where, seen)
+            key = (Add, id(item.hook), id(item.vector), id(item.scale), id(item.select))
+        else:
+            key = (Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength),
+                   id(item.select))
+        known = seen.items.get(key)
+        if known is None:
+            check_residual_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
+            layer = self._layer(item.layer, where)
+            known = seen.items[key] = item, *self._check_item(item, where, seen)
+        else:
+            layer = self._layer(item.layer, where)
+        kind, point, vector, vector_hash, select, lo, hi, strength, scale = known[1:]
+        parsed = Intervention(kind, point, layer, vector, vector_hash, select, lo, hi, strength)
+        return parsed.scaled(scale, where) if scale != 1.0 else parsed
+
+    def _check_item(self, item: Add | Clamp, where: str, seen: Seen) -> tuple:
+        """What an ``Add`` or ``Clamp`` says besides its layer, checked: (kind, point, vector, hash,
+        select, lo, hi, strength, scale)."""
+        select = self._select(item.hook, item.select, where, seen)
+        if isinstance(item, Add):
+            vector, vector_hash = self._vector(item.vector, f"{where}.vector", seen)
             scale = finite_number(item.scale, f"{where}.scale")
-            return add.scaled(scale, where) if scale != 1.0 else add
-        layer, select = self._site(item.hook, item.layer, item.select, where, seen)
+            return "add", item.hook, vector, vector_hash, select, -math.inf, math.inf, 1.0, scale
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         unit = seen.units.get(id(direction))  # the copy lives as long as the parse: its id is its own
         if unit is None:
@@ -265,7 +288,7 @@ class SpecParser:
         if lo > hi:
             raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
         strength = _strength(item.strength, where)
-        return Intervention("clamp", item.hook, layer, *unit, select, lo, hi, strength)
+        return "clamp", item.hook, *unit, select, lo, hi, strength, 1.0
 
     def _feature(self, item: Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         """A feature item resolved against the registry: its SAE's point, decoder row and (for a
@@ -299,17 +322,26 @@ class SpecParser:
 
     def _site(self, hook: str, layer: Any, select: Any, where: str, seen: Seen) -> tuple[int, SelectSpec | None]:
         """Checks the hook and the layer (a digit string is accepted) and parses the selection."""
+        select = self._select(hook, select, where, seen)
+        return self._layer(layer, where), select
+
+    def _select(self, hook: str, select: Any, where: str, seen: Seen) -> SelectSpec | None:
+        """Checks the hook and parses the selection (equal ones become one object)."""
         check_residual_point(hook, f"{where}.hook")
-        index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
-            raise InvalidRequestError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
         if select is None:
-            return index, None
+            return None
         try:
             select = SelectSpec.parse(select)
         except ValueError as err:
             raise InvalidRequestError(f"{where}.{err}") from None  # the message starts with "select"
-        return index, seen.selects.setdefault(select, select)
+        return seen.selects.setdefault(select, select)
+
+    def _layer(self, layer: Any, where: str) -> int:
+        """A layer index (a digit string is accepted)."""
+        index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
+            raise InvalidRequestError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
+        return index
 
     def _vector(self, value: Any, where: str, seen: Seen) -> tuple[torch.Tensor, bytes]:
         """A float32 CPU copy (later in-place changes by the caller never reach an admitted config)
