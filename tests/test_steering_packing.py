@@ -77,8 +77,9 @@ def test_a_reused_row_clears_the_slots_and_sites_its_new_contents_leave():
 
 def test_items_built_per_layer_parse_as_one_by_one_and_each_is_checked():
     parser = SpecParser(H, LAYERS)
-    vector, direction, select = _vec(5), _vec(6), SelectSpec(generation_window=(0, 4))
-    given = [Add(layer, vector, hook="pre_attn", scale=0.5, select=select) for layer in range(LAYERS)]
+    vector, direction = _vec(5), _vec(6)
+    given = [Add(layer, vector, hook="pre_attn", scale=0.5, select=SelectSpec(generation_window=(0, 4)))
+             for layer in range(LAYERS)]  # equal selections, one object per layer
     given += [Clamp(layer, direction, min=-1.0, max=1.0, strength=0.5) for layer in range(LAYERS)]
     items = parser.parse(given, "s")
     for item, one in zip(items, given):

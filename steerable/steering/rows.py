@@ -97,15 +97,18 @@ class RowTables:
         for site in stale_clamps:
             if site not in clamps:
                 self._clamps.setdefault(site, {})[row] = []
+        for site in adds.keys() - self.add_rows.keys():
+            self.add_rows[site] = set()
+            self.version += 1  # a new table
         for site, vector in adds.items():
-            if site not in self.add_rows:
-                self.add_rows[site] = set()
-                self.version += 1  # a new table
-            self._adds.setdefault(site, {})[row] = vector
+            pending = self._adds.get(site)
+            if pending is None:
+                pending = self._adds[site] = {}
+            pending[row] = vector
             self.add_rows[site].add(row)
-            if site not in self._used_add:
-                self._used_add.add(site)
-                self._plan = None
+        if not self._used_add.issuperset(adds):
+            self._used_add.update(adds)
+            self._plan = None
         for site, slots in clamps.items():
             if len(slots) > self.clamp_slots.get(site, 0):
                 self.clamp_slots[site] = len(slots)
@@ -113,11 +116,14 @@ class RowTables:
             if site not in self.split_sites and any(slot[4] is not None for slot in slots):
                 self.split_sites.add(site)
                 self.version += 1  # the site gains write-direction and gate tables
-            self._clamps.setdefault(site, {})[row] = slots
+            pending = self._clamps.get(site)
+            if pending is None:
+                pending = self._clamps[site] = {}
+            pending[row] = slots
             self.clamp_rows.setdefault(site, set()).add(row)
-            if site not in self._used_clamp:
-                self._used_clamp.add(site)
-                self._plan = None
+        if not self._used_clamp.issuperset(clamps):
+            self._used_clamp.update(clamps)
+            self._plan = None
         self._row_sites[row] = (list(adds), list(clamps))
 
     def clear(self, row: int) -> None:
@@ -137,49 +143,43 @@ class RowTables:
             self._plan = None
 
     def take_update(self) -> SteeringUpdate | None:
-        """Everything changed since the last call (None when nothing did), packed in one buffer."""
+        """Everything changed since the last call (None when nothing did), packed in one buffer with
+        one numpy op per part (row indices, params, vectors) rather than one per site."""
         if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
             return None
-        writes, num_rows, num_params, num_vectors = [], 0, 0, 0
-        for site, rows in self._adds.items():
-            writes.append(TableWrite("add", *site, num_rows, len(rows), num_vectors))
-            num_rows += len(rows)
-            num_vectors += len(rows)
-        for site, rows in self._clamps.items():
-            n, slots, split = len(rows), self.clamp_slots[site], site in self.split_sites
-            writes.append(TableWrite("clamp", *site, num_rows, n, num_vectors, num_params, slots, split))
-            num_rows += n
-            num_vectors += n * slots * (2 if split else 1)
-            num_params += n * slots * (5 if split else 3)
         hidden = self.hidden_size
-        data = np.empty(num_rows + num_params + num_vectors * hidden, dtype=np.float32)
-        row_ids = data[:num_rows].view(np.int32)
-        params = data[num_rows:num_rows + num_params]
-        vectors = data[num_rows + num_params:].reshape(num_vectors, hidden)
         zeros = np.zeros(hidden, dtype=np.float32)
-        for write, rows in zip(writes, [*self._adds.values(), *self._clamps.values()]):
-            row_ids[write.rows:write.rows + write.n] = np.fromiter(rows, dtype=np.int32, count=write.n)
-            if write.table == "add":
-                np.stack([zeros if v is None else v for v in rows.values()],
-                         out=vectors[write.vectors:write.vectors + write.n])
-            else:
-                _pack_clamps(write, list(rows.values()), vectors, params, zeros)
+        writes, row_ids, params, pieces = [], [], [], []
+        for site, rows in self._adds.items():
+            writes.append(TableWrite("add", *site, len(row_ids), len(rows), len(pieces)))
+            row_ids += rows
+            pieces += [zeros if v is None else v for v in rows.values()]
+        for site, rows in self._clamps.items():
+            slots, split = self.clamp_slots[site], site in self.split_sites
+            writes.append(TableWrite("clamp", *site, len(row_ids), len(rows), len(pieces), len(params), slots, split))
+            row_ids += rows
+            _pack_clamps(list(rows.values()), slots, split, pieces, params, zeros)
+        num_rows, num_params = len(row_ids), len(params)
+        data = np.empty(num_rows + num_params + len(pieces) * hidden, dtype=np.float32)
+        data[:num_rows].view(np.int32)[:] = row_ids
+        data[num_rows:num_rows + num_params] = params
+        if pieces:
+            np.stack(pieces, out=data[num_rows + num_params:].reshape(len(pieces), hidden))
         self._adds, self._clamps = {}, {}
         self._sent_capacity = self.capacity
         return SteeringUpdate(self.capacity, hidden, data, writes, num_rows, num_params)
 
 
-def _pack_clamps(write: TableWrite, rows: list[list[ClampSlot]], vectors: np.ndarray, params: np.ndarray,
-                 zeros: np.ndarray) -> None:
-    """Rows' slots at every slot of the table's width: a slot a row leaves unused reads and writes
-    zeros with ``NO_CLAMP`` and ``NO_GATE``."""
-    count = write.n * write.slots
-    slots = [row[k] if k < len(row) else None for row in rows for k in range(write.slots)]
-    np.stack([zeros if s is None else s[0] for s in slots], out=vectors[write.vectors:write.vectors + count])
-    params[write.params:write.params + 3 * count].reshape(count, 3)[:] = \
-        [NO_CLAMP if s is None else s[1:4] for s in slots]
-    if write.split:
-        np.stack([zeros if s is None else s[0] if s[4] is None else s[4] for s in slots],
-                 out=vectors[write.vectors + count:write.vectors + 2 * count])
-        gates = params[write.params + 3 * count:write.params + 5 * count].reshape(count, 2)
-        gates[:] = [NO_GATE if s is None else s[5:7] for s in slots]
+def _pack_clamps(rows: list[list[ClampSlot]], width: int, split: bool, pieces: list[np.ndarray],
+                 params: list[float], zeros: np.ndarray) -> None:
+    """Appends rows' slots at every slot of the table's width (``TableWrite``'s layout): read
+    directions, then write directions, to ``pieces``; bounds, then gates, to ``params``. A slot a
+    row leaves unused reads and writes zeros with ``NO_CLAMP`` and ``NO_GATE``."""
+    slots = [row[k] if k < len(row) else None for row in rows for k in range(width)]
+    pieces += [zeros if s is None else s[0] for s in slots]
+    for s in slots:
+        params += NO_CLAMP if s is None else s[1:4]
+    if split:
+        pieces += [zeros if s is None else s[0] if s[4] is None else s[4] for s in slots]
+        for s in slots:
+            params += NO_GATE if s is None else s[5:7]

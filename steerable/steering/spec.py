@@ -34,9 +34,9 @@ class Seen:
     vectors: dict[tuple, tuple[Any, torch.Tensor, bytes]] = field(default_factory=dict)  # (given, copy, hash)
     units: dict[int, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # id of a copy -> (unit, hash)
     selects: dict[SelectSpec, SelectSpec] = field(default_factory=dict)
-    # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them
-    # all) -> (the item, which keeps those ids taken, and what was checked: kind, point, vector, hash,
-    # select, lo, hi, strength, scale).
+    # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them;
+    # a SelectSpec by value) -> (the item, which keeps those ids taken, and what was checked: kind,
+    # point, vector, hash, select, lo, hi, strength, scale).
     items: dict[tuple, tuple] = field(default_factory=dict)
 
 
@@ -251,11 +251,12 @@ class SpecParser:
     def _parse_item(self, item: Add | Clamp | Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         if isinstance(item, (Feature, FeatureClamp)):
             return self._feature(item, where, seen)
+        # A SelectSpec by value: equal ones are one selection anyway, and one is often built per layer.
+        select = item.select if isinstance(item.select, SelectSpec) else id(item.select)
         if isinstance(item, Add):
-            key = (Add, id(item.hook), id(item.vector), id(item.scale), id(item.select))
+            key = (Add, id(item.hook), id(item.vector), id(item.scale), select)
         else:
-            key = (Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength),
-                   id(item.select))
+            key = (Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength), select)
         known = seen.items.get(key)
         if known is None:
             check_residual_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
