@@ -3,6 +3,7 @@ checks what items built per layer share once: the tables and interventions come 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -95,3 +96,15 @@ def test_items_built_per_layer_parse_as_one_by_one_and_each_is_checked():
     with pytest.raises(ValueError, match="layer"):
         parser.parse([Add(0, vector), Add(LAYERS, vector)], "s")
     assert np.array_equal(items[0].vector.numpy(), (vector * 0.5).numpy())
+
+
+def test_an_intervention_moved_to_another_layer_equals_one_built_there():
+    parser = SpecParser(H, LAYERS)
+    for given in (Add(0, _vec(7), hook="post_attn", scale=2.0, select="all_prompt"),
+                  Clamp(0, _vec(8), min=-0.5, strength=0.25, select=SelectSpec(generation_positions=[1, 3]))):
+        first = parser.parse([given], "s")[0]
+        moved, built = first.at_layer(3), parser.parse([dataclasses.replace(given, layer=3)], "s")[0]
+        assert moved.digest == built.digest != first.digest and torch.equal(moved.vector, built.vector)
+        fields = [f.name for f in dataclasses.fields(Intervention) if f.name != "vector"]
+        assert [getattr(moved, f) for f in fields] == [getattr(built, f) for f in fields]
+        assert first.layer == 0 and moved.vector is first.vector

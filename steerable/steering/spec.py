@@ -35,9 +35,8 @@ class Seen:
     units: dict[int, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # id of a copy -> (unit, hash)
     selects: dict[SelectSpec, SelectSpec] = field(default_factory=dict)
     # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them;
-    # a SelectSpec by value) -> (the item, which keeps those ids taken, and what was checked: kind,
-    # point, vector, hash, select, lo, hi, strength, scale).
-    items: dict[tuple, tuple] = field(default_factory=dict)
+    # a SelectSpec by value) -> (the item, which keeps those ids taken, and its checked intervention).
+    items: dict[tuple, tuple[Any, "Intervention"]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,9 +123,20 @@ class Intervention:
 
     def __post_init__(self) -> None:
         # The content hash, computed once per intervention (a global spec is shared by every request).
+        object.__setattr__(self, "digest", self._digest())
+
+    def _digest(self) -> bytes:
         select = self.select.key if self.select is not None else "*"
         head = f"{self.kind}|{self.point}|{self.layer}|{self.lo}|{self.hi}|{self.strength}|{select}"
-        object.__setattr__(self, "digest", _hash(head.encode() + self.vector_hash))
+        return _hash(head.encode() + self.vector_hash)
+
+    def at_layer(self, layer: int) -> "Intervention":
+        """The same intervention at ``layer``, sharing its vector. A copy of the fields rather than
+        the dataclass init: a spec gives most items once per layer, and the init costs microseconds."""
+        moved = object.__new__(Intervention)
+        moved.__dict__.update(self.__dict__, layer=layer)
+        object.__setattr__(moved, "digest", moved._digest())
+        return moved
 
     @property
     def site(self) -> tuple[str, int]:
@@ -261,21 +271,18 @@ class SpecParser:
         if known is None:
             check_residual_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
             layer = self._layer(item.layer, where)
-            known = seen.items[key] = item, *self._check_item(item, where, seen)
-        else:
-            layer = self._layer(item.layer, where)
-        kind, point, vector, vector_hash, select, lo, hi, strength, scale = known[1:]
-        parsed = Intervention(kind, point, layer, vector, vector_hash, select, lo, hi, strength)
-        return parsed.scaled(scale, where) if scale != 1.0 else parsed
+            known = seen.items[key] = item, self._check_item(item, layer, where, seen)
+            return known[1]
+        return known[1].at_layer(self._layer(item.layer, where))
 
-    def _check_item(self, item: Add | Clamp, where: str, seen: Seen) -> tuple:
-        """What an ``Add`` or ``Clamp`` says besides its layer, checked: (kind, point, vector, hash,
-        select, lo, hi, strength, scale)."""
+    def _check_item(self, item: Add | Clamp, layer: int, where: str, seen: Seen) -> Intervention:
+        """An ``Add`` or ``Clamp`` at ``layer``, checked (the other layers' come from it)."""
         select = self._select(item.hook, item.select, where, seen)
         if isinstance(item, Add):
             vector, vector_hash = self._vector(item.vector, f"{where}.vector", seen)
             scale = finite_number(item.scale, f"{where}.scale")
-            return "add", item.hook, vector, vector_hash, select, -math.inf, math.inf, 1.0, scale
+            add = Intervention("add", item.hook, layer, vector, vector_hash, select)
+            return add.scaled(scale, where) if scale != 1.0 else add
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         unit = seen.units.get(id(direction))  # the copy lives as long as the parse: its id is its own
         if unit is None:
@@ -289,7 +296,7 @@ class SpecParser:
         if lo > hi:
             raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
         strength = _strength(item.strength, where)
-        return "clamp", item.hook, *unit, select, lo, hi, strength, 1.0
+        return Intervention("clamp", item.hook, layer, *unit, select, lo, hi, strength)
 
     def _feature(self, item: Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         """A feature item resolved against the registry: its SAE's point, decoder row and (for a
