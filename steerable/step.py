@@ -97,7 +97,7 @@ class TableWrite:
     layer: int
     rows: int  # index of its first row in the update's row indices
     n: int
-    vectors: int  # index of its first vector
+    vectors: int  # index of its first vector among the update's vector indices
     params: int = 0  # offset of its first bound among the update's params
     slots: int = 1
     split: bool = False
@@ -113,10 +113,11 @@ class SteeringUpdate:
 
     ``capacity``: rows every table must hold (tables only grow). The rest travels in one float32
     buffer, so the worker makes one host-to-device copy per update whatever the number of sites:
-    ``data`` holds every write's row indices (``num_rows``, as int32 bits), then the clamp bounds
-    and gates (``num_params`` values), then every vector (``hidden`` values each; float32, cast to
-    the model's dtype on the device); ``writes`` say which part belongs to which site's table. New
-    contents cover every slot of a row: zeros, ``NO_CLAMP`` and ``NO_GATE`` clear what it left.
+    ``data`` holds every write's row indices (``num_rows``) and vector indices (``num_pieces``,
+    both as int32 bits), the clamp bounds and gates (``num_params`` values), then each distinct
+    vector once (``hidden`` values each, float32; a config's one vector at every layer is sent
+    once and gathered on the device). ``writes`` say which part belongs to which site's table.
+    New contents cover every slot of a row: zeros, ``NO_CLAMP`` and ``NO_GATE`` clear what it left.
     """
 
     capacity: int
@@ -124,6 +125,7 @@ class SteeringUpdate:
     data: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     writes: list[TableWrite] = field(default_factory=list)
     num_rows: int = 0
+    num_pieces: int = 0
     num_params: int = 0
 
     @property
@@ -131,8 +133,12 @@ class SteeringUpdate:
         return not self.writes
 
     @property
+    def params_at(self) -> int:
+        return self.num_rows + self.num_pieces
+
+    @property
     def vectors_at(self) -> int:
-        return self.num_rows + self.num_params
+        return self.params_at + self.num_params
 
     def rows(self, write: TableWrite) -> np.ndarray:
         """int64 [n]: the rows ``write`` sets."""
@@ -140,14 +146,15 @@ class SteeringUpdate:
 
     def vectors(self, write: TableWrite) -> np.ndarray:
         """float32 [n, H] (an add) or [n, slots, H] (a clamp's read directions)."""
-        start = self.vectors_at + write.vectors * self.hidden
-        block = self.data[start:start + write.n * write.slots * self.hidden]
+        start = self.num_rows + write.vectors
+        pieces = self.data[start:start + write.n * write.slots].view(np.int32)
+        block = self.data[self.vectors_at:].reshape(-1, self.hidden)[pieces]
         return block.reshape(write.n, self.hidden) if write.table == "add" else \
             block.reshape(write.n, write.slots, self.hidden)
 
     def bounds(self, write: TableWrite) -> np.ndarray:
         """float32 [n, slots, 3]: a clamp's lo, hi, strength."""
-        start = self.num_rows + write.params
+        start = self.params_at + write.params
         return self.data[start:start + write.n * write.slots * 3].reshape(write.n, write.slots, 3)
 
 

@@ -108,3 +108,17 @@ def test_an_intervention_moved_to_another_layer_equals_one_built_there():
         fields = [f.name for f in dataclasses.fields(Intervention) if f.name != "vector"]
         assert [getattr(moved, f) for f in fields] == [getattr(built, f) for f in fields]
         assert first.layer == 0 and moved.vector is first.vector
+
+
+def test_a_vector_given_at_every_layer_is_sent_once():
+    parser, ledger = SpecParser(H, LAYERS), RowTables(4, H)
+    tables = SteeringTables(H, torch.device("cpu"), torch.float32)
+    vector, direction = _vec(9), _vec(10)
+    ledger.write(1, parser.parse([Add(layer, vector) for layer in range(LAYERS)] +
+                                 [Clamp(layer, direction, max=0.0) for layer in range(LAYERS)], "s"))
+    update = ledger.take_update()
+    assert update.num_pieces == 2 * LAYERS and len(update.data) - update.vectors_at == 2 * H
+    tables.apply(update)
+    for layer in range(LAYERS):
+        assert torch.equal(tables.add[("post_mlp", layer)][1], vector)
+        assert torch.equal(tables.clamp_dir[("post_mlp", layer)][1, 0], direction / direction.norm())

@@ -144,7 +144,8 @@ class RowTables:
 
     def take_update(self) -> SteeringUpdate | None:
         """Everything changed since the last call (None when nothing did), packed in one buffer with
-        one numpy op per part (row indices, params, vectors) rather than one per site."""
+        one numpy op per part (row indices, vector indices, params, vectors) rather than one per
+        site; each vector array once (``write`` keeps one per tensor of a row, whatever its layers)."""
         if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
             return None
         hidden = self.hidden_size
@@ -159,15 +160,20 @@ class RowTables:
             writes.append(TableWrite("clamp", *site, len(row_ids), len(rows), len(pieces), len(params), slots, split))
             row_ids += rows
             _pack_clamps(list(rows.values()), slots, split, pieces, params, zeros)
-        num_rows, num_params = len(row_ids), len(params)
-        data = np.empty(num_rows + num_params + len(pieces) * hidden, dtype=np.float32)
+        distinct: dict[int, int] = {}  # id of an array -> its index among the vectors sent
+        piece_ids = [distinct.setdefault(id(piece), len(distinct)) for piece in pieces]
+        vectors = list({id(piece): piece for piece in pieces}.values())  # first seen first, as numbered
+        num_rows, num_pieces, num_params = len(row_ids), len(piece_ids), len(params)
+        params_at = num_rows + num_pieces
+        data = np.empty(params_at + num_params + len(vectors) * hidden, dtype=np.float32)
         data[:num_rows].view(np.int32)[:] = row_ids
-        data[num_rows:num_rows + num_params] = params
-        if pieces:
-            np.stack(pieces, out=data[num_rows + num_params:].reshape(len(pieces), hidden))
+        data[num_rows:params_at].view(np.int32)[:] = piece_ids
+        data[params_at:params_at + num_params] = params
+        if vectors:
+            np.stack(vectors, out=data[params_at + num_params:].reshape(len(vectors), hidden))
         self._adds, self._clamps = {}, {}
         self._sent_capacity = self.capacity
-        return SteeringUpdate(self.capacity, hidden, data, writes, num_rows, num_params)
+        return SteeringUpdate(self.capacity, hidden, data, writes, num_rows, num_pieces, num_params)
 
 
 def _pack_clamps(rows: list[list[ClampSlot]], width: int, split: bool, pieces: list[np.ndarray],

@@ -41,15 +41,16 @@ class SteeringTables:
 
     def apply(self, update: SteeringUpdate) -> None:
         """One host-to-device copy of the update's buffer; each table then takes its rows from
-        views of it (vectors cast to the model's dtype in one op on the device)."""
+        views of it (the distinct vectors cast to the model's dtype and gathered, one op each)."""
         self._grow(update.capacity)
         writes = [write for write in update.writes if self.owns(write.site)]
         if not writes:
             return
         data = to_device(update.data, self.device)
-        rows = data[:update.num_rows].view(torch.int32).long()
-        params = data[update.num_rows:update.vectors_at]
-        vectors = data[update.vectors_at:].view(-1, self.hidden_size).to(self.dtype)
+        indices = data[:update.params_at].view(torch.int32).long()
+        rows, pieces = indices[:update.num_rows], indices[update.num_rows:]
+        params = data[update.params_at:update.vectors_at]
+        vectors = data[update.vectors_at:].view(-1, self.hidden_size).to(self.dtype)[pieces]
         for write in writes:
             index = rows[write.rows:write.rows + write.n]
             if write.table == "add":
