@@ -87,37 +87,75 @@ NO_GATE = (0.0, -math.inf)  # bias, threshold of a projection clamp: it reads a 
 
 
 @dataclass
-class ClampRows:
-    """New contents of some rows of one site's clamp tables, every slot of the table's width: a
-    slot a row does not use (and every slot of a cleared row) has a zero direction, ``NO_CLAMP``
-    and ``NO_GATE``."""
+class TableWrite:
+    """Where one site's new rows lie in a ``SteeringUpdate``. ``table``: "add" (``n`` vectors) or
+    "clamp" (``n * slots`` read directions and as many bounds -- lo, hi, strength; with ``split``,
+    as many write directions after the read ones and gates -- bias, threshold -- after the bounds)."""
 
-    rows: np.ndarray  # int64 [n]
-    directions: np.ndarray  # float32 [n, K, H]: the direction each slot reads
-    bounds: np.ndarray  # float32 [n, K, 3]: lo, hi, strength
-    # Only at a site with a feature clamp: the direction each slot writes (a projection clamp's is
-    # the one it reads) and how it gates what it reads, float32 [n, K, 2]: bias, threshold.
-    write: np.ndarray | None = None  # float32 [n, K, H]
-    gate: np.ndarray | None = None
+    table: str
+    point: str
+    layer: int
+    rows: int  # index of its first row in the update's row indices
+    n: int
+    vectors: int  # index of its first vector among the update's vector indices
+    params: int = 0  # offset of its first bound among the update's params
+    slots: int = 1
+    split: bool = False
+
+    @property
+    def site(self) -> Site:
+        return self.point, self.layer
 
 
 @dataclass
 class SteeringUpdate:
     """Changes to the worker's steering tables since the last step, applied before its forward.
 
-    ``capacity``: rows every table must hold (tables only grow). ``adds[site]``: rows of the additive
-    table and their new vectors (zeros clear a row). ``clamps[site]``: rows of the site's clamp
-    tables and their new slots; write directions and gates (a feature clamp's) make the site keep
-    write and gate tables from then on.
+    ``capacity``: rows every table must hold (tables only grow). The rest travels in one float32
+    buffer, so the worker makes one host-to-device copy per update whatever the number of sites:
+    ``data`` holds every write's row indices (``num_rows``) and vector indices (``num_pieces``,
+    both as int32 bits), the clamp bounds and gates (``num_params`` values), then each distinct
+    vector once (``hidden`` values each, float32; a config's one vector at every layer is sent
+    once and gathered on the device). ``writes`` say which part belongs to which site's table.
+    New contents cover every slot of a row: zeros, ``NO_CLAMP`` and ``NO_GATE`` clear what it left.
     """
 
     capacity: int
-    adds: dict[Site, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rows [n], vectors [n, H]
-    clamps: dict[Site, ClampRows] = field(default_factory=dict)
+    hidden: int = 0
+    data: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    writes: list[TableWrite] = field(default_factory=list)
+    num_rows: int = 0
+    num_pieces: int = 0
+    num_params: int = 0
 
     @property
     def empty(self) -> bool:
-        return not self.adds and not self.clamps
+        return not self.writes
+
+    @property
+    def params_at(self) -> int:
+        return self.num_rows + self.num_pieces
+
+    @property
+    def vectors_at(self) -> int:
+        return self.params_at + self.num_params
+
+    def rows(self, write: TableWrite) -> np.ndarray:
+        """int64 [n]: the rows ``write`` sets."""
+        return self.data[write.rows:write.rows + write.n].view(np.int32).astype(np.int64)
+
+    def vectors(self, write: TableWrite) -> np.ndarray:
+        """float32 [n, H] (an add) or [n, slots, H] (a clamp's read directions)."""
+        start = self.num_rows + write.vectors
+        pieces = self.data[start:start + write.n * write.slots].view(np.int32)
+        block = self.data[self.vectors_at:].reshape(-1, self.hidden)[pieces]
+        return block.reshape(write.n, self.hidden) if write.table == "add" else \
+            block.reshape(write.n, write.slots, self.hidden)
+
+    def bounds(self, write: TableWrite) -> np.ndarray:
+        """float32 [n, slots, 3]: a clamp's lo, hi, strength."""
+        start = self.params_at + write.params
+        return self.data[start:start + write.n * write.slots * 3].reshape(write.n, write.slots, 3)
 
 
 @dataclass

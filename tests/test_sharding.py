@@ -35,6 +35,7 @@ from steerable.step import (
     SteeringUpdate,
     StepInput,
     StepOutput,
+    TableWrite,
 )
 
 # ---------------------------------------------------------------- placement
@@ -107,8 +108,8 @@ def _step() -> StepInput:
                       np.array([1.0, 0.9], np.float32), np.array([0, 5]), np.zeros(2, np.float32),
                       np.array([1 << 62, 3]), [None, 2], {1: np.array([2])},
                       [PenaltyInput(1, np.array([5, 9]), np.array([4]), 1.1, 0.5, 0.0)]),
-        SteeringUpdate(8, {site: (np.array([1, 2]), np.ones((2, 4), np.float32))},
-                       {("pre_attn", 0): {1: [(np.ones(4, np.float32), -np.inf, 0.5, 1.0)], 2: []}}),
+        SteeringUpdate(8, 4, np.arange(17, dtype=np.float32), [TableWrite("add", *site, 0, 2, 0),
+                       TableWrite("clamp", "pre_attn", 0, 0, 1, 2, 0, 1, False)], 2, 3, 3),
         SteeringPlan(np.array([0, 1, 2]), frozenset({site}), frozenset({("pre_attn", 0)}), 3),
         CapturePlan([CaptureGroup("attention_heads", (0, 2), "bfloat16", np.array([0, 2]))]))
 

@@ -156,8 +156,11 @@ def test_a_freed_row_sends_nothing_and_its_reuse_clears_what_it_left():
     assert tables.take_update() is None
     tables.write(1, parser.parse({"pre_attn": {2: [3.0] * H}}, "s"))
     update = tables.take_update()
-    assert set(update.adds) == {("post_mlp", 0), ("pre_attn", 2)} and not update.clamps
-    assert update.adds[("post_mlp", 0)][1].tolist() == [[0.0] * H]
+    writes = {write.site: write for write in update.writes}
+    assert set(writes) == {("post_mlp", 0), ("pre_attn", 2)} and {w.table for w in update.writes} == {"add"}
+    assert update.rows(writes[("post_mlp", 0)]).tolist() == [1]
+    assert update.vectors(writes[("post_mlp", 0)]).tolist() == [[0.0] * H]
+    assert update.vectors(writes[("pre_attn", 2)]).tolist() == [[3.0] * H]
 
 
 def test_a_parse_checks_each_vector_and_selection_once_with_the_same_interventions():

@@ -19,7 +19,6 @@ import torch
 from steerable.step import (
     BlockTableUpdate,
     CaptureGroup,
-    ClampRows,
     CapturePlan,
     PenaltyInput,
     PromptLogprobsInput,
@@ -31,11 +30,12 @@ from steerable.step import (
     SteeringUpdate,
     StepInput,
     StepOutput,
+    TableWrite,
 )
 
-_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, ClampRows, PenaltyInput,
+_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput,
                                           PromptLogprobsInput, SaeUpdate, SaeWeights, SamplingInput, SharedPrefix,
-                                          StepInput, StepOutput, SteeringPlan, SteeringUpdate)}
+                                          StepInput, StepOutput, SteeringPlan, SteeringUpdate, TableWrite)}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,
                                                              torch.int64, torch.int32)}
 _NUMPY_DTYPES = {"float32", "float64", "int64", "int32", "bool"}

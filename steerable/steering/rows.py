@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from steerable.steering.spec import Intervention
-from steerable.step import NO_CLAMP, NO_GATE, ClampRows, Site, SteeringUpdate
+from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringUpdate, TableWrite
 
 # read direction, min, max, strength, write direction (None: the read one), bias, threshold
 ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float]
@@ -71,17 +71,25 @@ class RowTables:
 
     def write(self, row: int, items: Sequence[Intervention]) -> None:
         """Fill ``row`` (a new or freed one) with the interventions active on its tokens (adds at
-        one site are summed); sites its old contents held and these do not are cleared."""
+        one site are summed); sites its old contents held and these do not are cleared. Vectors
+        are kept as views until the update packs them (a config's one vector given at many layers
+        is one tensor: it is viewed once)."""
         self._live = None
         adds: dict[Site, np.ndarray] = {}
         clamps: dict[Site, list[ClampSlot]] = {}
+        arrays: dict[int, np.ndarray] = {}
         for item in items:
+            site = item.point, item.layer
+            vector = arrays.get(id(item.vector))
+            if vector is None:
+                vector = arrays[id(item.vector)] = item.vector.numpy()
             if item.kind == "add":
-                adds[item.site] = adds.get(item.site, 0) + item.vector.numpy()
+                have = adds.get(site)
+                adds[site] = vector if have is None else have + vector
             else:
                 write = None if item.write is None else item.write.numpy()
-                clamps.setdefault(item.site, []).append((item.vector.numpy(), item.lo, item.hi, item.strength, write,
-                                                         item.bias, item.threshold))
+                clamps.setdefault(site, []).append((vector, item.lo, item.hi, item.strength, write, item.bias,
+                                                    item.threshold))
         stale_adds, stale_clamps = self._stale.pop(row, ((), ()))
         for site in stale_adds:
             if site not in adds:
@@ -89,15 +97,18 @@ class RowTables:
         for site in stale_clamps:
             if site not in clamps:
                 self._clamps.setdefault(site, {})[row] = []
+        for site in adds.keys() - self.add_rows.keys():
+            self.add_rows[site] = set()
+            self.version += 1  # a new table
         for site, vector in adds.items():
-            if site not in self.add_rows:
-                self.add_rows[site] = set()
-                self.version += 1  # a new table
-            self._adds.setdefault(site, {})[row] = vector.astype(np.float32)
+            pending = self._adds.get(site)
+            if pending is None:
+                pending = self._adds[site] = {}
+            pending[row] = vector
             self.add_rows[site].add(row)
-            if site not in self._used_add:
-                self._used_add.add(site)
-                self._plan = None
+        if not self._used_add.issuperset(adds):
+            self._used_add.update(adds)
+            self._plan = None
         for site, slots in clamps.items():
             if len(slots) > self.clamp_slots.get(site, 0):
                 self.clamp_slots[site] = len(slots)
@@ -105,11 +116,14 @@ class RowTables:
             if site not in self.split_sites and any(slot[4] is not None for slot in slots):
                 self.split_sites.add(site)
                 self.version += 1  # the site gains write-direction and gate tables
-            self._clamps.setdefault(site, {})[row] = slots
+            pending = self._clamps.get(site)
+            if pending is None:
+                pending = self._clamps[site] = {}
+            pending[row] = slots
             self.clamp_rows.setdefault(site, set()).add(row)
-            if site not in self._used_clamp:
-                self._used_clamp.add(site)
-                self._plan = None
+        if not self._used_clamp.issuperset(clamps):
+            self._used_clamp.update(clamps)
+            self._plan = None
         self._row_sites[row] = (list(adds), list(clamps))
 
     def clear(self, row: int) -> None:
@@ -129,36 +143,49 @@ class RowTables:
             self._plan = None
 
     def take_update(self) -> SteeringUpdate | None:
-        """Everything changed since the last call (None when nothing did)."""
+        """Everything changed since the last call (None when nothing did), packed in one buffer with
+        one numpy op per part (row indices, vector indices, params, vectors) rather than one per
+        site; each vector array once (``write`` keeps one per tensor of a row, whatever its layers)."""
         if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
             return None
-        update = SteeringUpdate(self.capacity)
-        zeros = np.zeros(self.hidden_size, dtype=np.float32)
+        hidden = self.hidden_size
+        zeros = np.zeros(hidden, dtype=np.float32)
+        writes, row_ids, params, pieces = [], [], [], []
         for site, rows in self._adds.items():
-            update.adds[site] = (np.fromiter(rows, dtype=np.int64, count=len(rows)),
-                                 np.stack([zeros if v is None else v for v in rows.values()]))
+            writes.append(TableWrite("add", *site, len(row_ids), len(rows), len(pieces)))
+            row_ids += rows
+            pieces += [zeros if v is None else v for v in rows.values()]
         for site, rows in self._clamps.items():
-            update.clamps[site] = self._clamp_rows(site, rows)
+            slots, split = self.clamp_slots[site], site in self.split_sites
+            writes.append(TableWrite("clamp", *site, len(row_ids), len(rows), len(pieces), len(params), slots, split))
+            row_ids += rows
+            _pack_clamps(list(rows.values()), slots, split, pieces, params, zeros)
+        distinct: dict[int, int] = {}  # id of an array -> its index among the vectors sent
+        piece_ids = [distinct.setdefault(id(piece), len(distinct)) for piece in pieces]
+        vectors = list({id(piece): piece for piece in pieces}.values())  # first seen first, as numbered
+        num_rows, num_pieces, num_params = len(row_ids), len(piece_ids), len(params)
+        params_at = num_rows + num_pieces
+        data = np.empty(params_at + num_params + len(vectors) * hidden, dtype=np.float32)
+        data[:num_rows].view(np.int32)[:] = row_ids
+        data[num_rows:params_at].view(np.int32)[:] = piece_ids
+        data[params_at:params_at + num_params] = params
+        if vectors:
+            np.stack(vectors, out=data[params_at + num_params:].reshape(len(vectors), hidden))
         self._adds, self._clamps = {}, {}
         self._sent_capacity = self.capacity
-        return update
+        return SteeringUpdate(self.capacity, hidden, data, writes, num_rows, num_pieces, num_params)
 
-    def _clamp_rows(self, site: Site, rows: dict[int, list[ClampSlot]]) -> ClampRows:
-        """``rows``' slots as the site's tables hold them (every slot of the table's width), packed on
-        the host so the worker writes each table with one copy."""
-        n, width, split = len(rows), self.clamp_slots[site], site in self.split_sites
-        directions = np.zeros((n, width, self.hidden_size), dtype=np.float32)
-        bounds = np.empty((n, width, 3), dtype=np.float32)
-        bounds[:] = NO_CLAMP
-        write = np.zeros_like(directions) if split else None
-        gate = np.empty((n, width, 2), dtype=np.float32) if split else None
-        if split:
-            gate[:] = NO_GATE
-        for i, slots in enumerate(rows.values()):
-            for k, (direction, lo, hi, strength, written, bias, threshold) in enumerate(slots):
-                directions[i, k] = direction
-                bounds[i, k] = lo, hi, strength
-                if split:
-                    write[i, k] = direction if written is None else written
-                    gate[i, k] = bias, threshold
-        return ClampRows(np.fromiter(rows, dtype=np.int64, count=n), directions, bounds, write, gate)
+
+def _pack_clamps(rows: list[list[ClampSlot]], width: int, split: bool, pieces: list[np.ndarray],
+                 params: list[float], zeros: np.ndarray) -> None:
+    """Appends rows' slots at every slot of the table's width (``TableWrite``'s layout): read
+    directions, then write directions, to ``pieces``; bounds, then gates, to ``params``. A slot a
+    row leaves unused reads and writes zeros with ``NO_CLAMP`` and ``NO_GATE``."""
+    slots = [row[k] if k < len(row) else None for row in rows for k in range(width)]
+    pieces += [zeros if s is None else s[0] for s in slots]
+    for s in slots:
+        params += NO_CLAMP if s is None else s[1:4]
+    if split:
+        pieces += [zeros if s is None else s[0] if s[4] is None else s[4] for s in slots]
+        for s in slots:
+            params += NO_GATE if s is None else s[5:7]

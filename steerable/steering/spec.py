@@ -34,6 +34,9 @@ class Seen:
     vectors: dict[tuple, tuple[Any, torch.Tensor, bytes]] = field(default_factory=dict)  # (given, copy, hash)
     units: dict[int, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # id of a copy -> (unit, hash)
     selects: dict[SelectSpec, SelectSpec] = field(default_factory=dict)
+    # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them;
+    # a SelectSpec by value) -> (the item, which keeps those ids taken, and its checked intervention).
+    items: dict[tuple, tuple[Any, "Intervention"]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,20 @@ class Intervention:
 
     def __post_init__(self) -> None:
         # The content hash, computed once per intervention (a global spec is shared by every request).
+        object.__setattr__(self, "digest", self._digest())
+
+    def _digest(self) -> bytes:
         select = self.select.key if self.select is not None else "*"
         head = f"{self.kind}|{self.point}|{self.layer}|{self.lo}|{self.hi}|{self.strength}|{select}"
-        object.__setattr__(self, "digest", _hash(head.encode() + self.vector_hash))
+        return _hash(head.encode() + self.vector_hash)
+
+    def at_layer(self, layer: int) -> "Intervention":
+        """The same intervention at ``layer``, sharing its vector. A copy of the fields rather than
+        the dataclass init: a spec gives most items once per layer, and the init costs microseconds."""
+        moved = object.__new__(Intervention)
+        moved.__dict__.update(self.__dict__, layer=layer)
+        object.__setattr__(moved, "digest", moved._digest())
+        return moved
 
     @property
     def site(self) -> tuple[str, int]:
@@ -247,11 +261,28 @@ class SpecParser:
     def _parse_item(self, item: Add | Clamp | Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         if isinstance(item, (Feature, FeatureClamp)):
             return self._feature(item, where, seen)
+        # A SelectSpec by value: equal ones are one selection anyway, and one is often built per layer.
+        select = item.select if isinstance(item.select, SelectSpec) else id(item.select)
         if isinstance(item, Add):
-            add = self._add(item.hook, item.layer, item.vector, item.select, where, seen)
+            key = (Add, id(item.hook), id(item.vector), id(item.scale), select)
+        else:
+            key = (Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength), select)
+        known = seen.items.get(key)
+        if known is None:
+            check_residual_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
+            layer = self._layer(item.layer, where)
+            known = seen.items[key] = item, self._check_item(item, layer, where, seen)
+            return known[1]
+        return known[1].at_layer(self._layer(item.layer, where))
+
+    def _check_item(self, item: Add | Clamp, layer: int, where: str, seen: Seen) -> Intervention:
+        """An ``Add`` or ``Clamp`` at ``layer``, checked (the other layers' come from it)."""
+        select = self._select(item.hook, item.select, where, seen)
+        if isinstance(item, Add):
+            vector, vector_hash = self._vector(item.vector, f"{where}.vector", seen)
             scale = finite_number(item.scale, f"{where}.scale")
+            add = Intervention("add", item.hook, layer, vector, vector_hash, select)
             return add.scaled(scale, where) if scale != 1.0 else add
-        layer, select = self._site(item.hook, item.layer, item.select, where, seen)
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         unit = seen.units.get(id(direction))  # the copy lives as long as the parse: its id is its own
         if unit is None:
@@ -299,17 +330,26 @@ class SpecParser:
 
     def _site(self, hook: str, layer: Any, select: Any, where: str, seen: Seen) -> tuple[int, SelectSpec | None]:
         """Checks the hook and the layer (a digit string is accepted) and parses the selection."""
+        select = self._select(hook, select, where, seen)
+        return self._layer(layer, where), select
+
+    def _select(self, hook: str, select: Any, where: str, seen: Seen) -> SelectSpec | None:
+        """Checks the hook and parses the selection (equal ones become one object)."""
         check_residual_point(hook, f"{where}.hook")
-        index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
-            raise InvalidRequestError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
         if select is None:
-            return index, None
+            return None
         try:
             select = SelectSpec.parse(select)
         except ValueError as err:
             raise InvalidRequestError(f"{where}.{err}") from None  # the message starts with "select"
-        return index, seen.selects.setdefault(select, select)
+        return seen.selects.setdefault(select, select)
+
+    def _layer(self, layer: Any, where: str) -> int:
+        """A layer index (a digit string is accepted)."""
+        index = int(layer) if isinstance(layer, str) and layer.lstrip("-").isdigit() else layer
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
+            raise InvalidRequestError(f"{where}.layer: {layer!r} is not a layer index in [0, {self.num_layers})")
+        return index
 
     def _vector(self, value: Any, where: str, seen: Seen) -> tuple[torch.Tensor, bytes]:
         """A float32 CPU copy (later in-place changes by the caller never reach an admitted config)

@@ -16,7 +16,7 @@ import torch
 from steerable.hook_points import SiteWrite
 from steerable.layers import fused
 from steerable.steering.ops import add_rows, clamp_rows
-from steerable.step import NO_CLAMP, NO_GATE, ClampRows, Site, SteeringPlan, SteeringUpdate
+from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite
 from steerable.uploads import to_device
 
 
@@ -40,36 +40,47 @@ class SteeringTables:
     # ------------------------------------------------------------ updates from the driver
 
     def apply(self, update: SteeringUpdate) -> None:
+        """One host-to-device copy of the update's buffer; each table then takes its rows from
+        views of it (the distinct vectors cast to the model's dtype and gathered, one op each)."""
         self._grow(update.capacity)
-        for site, (rows, vectors) in update.adds.items():
-            if not self.owns(site):
-                continue
-            table = self.add.get(site)
-            if table is None:
-                table = self.add[site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype,
-                                                     device=self.device)
-            table.index_copy_(0, to_device(rows, self.device),
-                              to_device(torch.from_numpy(vectors).to(self.dtype), self.device))
-        for site, clamps in update.clamps.items():
-            if self.owns(site):
-                self._write_clamps(site, clamps)
+        writes = [write for write in update.writes if self.owns(write.site)]
+        if not writes:
+            return
+        data = to_device(update.data, self.device)
+        indices = data[:update.params_at].view(torch.int32).long()
+        rows, pieces = indices[:update.num_rows], indices[update.num_rows:]
+        params = data[update.params_at:update.vectors_at]
+        vectors = data[update.vectors_at:].view(-1, self.hidden_size).to(self.dtype)[pieces]
+        for write in writes:
+            index = rows[write.rows:write.rows + write.n]
+            if write.table == "add":
+                table = self.add.get(write.site)
+                if table is None:
+                    table = self.add[write.site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype,
+                                                               device=self.device)
+                table.index_copy_(0, index, vectors[write.vectors:write.vectors + write.n])
+            else:
+                self._write_clamps(write, index, vectors, params)
 
-    def _write_clamps(self, site: Site, update: ClampRows) -> None:
-        """One copy per table: the driver packs every slot at the table's width (``RowTables``), and
-        sends write directions and gates at every site that has them."""
-        self._ensure_clamp_slots(site, update.directions.shape[1])
-        index = to_device(update.rows, self.device)
-        self.clamp_dir[site].index_copy_(0, index, to_device(torch.from_numpy(update.directions).to(self.dtype),
-                                                             self.device))
-        self.clamp_bounds[site].index_copy_(0, index, to_device(update.bounds, self.device))
-        if update.write is not None:
+    def _write_clamps(self, write: TableWrite, index: torch.Tensor, vectors: torch.Tensor,
+                      params: torch.Tensor) -> None:
+        """Every table of the site at once: the driver packs every slot at the table's width
+        (``RowTables``), with write directions and gates at every site that has them."""
+        site, n, slots = write.site, write.n, write.slots
+        count = n * slots
+        self._ensure_clamp_slots(site, slots)
+        self.clamp_dir[site].index_copy_(0, index, vectors[write.vectors:write.vectors + count].view(
+            n, slots, self.hidden_size))
+        self.clamp_bounds[site].index_copy_(0, index, params[write.params:write.params + 3 * count].view(n, slots, 3))
+        if write.split:
             if site not in self.clamp_write:
                 self.clamp_write[site] = self.clamp_dir[site].clone()  # rows written so far: projection clamps
                 self.clamp_gate[site] = torch.tensor(NO_GATE, device=self.device).repeat(
                     *self.clamp_dir[site].shape[:2], 1)
-            self.clamp_write[site].index_copy_(0, index, to_device(torch.from_numpy(update.write).to(self.dtype),
-                                                                   self.device))
-            self.clamp_gate[site].index_copy_(0, index, to_device(update.gate, self.device))
+            self.clamp_write[site].index_copy_(0, index, vectors[write.vectors + count:write.vectors + 2 * count].view(
+                n, slots, self.hidden_size))
+            self.clamp_gate[site].index_copy_(0, index, params[write.params + 3 * count:
+                                                               write.params + 5 * count].view(n, slots, 2))
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
