@@ -172,8 +172,8 @@ case $part in
     step steering 150 python3 steering_cost.py --modes global_all_layers,mixed_distinct --repeats 3
     step chat 170 python3 shared_prefix.py --repeats 5
     ;;
-  t)  # session 6, call 4 (under two minutes of device time left): mixed steering after the one-copy
-      # table updates, then steering against HF on the GPU through them
+  t)  # the next session's first call (session 6 had no device time left for it): mixed steering
+      # after the one-copy table updates, then steering against HF on the GPU through them
     step mixed 75 python3 steering_cost.py --modes mixed_distinct --repeats 1
     (cd .. && timeout 30 python3 -m pytest -v -p no:cacheprovider "tests/test_gpu.py::test_steering_matches_hf_on_gpu" \
         >"$out/gpu-tests-t.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED" "$out/gpu-tests-t.txt")
