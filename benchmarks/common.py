@@ -344,6 +344,19 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def kernel_timer(bench: str, smoke: bool) -> tuple[Callable[[Callable[[], Any]], float], str, torch.dtype]:
+    """(microseconds of one call, device, dtype) for a kernel sweep: CUDA-graph replays in bf16 on a
+    GPU; wall clock in float32 on a CPU, allowed only with ``--smoke`` (it checks the script, not
+    the kernel's speed)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench_cudagraph
+
+        return (lambda fn: do_bench_cudagraph(fn) * 1e3), "cuda", torch.bfloat16
+    if not smoke:
+        raise SystemExit(f"{bench} times GPU kernels: run it on a CUDA machine (or --smoke on a CPU)")
+    return (lambda fn: timed(fn)[1] * 1e6), "cpu", torch.float32
+
+
 def emit(record: dict) -> None:
     """One JSON line on stdout (flushed), also appended to ``--out`` when given."""
     line = json.dumps({"bench": _BENCH, **record}, default=str)

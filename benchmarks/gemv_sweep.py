@@ -16,7 +16,7 @@ import itertools
 import common
 import torch
 import torch.nn.functional as F
-from common import emit, timed
+from common import emit
 
 from steerable.layers import gemv
 
@@ -40,19 +40,7 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int]
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     common.setup("gemv_sweep", args, model=False)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        raise SystemExit("gemv_sweep times GPU kernels: run it on a CUDA machine (or --smoke on a CPU)")
-    if cuda:
-        from triton.testing import do_bench_cudagraph
-
-        def micros(fn) -> float:
-            return do_bench_cudagraph(fn) * 1e3
-    else:
-        def micros(fn) -> float:
-            return timed(fn)[1] * 1e6
-
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    micros, device, dtype = common.kernel_timer("gemv_sweep", args.smoke)
     torch.manual_seed(args.seed)
     for name, (n, k) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
         w = torch.randn(n, k, device=device, dtype=dtype) * 0.02

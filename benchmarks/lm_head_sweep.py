@@ -14,7 +14,7 @@ from __future__ import annotations
 import common
 import torch
 import torch.nn.functional as F
-from common import emit, timed
+from common import emit
 
 SHAPES = {"gemma2-2b": (256000, 2304), "qwen3-0.6b": (151936, 1024), "qwen3-8b": (151936, 4096)}
 SMOKE_SHAPES = {"tiny": (1000, 64)}
@@ -35,19 +35,7 @@ def forms(h: torch.Tensor, w: torch.Tensor) -> dict:
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     common.setup("lm_head_sweep", args, model=False)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        raise SystemExit("lm_head_sweep times GPU GEMMs: run it on a CUDA machine (or --smoke on a CPU)")
-    if cuda:
-        from triton.testing import do_bench_cudagraph
-
-        def micros(fn) -> float:
-            return do_bench_cudagraph(fn) * 1e3
-    else:
-        def micros(fn) -> float:
-            return timed(fn)[1] * 1e6
-
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    micros, device, dtype = common.kernel_timer("lm_head_sweep", args.smoke)
     torch.manual_seed(args.seed)
     for name, (vocab, hidden) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
         w = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.02
