@@ -69,7 +69,7 @@ class Attention(nn.Module):
             if meta.max_query_len > 1:  # a mixed step: its prefill chunks here, every decode row below
                 self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                              meta.block_table[self.kv_group], meta.max_query_len, self.scale,
-                                             None, None, k_scale, v_scale, self.softcap, skip_single=True)
+                                             k_scale=k_scale, v_scale=v_scale, softcap=self.softcap, skip_single=True)
             meta.shared_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table[self.kv_group], meta.prefix_lens, self.scale, meta.workspace,
                                   k_scale, v_scale, self.softcap)
