@@ -178,5 +178,15 @@ case $part in
     (cd .. && timeout 30 python3 -m pytest -v -p no:cacheprovider "tests/test_gpu.py::test_steering_matches_hf_on_gpu" \
         >"$out/gpu-tests-t.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED" "$out/gpu-tests-t.txt")
     ;;
+  u)  # session 7, call 1: steering costs after the one-copy table updates (five repeats: the global
+      # vector's cost must be stable over five), steering against HF on the GPU, MoE throughput and
+      # batch-1 latency, the dense regression (the first half of issue 31's one-session re-measure)
+    step steering 200 python3 steering_cost.py --modes global_all_layers,global_clamp_all_layers,mixed_distinct --repeats 5
+    (cd .. && timeout 40 python3 -m pytest -v -p no:cacheprovider "tests/test_gpu.py::test_steering_matches_hf_on_gpu" \
+        >"$out/gpu-tests-u.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|Error" "$out/gpu-tests-u.txt" | head -5)
+    step moe 190 python3 throughput.py --shape qwen3-30b-a3b --skip-hf --repeats 3
+    step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step dense 60 python3 throughput.py --skip-hf --repeats 3
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
