@@ -188,5 +188,18 @@ case $part in
     step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
     step dense 60 python3 throughput.py --skip-hf --repeats 3
     ;;
+  v)  # session 7, call 2: the chat workload's five interleaved rounds, serve, fp8 KV and the 8B shape
+    step chat 180 python3 shared_prefix.py --repeats 5
+    step serve 130 python3 serve.py
+    step fp8 70 python3 throughput.py --skip-hf --repeats 3 --kv-cache-dtype fp8
+    step 8b 170 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
+    ;;
+  w)  # session 7, call 3: capture costs (round 2's targets), steering against HF on the GPU (float32:
+      # each case builds its own engine, so the call has more time than part u gave it), Gemma 2
+    step capture 150 python3 capture_cost.py --repeats 3
+    (cd .. && timeout 200 python3 -m pytest -v -p no:cacheprovider "tests/test_gpu.py::test_steering_matches_hf_on_gpu" \
+        >"$out/gpu-tests-w.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|Error" "$out/gpu-tests-w.txt" | head -5)
+    step gemma2 120 python3 throughput.py --shape gemma2-2b --skip-hf --repeats 1
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
