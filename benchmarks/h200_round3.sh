@@ -204,9 +204,9 @@ case $part in
   x)  # session 7, call 4 (its last device time): fp8 KV and capture costs over five repeats (call v's
       # fp8 median was 0.1 % under 28k, call w's bulk capture had one slow run of three), then the
       # HF-exact GPU tests, most important first (verbose: what passed is in the file if the limit cuts it)
-    step fp8 100 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
-    step capture 160 python3 capture_cost.py --repeats 5
-    (cd .. && g=tests/test_gpu.py && timeout 150 python3 -m pytest -v -p no:cacheprovider "$g::test_greedy_matches_hf_on_gpu[qwen3]" \
+    step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
+    step capture 150 python3 capture_cost.py --repeats 5
+    (cd .. && g=tests/test_gpu.py && timeout 90 python3 -m pytest -v -p no:cacheprovider "$g::test_greedy_matches_hf_on_gpu[qwen3]" \
         $g::test_capture_matches_hf_on_gpu $g::test_graph_replay_is_bit_identical_to_eager $g::test_fp8_kv_cache_on_gpu \
         "$g::test_greedy_matches_hf_on_gpu[gemma2]" "$g::test_greedy_matches_hf_on_gpu[gpt2]" "$g::test_greedy_matches_hf_on_gpu[phi3]" \
         "$g::test_greedy_matches_hf_on_gpu[olmo2]" "$g::test_greedy_matches_hf_on_gpu[gpt_neox]" "$g::test_greedy_matches_hf_on_gpu[llama]" \
