@@ -212,5 +212,13 @@ case $part in
         "$g::test_greedy_matches_hf_on_gpu[olmo2]" "$g::test_greedy_matches_hf_on_gpu[gpt_neox]" "$g::test_greedy_matches_hf_on_gpu[llama]" \
         >"$out/gpu-tests-x.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED" "$out/gpu-tests-x.txt" | cut -c1-100)
     ;;
+  y)  # the next session's first call: the bulk capture cost over five repeats (call x's limit cut it on a
+      # fresh machine), then the HF-exact GPU tests call x's limit cut
+    step capture 230 python3 capture_cost.py --repeats 5
+    (cd .. && g=tests/test_gpu.py && timeout 300 python3 -m pytest -v -p no:cacheprovider $g::test_graph_replay_is_bit_identical_to_eager \
+        $g::test_fp8_kv_cache_on_gpu "$g::test_greedy_matches_hf_on_gpu[gemma2]" "$g::test_greedy_matches_hf_on_gpu[gpt2]" \
+        "$g::test_greedy_matches_hf_on_gpu[phi3]" "$g::test_greedy_matches_hf_on_gpu[olmo2]" "$g::test_greedy_matches_hf_on_gpu[gpt_neox]" \
+        "$g::test_greedy_matches_hf_on_gpu[llama]" >"$out/gpu-tests-y.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED" "$out/gpu-tests-y.txt" | cut -c1-100)
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
