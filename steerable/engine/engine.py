@@ -19,7 +19,6 @@ from typing import Any
 from steerable import cpu_threads
 from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
-from steerable.checks import all_ints
 from steerable.config import EngineConfig
 from steerable.distributed.executor import create_worker
 from steerable.distributed.placement import pipeline_micro_batches
@@ -27,6 +26,7 @@ from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine import prompt_logprobs
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
+from steerable.engine.admission import Admission
 from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler
 from steerable.engine.shared_prefix import SharedPrefixDetector
@@ -43,7 +43,7 @@ from steerable.sae.registry import SaeRegistry
 from steerable.sampling_params import SamplingParams
 from steerable.steering.manager import SteeringManager
 from steerable.steering.spec import SteeringSpec
-from steerable.structured.plane import StructuredPlane, refuse_streaming_input
+from steerable.structured.plane import StructuredPlane
 from steerable.step import PLACEHOLDER, PromptLogprobsInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class _InFlight:
     prompt_logprobs: list[PromptLogprobsInput] | None = None
 
 
-class LLMEngine(ResumableRequests):
+class LLMEngine(Admission, ResumableRequests):
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
@@ -299,170 +299,6 @@ class LLMEngine(ResumableRequests):
                 logger.warning("a capture sink failed while the engine shut down", exc_info=True)
             self.worker.shutdown()
 
-    # ---------------------------------------------------------------- admission
-
-    def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
-                     stream: bool, resumable: bool, increments: bool) -> RequestGroup:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if resumable and params.n != 1:
-            raise InvalidRequestError(f"n: streaming input takes one completion, got n={params.n}")
-        if resumable and params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs: not supported with streaming input")
-        if resumable:
-            refuse_streaming_input(params)
-        self._check_token_ids(params)
-        self.structured.check(params)
-        if client_id in self.groups:
-            raise InvalidRequestError(f"request_id: {client_id!r} is already running")
-        limit = self.config.max_n
-        if limit is not None and params.n > limit:
-            raise InvalidRequestError(f"n: {params.n} is above this engine's cap of {limit} completions per request "
-                                      "(max_n)")
-        prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
-        if params.n == 1:
-            group = RequestGroup(client_id, [self._admit(client_id, 0, prompt_text, token_ids, params)], stream,
-                                 increments)
-        else:
-            group = self._admit_group(client_id, prompt_text, token_ids, params, stream, increments)
-        self.groups[client_id] = group
-        for child in group.children:
-            self._enqueue(child, group, resumable)
-        return group
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids in the parameters name entries of this model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (("logprob_token_ids", params.logprob_token_ids), ("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
-            bad = [t for t in ids or [] if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise InvalidRequestError(f"prompt_logprobs: {params.prompt_logprobs} exceeds the vocabulary size {vocab}")
-
-    def _admit(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
-               params: SamplingParams, template: Request | None = None) -> Request:
-        """One completion's request, its steering and capture admitted (``template``: a sibling's
-        steering snapshot is shared, as the group was admitted with it)."""
-        request = self._new_request(client_id, index, prompt_text, token_ids, params)
-        if template is None:
-            self.steering.admit(request)
-        else:
-            self.steering.share(request, template)
-            request.hash_keys = list(template.hash_keys)
-        try:
-            self.structured.admit(request)  # compiled already (``structured.check``): cannot fail here
-            self.capture.admit(request)
-        except BaseException:
-            self.structured.release(request)
-            self.steering.release(request)
-            raise
-        request.detokenizer = self.tokenizer.stream(token_ids, params.skip_special_tokens)
-        if request.prompt_logprobs is not None and len(token_ids) > 1:
-            self._prompt_logprobs.add(request.request_id)
-        return request
-
-    def _new_request(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
-                     params: SamplingParams) -> Request:
-        request_id = f"{client_id}-{self._rng.getrandbits(32):08x}"
-        return Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63),
-                       self.model_config.eos_token_ids, index)
-
-    def _admit_group(self, client_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
-                     stream: bool, increments: bool) -> RequestGroup:
-        """``n`` > 1: the steering snapshot is taken once, on a template request that is never
-        scheduled, and the first completion admitted now (so bad input fails here); the others
-        are created from the template as the scheduler has room (``_fan_out``)."""
-        template = self._new_request(client_id, -1, prompt_text, token_ids, params)
-        self.steering.admit(template)
-        try:
-            first = self._admit(client_id, 0, prompt_text, token_ids, _child_params(params, 0), template)
-        except BaseException:
-            self.steering.release(template)
-            raise
-        group = RequestGroup(client_id, [first], stream, increments, n=params.n)
-        group.template = template
-        block = self.config.block_size
-        caching = self.config.enable_prefix_caching and not params.skip_reading_prefix_cache
-        group.shared_blocks = (len(token_ids) - 1) // block if caching else 0
-        self._fanning_out.append(group)
-        return group
-
-    def _enqueue(self, child: Request, group: RequestGroup, resumable: bool = False) -> None:
-        child.group = group
-        child.resumable = resumable
-        self.requests[child.request_id] = child
-        self.scheduler.add(child)
-
-    def _fan_out(self) -> None:
-        """Create the next siblings of ``n``-requests, oldest first, while the batch has free
-        sequence slots not claimed by requests already waiting: a request that arrives later
-        waits behind at most one such batch. One request's live completions stay within
-        ``max_fanout_seqs``, so the others keep the rest of the batch. Siblings wait until the
-        first one's prompt blocks are in the prefix cache, so they share its KV instead of
-        computing the prompt again."""
-        room = self.config.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting)
-        cap = self.config.max_fanout_seqs or self.config.max_num_seqs
-        for group in list(self._fanning_out):
-            if room <= 0:
-                return
-            first = group.children[0]
-            if group.shared_blocks and not first.finished and self.kv.num_published(first) < group.shared_blocks:
-                continue
-            take = min(room, group.num_uncreated, cap - (group.num_unfinished - group.num_uncreated))
-            if take <= 0:
-                continue
-            self._fanning_out.remove(group)
-            template = group.template
-            for _ in range(take):
-                index = len(group.children)
-                child = self._admit(group.client_id, index, template.prompt, template.prompt_token_ids,
-                                    _child_params(template.params, index), template)
-                group.children.append(child)
-                group.changed[index] = child
-                self._enqueue(child, group)
-                room -= 1
-            if group.num_uncreated:
-                self._fanning_out.append(group)  # behind the others, and behind requests that arrive meanwhile
-            else:
-                self._release_template(group)
-
-    def _release_template(self, group: RequestGroup) -> None:
-        if group.template is not None:
-            self.steering.release(group.template)
-            group.template = None
-
-    def _tokenize(self, prompt: str | Sequence[int], continuation: bool = False,
-                  truncate: int | None = None) -> tuple[str | None, list[int]]:
-        """Token ids of a prompt, or of a streaming-input chunk (``continuation``: no special
-        tokens; its length is checked when it is applied); ``truncate``: keep the last that many
-        (-1: the most ``max_model_len`` leaves room for, one token to generate)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt: must not be empty")
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=not continuation)
-        else:
-            text, ids = None, list(prompt)
-            if not all_ints(ids):
-                raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
-        if not ids:
-            raise InvalidRequestError("prompt: must contain at least one token")
-        if truncate is not None:
-            keep = self.max_model_len - 1 if truncate == -1 else truncate
-            if keep < len(ids):
-                text, ids = None, ids[len(ids) - keep:]
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if not continuation and len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
-                                      "(at least one token must be generated)")
-        return text, ids
-
     # ---------------------------------------------------------------- the loop
 
     def _step(self) -> list[RequestOutput]:
@@ -672,10 +508,3 @@ class LLMEngine(ResumableRequests):
                 **self.worker.stats(),
             }
 
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion ``index`` of ``n``: its own copy, seeded ``seed + index`` as vLLM seeds siblings."""
-    if params.n == 1:
-        return params
-    seed = params.seed + index if params.seed is not None else None
-    return dataclasses.replace(params, n=1, seed=seed)
