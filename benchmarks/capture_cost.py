@@ -4,7 +4,7 @@ and bulk capture on the first ``--bulk-requests`` requests: (d) no capture, (e) 
 every generated token at every layer in the model dtype, then ``fetch_captured`` timed (GB/s).
 Costs are against (a), or (d) for (e). Row counts are checked; a wrong count exits non-zero.
 
-    PYTHONPATH=. python benchmarks/capture_cost.py [--num-requests 256] [--bulk-requests 64] [--repeats R]
+    PYTHONPATH=. python benchmarks/capture_cost.py [--num-requests 256] [--bulk-requests 64] [--repeats R] [--modes M,...]
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
     p.add_argument("--bulk-requests", type=int, default=None, help="requests of the bulk modes (d, e)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated subset of the modes (each one's baseline always runs)")
     args = p.parse_args()
+    chosen = set(args.modes.split(","))
+    if chosen - set(MODES):
+        p.error(f"unknown modes {sorted(chosen - set(MODES))}; expected some of {list(MODES)}")
+    modes = [m for m in MODES if m in chosen or any(BASELINE[c] == m for c in chosen)]
     path = common.setup("capture_cost", args, {"bulk_requests": (64, 4)})
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
@@ -78,10 +84,10 @@ def main() -> None:
         result.update({k: after[k] - before[k] for k in after})
         return result
 
-    results = common.interleaved(MODES, run, args.repeats)
+    results = common.interleaved(modes, run, args.repeats)
 
     ok = True
-    for mode in MODES:
+    for mode in modes:
         runs = results[mode]
         t = common.median([x["seconds"] for x in runs])
         base = common.median([x["seconds"] for x in results[BASELINE[mode]]])

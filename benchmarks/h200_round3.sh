@@ -214,7 +214,7 @@ case $part in
     ;;
   y)  # the next session's first call: the bulk capture cost over five repeats (call x's limit cut it on a
       # fresh machine), then the HF-exact GPU tests call x's limit cut
-    step capture 230 python3 capture_cost.py --repeats 5
+    step capture 200 python3 capture_cost.py --modes stream_all_generated --repeats 5
     (cd .. && g=tests/test_gpu.py && timeout 300 python3 -m pytest -v -p no:cacheprovider $g::test_graph_replay_is_bit_identical_to_eager \
         $g::test_fp8_kv_cache_on_gpu "$g::test_greedy_matches_hf_on_gpu[gemma2]" "$g::test_greedy_matches_hf_on_gpu[gpt2]" \
         "$g::test_greedy_matches_hf_on_gpu[phi3]" "$g::test_greedy_matches_hf_on_gpu[olmo2]" "$g::test_greedy_matches_hf_on_gpu[gpt_neox]" \

@@ -143,6 +143,13 @@ def test_capture_cost(cache_dir):
     assert "graph_replays" in r["capture_status"][0]
 
 
+def test_capture_cost_runs_a_subset_with_its_baseline(cache_dir):
+    r = run("capture_cost", cache_dir, "--modes", "stream_all_generated")
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["none_bulk", "stream_all_generated"]  # the baseline runs without being asked for
+    assert runs["stream_all_generated"]["rows_ok"] and runs["stream_all_generated"]["baseline"] == "none_bulk"
+
+
 def test_latency(cache_dir):
     r = run("latency", cache_dir, "--repeats", "2")
     modes = {x["mode"]: x for x in r["latency"]}
