@@ -106,6 +106,32 @@ class TableWrite:
     def site(self) -> Site:
         return self.point, self.layer
 
+    @property
+    def count(self) -> int:
+        """Vectors in each of its parts (and bounds, gates): one per row of an add, one per slot of a clamp."""
+        return self.n * self.slots
+
+    @property
+    def row_span(self) -> slice:
+        """Its rows among the update's row indices."""
+        return slice(self.rows, self.rows + self.n)
+
+    def vector_span(self, written: bool = False) -> slice:
+        """Its vectors among the update's vector indices: the added or read ones, or (``written``,
+        a split clamp) the written ones after them."""
+        start = self.vectors + (self.count if written else 0)
+        return slice(start, start + self.count)
+
+    @property
+    def bound_span(self) -> slice:
+        """Its clamp bounds among the update's params (three per slot)."""
+        return slice(self.params, self.params + 3 * self.count)
+
+    @property
+    def gate_span(self) -> slice:
+        """Its gates among the update's params (two per slot, after the bounds)."""
+        return slice(self.params + 3 * self.count, self.params + 5 * self.count)
+
 
 @dataclass
 class SteeringUpdate:
@@ -140,22 +166,29 @@ class SteeringUpdate:
     def vectors_at(self) -> int:
         return self.params_at + self.num_params
 
+    def split(self, data: Any) -> tuple[Any, Any, Any]:
+        """This update's buffer (``data``: on the host, or copied to a device) cut into its parts:
+        the row then vector indices (int32 bits, ``num_rows`` first), the params, and the distinct
+        vectors [m, hidden]. ``TableWrite``'s spans index into them."""
+        return (data[:self.params_at], data[self.params_at:self.vectors_at],
+                data[self.vectors_at:].reshape(-1, self.hidden))
+
     def rows(self, write: TableWrite) -> np.ndarray:
         """int64 [n]: the rows ``write`` sets."""
-        return self.data[write.rows:write.rows + write.n].view(np.int32).astype(np.int64)
+        bits, _, _ = self.split(self.data)
+        return bits[:self.num_rows][write.row_span].view(np.int32).astype(np.int64)
 
     def vectors(self, write: TableWrite) -> np.ndarray:
         """float32 [n, H] (an add) or [n, slots, H] (a clamp's read directions)."""
-        start = self.num_rows + write.vectors
-        pieces = self.data[start:start + write.n * write.slots].view(np.int32)
-        block = self.data[self.vectors_at:].reshape(-1, self.hidden)[pieces]
+        bits, _, distinct = self.split(self.data)
+        block = distinct[bits[self.num_rows:][write.vector_span()].view(np.int32)]
         return block.reshape(write.n, self.hidden) if write.table == "add" else \
             block.reshape(write.n, write.slots, self.hidden)
 
     def bounds(self, write: TableWrite) -> np.ndarray:
         """float32 [n, slots, 3]: a clamp's lo, hi, strength."""
-        start = self.params_at + write.params
-        return self.data[start:start + write.n * write.slots * 3].reshape(write.n, write.slots, 3)
+        _, params, _ = self.split(self.data)
+        return params[write.bound_span].reshape(write.n, write.slots, 3)
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from steerable.hook_points import SiteWrite
@@ -46,19 +45,17 @@ class SteeringTables:
         writes = [write for write in update.writes if self.owns(write.site)]
         if not writes:
             return
-        data = to_device(update.data, self.device)
-        indices = data[:update.params_at].view(torch.int32).long()
-        rows, pieces = indices[:update.num_rows], indices[update.num_rows:]
-        params = data[update.params_at:update.vectors_at]
-        vectors = data[update.vectors_at:].view(-1, self.hidden_size).to(self.dtype)[pieces]
+        bits, params, distinct = update.split(to_device(update.data, self.device))
+        indices = bits.view(torch.int32).long()
+        rows, vectors = indices[:update.num_rows], distinct.to(self.dtype)[indices[update.num_rows:]]
         for write in writes:
-            index = rows[write.rows:write.rows + write.n]
+            index = rows[write.row_span]
             if write.table == "add":
                 table = self.add.get(write.site)
                 if table is None:
                     table = self.add[write.site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype,
                                                                device=self.device)
-                table.index_copy_(0, index, vectors[write.vectors:write.vectors + write.n])
+                table.index_copy_(0, index, vectors[write.vector_span()])
             else:
                 self._write_clamps(write, index, vectors, params)
 
@@ -67,20 +64,17 @@ class SteeringTables:
         """Every table of the site at once: the driver packs every slot at the table's width
         (``RowTables``), with write directions and gates at every site that has them."""
         site, n, slots = write.site, write.n, write.slots
-        count = n * slots
         self._ensure_clamp_slots(site, slots)
-        self.clamp_dir[site].index_copy_(0, index, vectors[write.vectors:write.vectors + count].view(
-            n, slots, self.hidden_size))
-        self.clamp_bounds[site].index_copy_(0, index, params[write.params:write.params + 3 * count].view(n, slots, 3))
+        self.clamp_dir[site].index_copy_(0, index, vectors[write.vector_span()].view(n, slots, self.hidden_size))
+        self.clamp_bounds[site].index_copy_(0, index, params[write.bound_span].view(n, slots, 3))
         if write.split:
             if site not in self.clamp_write:
                 self.clamp_write[site] = self.clamp_dir[site].clone()  # rows written so far: projection clamps
                 self.clamp_gate[site] = torch.tensor(NO_GATE, device=self.device).repeat(
                     *self.clamp_dir[site].shape[:2], 1)
-            self.clamp_write[site].index_copy_(0, index, vectors[write.vectors + count:write.vectors + 2 * count].view(
+            self.clamp_write[site].index_copy_(0, index, vectors[write.vector_span(written=True)].view(
                 n, slots, self.hidden_size))
-            self.clamp_gate[site].index_copy_(0, index, params[write.params + 3 * count:
-                                                               write.params + 5 * count].view(n, slots, 2))
+            self.clamp_gate[site].index_copy_(0, index, params[write.gate_span].view(n, slots, 2))
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
