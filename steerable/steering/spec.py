@@ -277,12 +277,11 @@ class SpecParser:
 
     def _check_item(self, item: Add | Clamp, layer: int, where: str, seen: Seen) -> Intervention:
         """An ``Add`` or ``Clamp`` at ``layer``, checked (the other layers' come from it)."""
-        select = self._select(item.hook, item.select, where, seen)
         if isinstance(item, Add):
-            vector, vector_hash = self._vector(item.vector, f"{where}.vector", seen)
+            add = self._add(item.hook, layer, item.vector, item.select, where, seen)
             scale = finite_number(item.scale, f"{where}.scale")
-            add = Intervention("add", item.hook, layer, vector, vector_hash, select)
             return add.scaled(scale, where) if scale != 1.0 else add
+        select = self._select(item.hook, item.select, where, seen)
         direction, _ = self._vector(item.direction, f"{where}.direction", seen)
         unit = seen.units.get(id(direction))  # the copy lives as long as the parse: its id is its own
         if unit is None:
