@@ -2,12 +2,17 @@
 hidden state at every layer for every request, (c) the same through a per-request ``CaptureSpec``;
 and bulk capture on the first ``--bulk-requests`` requests: (d) no capture, (e) a stream recording
 every generated token at every layer in the model dtype, then ``fetch_captured`` timed (GB/s).
-Costs are against (a), or (d) for (e). Row counts are checked; a wrong count exits non-zero.
+Costs are against (a), or (d) for (e). Row counts are checked; a wrong count exits non-zero. On a
+CUDA machine each run also reports what the caching host allocator pinned during its generate
+(seconds in its allocation calls, GB): pinning new row-log memory is the part of a capture run's cost that
+later runs do not pay.
 
     PYTHONPATH=. python benchmarks/capture_cost.py [--num-requests 256] [--bulk-requests 64] [--repeats R] [--modes M,...]
 """
 
 from __future__ import annotations
+
+import torch
 
 import common
 from common import emit, timed
@@ -17,6 +22,15 @@ BASELINE = {"none": "none", "stream_last_prompt": "none", "per_request_last_prom
             "none_bulk": "none_bulk", "stream_all_generated": "none_bulk"}
 STREAM = "hidden_states"
 COUNTERS = ("graph_replays", "eager_capture_forwards")
+
+
+def pinned_so_far() -> dict:
+    """The caching host allocator's running totals (empty without CUDA): time in its pinning calls, bytes pinned."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.host_memory_stats()
+    return {"pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6,
+            "pinned_alloc_gb": stats.get("allocated_bytes.allocated", 0) / 1e9}
 
 
 def main() -> None:
@@ -57,7 +71,7 @@ def main() -> None:
         """One generate in ``mode``, with the stream on only around it, then its fetch; returns the
         run's numbers and checks (rows per layer, counter deltas)."""
         work = workloads[mode]
-        before = counts()
+        before, pinned_before = counts(), pinned_so_far()
         if mode in streams:
             llm.start_capture(STREAM, layers=None, select=streams[mode])
         try:
@@ -66,6 +80,7 @@ def main() -> None:
                 return {}
             params = common.sampling_params(work, salt, extras.get(mode))
             outs, seconds = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
+            pinned_after = pinned_so_far()  # during the generate (the fetch's own copy is not timed)
         finally:
             if mode in streams:
                 llm.stop_capture(STREAM)
@@ -82,6 +97,7 @@ def main() -> None:
             result["rows_ok"] = check(mode, outs, tensors)
         after = counts()
         result.update({k: after[k] - before[k] for k in after})
+        result.update({k: pinned_after[k] - pinned_before[k] for k in pinned_after})
         return result
 
     results = common.interleaved(modes, run, args.repeats)
@@ -100,6 +116,9 @@ def main() -> None:
                           fetch_gb_s=common.median([x["fetch_gb_s"] for x in runs]),
                           fetch_s_all=[x["fetch_s"] for x in runs], fetch_bytes=runs[-1]["fetch_bytes"],
                           rows_per_layer=runs[-1]["rows_per_layer"])
+        for key in ("pinned_alloc_s", "pinned_alloc_gb"):
+            if key in runs[-1]:
+                record[f"{key}_all"] = [x[key] for x in runs]
         for key in ("tokens_dropped", *COUNTERS):
             if key in runs[-1]:
                 record[key] = runs[-1][key]

@@ -212,13 +212,14 @@ case $part in
         "$g::test_greedy_matches_hf_on_gpu[olmo2]" "$g::test_greedy_matches_hf_on_gpu[gpt_neox]" "$g::test_greedy_matches_hf_on_gpu[llama]" \
         >"$out/gpu-tests-x.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED" "$out/gpu-tests-x.txt" | cut -c1-100)
     ;;
-  y)  # the next session's first call: the bulk capture cost over five repeats (call x's limit cut it on a
-      # fresh machine), then the HF-exact GPU tests call x's limit cut
-    step capture 200 python3 capture_cost.py --modes stream_all_generated --repeats 5
-    (cd .. && g=tests/test_gpu.py && timeout 300 python3 -m pytest -v -p no:cacheprovider $g::test_graph_replay_is_bit_identical_to_eager \
-        $g::test_fp8_kv_cache_on_gpu "$g::test_greedy_matches_hf_on_gpu[gemma2]" "$g::test_greedy_matches_hf_on_gpu[gpt2]" \
-        "$g::test_greedy_matches_hf_on_gpu[phi3]" "$g::test_greedy_matches_hf_on_gpu[olmo2]" "$g::test_greedy_matches_hf_on_gpu[gpt_neox]" \
-        "$g::test_greedy_matches_hf_on_gpu[llama]" >"$out/gpu-tests-y.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED" "$out/gpu-tests-y.txt" | cut -c1-100)
+  y)  # session 8, call 1: every capture cost over five repeats after the row log's chunk cap (each
+      # run reports what it pinned), then every GPU test: the GPU-marked files and the Triton kernels
+      # compiled (four workers; the test that sizes the KV cache from free memory runs alone after them)
+    step capture 280 python3 capture_cost.py --repeats 5
+    (cd .. && free=tests/test_gpu.py::test_gpu_kv_cache_sized_from_free_memory &&
+     timeout 250 python3 -m pytest -q -rfE -p no:cacheprovider -n 4 -m "gpu or triton" --deselect $free tests \
+        >"$out/gpu-tests-y.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 6 "$out/gpu-tests-y.txt" | cut -c1-200
+     timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider $free >>"$out/gpu-tests-y.txt" 2>&1; echo "free-memory test rc=$?")
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -84,3 +84,19 @@ def test_row_log_gathers_subsets_across_chunks():
     assert log.rows(pick)[:, 0].tolist() == pick.tolist()
     log.keep(np.arange(3000) % 2 == 1)
     assert len(log) == 1500 and log.rows()[:3, 0].tolist() == [1.0, 3.0, 5.0] and log.labels()[0][0] == 1
+
+
+def test_row_log_chunks_stop_growing_at_their_cap(monkeypatch):
+    """A long run holds at most one chunk it does not fill (what it pins stays near what it stores)."""
+    monkeypatch.setattr("steerable.capture.rowlog._MAX_CHUNK_BYTES", 4096 * 16)
+    log = RowLog()
+    source = torch.arange(20000, dtype=torch.float32)[:, None].repeat(1, 4)  # 16 bytes a row: cap 4096 rows
+    for start in range(0, 20000, 300):
+        rows = source[start:start + 300]
+        log.append(rows, None, np.arange(start, start + len(rows)), np.zeros(len(rows), np.int32),
+                   np.zeros(len(rows), np.int32))
+    capacities = [c.untyped_storage().nbytes() // 16 for c in log.chunks]  # a full chunk is trimmed to its rows
+    assert capacities[:2] == [1024, 4096] and max(capacities) == 4096
+    assert sum(capacities) < len(log) + 4096
+    assert log.rows()[:, 0].tolist() == list(range(20000))
+    assert log.rows(np.array([0, 1024, 5119, 5120, 19999]))[:, 0].tolist() == [0, 1024, 5119, 5120, 19999]

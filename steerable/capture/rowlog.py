@@ -1,9 +1,11 @@
 """A growable host log of labelled rows: what one layer of a capture stream accumulates.
 
-Rows arrive a step at a time and are copied straight into preallocated chunks (each four times the
-last, so a long run takes a handful of allocations and never moves what it stored; pinned on a CUDA
-machine: resident pages, and memory the caching host allocator hands out again once a fetched
-tensor is dropped, so a capture loop in steady state takes no page faults); labels are numpy
+Rows arrive a step at a time and are copied straight into preallocated chunks: each four times the
+last up to 16 MiB, then 16 MiB each, so a long run takes few allocations, never moves what it
+stored and holds at most one chunk it does not fill (growing by four without a cap pinned 2.4 times
+what a long bulk run stored, and pinning takes time per byte). On a CUDA machine the chunks are
+pinned: resident pages, and memory the caching host allocator hands out again once a fetched
+tensor is dropped, so a capture loop in steady state takes no page faults. Labels are numpy
 columns. Reading every row hands out a view of the chunk, or one concatenation of several; memory
 once handed out is never written again: a clear drops the chunks instead of reusing them.
 """
@@ -15,6 +17,7 @@ import torch
 
 _FIRST_CHUNK_ROWS = 1024
 _GROWTH = 4
+_MAX_CHUNK_BYTES = 16 << 20
 
 
 class RowLog:
@@ -23,6 +26,7 @@ class RowLog:
         self.chunks: list[torch.Tensor] = []  # [capacity, width] each
         self.chunk_start: list[int] = []  # log row of each chunk's first row
         self.used = 0  # rows filled in the last chunk
+        self.next_chunk_rows = _FIRST_CHUNK_ROWS  # before the cap
         self.n = 0
         self.owner = np.empty(0, np.int64)  # the store's request index of each row
         self.positions = np.empty(0, np.int32)
@@ -56,7 +60,9 @@ class RowLog:
             return self.chunks[-1]
         if self.chunks:  # the tail of the full chunk stays unused; its rows end at self.n
             self.chunks[-1] = self.chunks[-1][:self.used]
-        rows = max(k, _GROWTH * len(self.chunks[-1]) if self.chunks else _FIRST_CHUNK_ROWS)
+        cap = max(1, _MAX_CHUNK_BYTES // (like.shape[-1] * like.element_size()))
+        rows = max(k, min(self.next_chunk_rows, cap))
+        self.next_chunk_rows = _GROWTH * rows
         self.chunks.append(torch.empty(rows, like.shape[-1], dtype=like.dtype, pin_memory=self.pin_memory))
         self.chunk_start.append(self.n)
         self.used = 0
@@ -110,3 +116,4 @@ class RowLog:
     def clear(self) -> None:
         self.chunks, self.chunk_start = [], []
         self.used = self.n = 0
+        self.next_chunk_rows = _FIRST_CHUNK_ROWS
