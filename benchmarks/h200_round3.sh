@@ -225,5 +225,11 @@ case $part in
         >"$out/gpu-tests-y.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 6 "$out/gpu-tests-y.txt" | cut -c1-200
      timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider $free >>"$out/gpu-tests-y.txt" 2>&1; echo "free-memory test rc=$?")
     ;;
+  z)  # session 8, call 2: steering costs after the table-write spans (470d1a1 changed the worker's
+      # steering table update after session 7 measured it), the dense bf16 and fp8 regressions
+    step steering 200 python3 steering_cost.py --modes global_all_layers,global_clamp_all_layers,mixed_distinct --repeats 5
+    step dense 70 python3 throughput.py --skip-hf --repeats 3
+    step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
