@@ -231,5 +231,16 @@ case $part in
     step dense 70 python3 throughput.py --skip-hf --repeats 3
     step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
     ;;
+  y2)  # session 8, call 3: the bulk capture cost with the store filled on the sink thread, then every
+       # GPU test again, verbose (call y's 250 s limit cut its last few), the free-memory one alone after
+    step capture 170 python3 capture_cost.py --modes stream_all_generated --repeats 5
+    (cd .. && free=tests/test_gpu.py::test_gpu_kv_cache_sized_from_free_memory &&
+     files="tests/test_gpu.py tests/test_shared_prefix_gpu.py tests/test_parallel_gpu.py tests/test_fused_moe.py tests/test_fused_ops.py
+            tests/test_triton_attention.py tests/test_shared_prefix_attention.py tests/test_fp8_kv.py tests/test_fused_path.py
+            tests/test_shared_prefix_engine.py tests/test_benchmarks.py" &&
+     timeout 320 python3 -m pytest -v -rfE -p no:cacheprovider -n 4 -m "gpu or triton" --continue-on-collection-errors \
+        --deselect $free $files >"$out/gpu-tests-y2.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-y2.txt" | cut -c1-200
+     timeout 75 python3 -m pytest -v -rfE -p no:cacheprovider $free >>"$out/gpu-tests-y2.txt" 2>&1; echo "free-memory test rc=$?")
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
