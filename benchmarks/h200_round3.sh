@@ -242,5 +242,10 @@ case $part in
         --deselect $free $files >"$out/gpu-tests-y2.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-y2.txt" | cut -c1-200
      timeout 75 python3 -m pytest -v -rfE -p no:cacheprovider $free >>"$out/gpu-tests-y2.txt" 2>&1; echo "free-memory test rc=$?")
     ;;
+  y3)  # session 8, call 4 (its last 300 s): the GPU tests call y2's limit cut
+    (cd .. && g=tests/test_gpu.py && timeout 190 python3 -m pytest -v -rfE -p no:cacheprovider -n 4 $g::test_fp8_kv_cache_on_gpu \
+        "$g::test_gemma_graph_replay_equals_eager[gemma3-4b]" $g::test_graphs_are_captured_inside_llm_construction \
+        $g::test_qwen3_moe_decodes_from_cuda_graphs >"$out/gpu-tests-y3.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-y3.txt" | cut -c1-120)
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -2,7 +2,6 @@
 reductions, budgets, steering, prefix cache, preemption, bad input."""
 
 import random
-import threading
 
 import pytest
 import torch
@@ -166,35 +165,6 @@ def test_reduce_last_mean_and_budget(model_dirs):
     assert not llm.capture_status()["enabled"] and llm.capture_status()["tokens_stored"] == 20
     llm.clear_captured()
     assert llm.capture_status()["tokens_stored"] == 0
-
-
-def test_a_store_that_keeps_every_row_fills_on_the_sink_thread(model_dirs, monkeypatch):
-    """A stream keeping every row copies them off the engine's thread; a fetch while it records (or a
-    status) waits for what was handed over, so it sees every row of the finished requests, equal to
-    each request's own capture. A reducing store stays on the engine's thread."""
-    llm = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=8192)
-    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[5]]
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=CaptureSpec(layers=[1], select="all"))
-    threads = []
-    real_append = steerable.capture.StreamStore.append
-    monkeypatch.setattr(steerable.capture.StreamStore, "append",
-                        lambda self, rows: threads.append(threading.current_thread().name) or real_append(self, rows))
-    llm.start_capture(layers=[0, 1], select="all")
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.llm_engine.capture.sink_thread is not None  # running, and rows may still be on their way
-    tensors, metas = llm.fetch_captured(clear=False)
-    assert llm.capture_status()["rows_stored"] == {0: len(metas[0]), 1: len(metas[1])}
-    assert set(threads) == {"capture-sink_0"}
-    for out in outs:
-        mine = [i for i, rid in enumerate(metas[1].req_ids) if match_capture_request_id(rid, out.request_id)]
-        assert torch.equal(tensors[1][mine], out.captures[HIDDEN_STATES][1])
-    llm.stop_capture()
-    assert llm.llm_engine.capture.sink_thread is None
-    threads.clear()
-    llm.start_capture(layers=[1], reduce="last")
-    llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
-    llm.stop_capture()
-    assert set(threads) == {threading.current_thread().name}
 
 
 def test_capture_sees_steered_activations(model_dirs):

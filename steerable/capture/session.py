@@ -154,9 +154,7 @@ class CaptureSession:
         that knows where every row belongs copies it there once (corpus capture). Such a stream
         keeps nothing to fetch; a stopped store of the same name stays fetchable meanwhile. A sink
         with ``threaded = True`` is fed on a background thread, in step order, where the worker's
-        host rows outlive later launches; ``stop`` returns once it has taken every row. A store
-        that keeps every row (``reduce='all'``) is fed there too: its row copies (megabytes a step
-        for a bulk stream) overlap the next launches instead of delaying them.
+        host rows outlive later launches; ``stop`` returns once it has taken every row.
         ``sae_features`` records ``saes`` (names of registered SAEs), ``top_k`` features a row."""
         if stream == SAE_FEATURES:
             if reduce != "all":
@@ -177,7 +175,7 @@ class CaptureSession:
         if sink is not None and (reduce != "all" or budget_rows is not None):
             raise InvalidRequestError("sink: takes every selected row as it arrives (reduce='all', no budget_rows)")
         store = sink if sink is not None else StreamStore(config, layer_list, self.layouts.get(component, {}),
-                                                          self.pin_memory, threaded=self.host_block_lifetime is not None)
+                                                          self.pin_memory)
         # reduce="last" keeps each request's final input row: the last prompt row or a generated one,
         # neither of which a prefix-cache hit can skip, so it must not disable the cache.
         row_select = SelectSpec(prompt_positions=[-1], generation="all") if reduce == "last" else config.select
@@ -186,7 +184,7 @@ class CaptureSession:
                                             config.dtype, row_select, store)
         if sink is None:
             self.stopped.pop(stream, None)
-        self._start_sink_thread(store)
+        self._start_sink_thread(sink)
 
     def _start_sink_thread(self, sink: Any) -> None:
         if getattr(sink, "threaded", False) and self.host_block_lifetime is not None and self.sink_thread is None:
@@ -217,11 +215,6 @@ class CaptureSession:
         if thread is not None:
             thread.close()
 
-    def _settle(self) -> None:
-        """Every row handed to the sink thread is stored: a threaded store is read only after this."""
-        if self.sink_thread is not None:
-            self.sink_thread.drain()
-
     def _store(self, stream: str) -> StreamStore | None:
         self._component(stream)
         destination = self.streams.get(stream)
@@ -234,7 +227,6 @@ class CaptureSession:
         """Rows per layer (per SAE name for ``sae_features``: ``layers`` then names SAEs)."""
         if isinstance(req_ids, str):
             req_ids = [req_ids]
-        self._settle()
         if stream == SAE_FEATURES:
             return self.features.fetch(clear, layers, req_ids)
         store = self._store(stream)
@@ -244,7 +236,6 @@ class CaptureSession:
                            list(req_ids) if req_ids is not None else None, clear_selected=clear)
 
     def clear(self, stream: str) -> None:
-        self._settle()
         if stream == SAE_FEATURES:
             self.features.clear()
             return
@@ -253,7 +244,6 @@ class CaptureSession:
             store.clear()
 
     def status(self, stream: str) -> dict[str, Any]:
-        self._settle()
         if stream == SAE_FEATURES:
             return {**self.features.status(), "graph_replays": self.graph_replays,
                     "eager_capture_forwards": self.eager_capture_forwards}

@@ -98,10 +98,7 @@ class StreamStore:
     position, token id), in the order they were computed (so a request's rows by position)."""
 
     def __init__(self, config: StreamConfig, layers: list[int], layouts: dict[int, dict[str, int]],
-                 pin_memory: bool = False, threaded: bool = False):
-        """``threaded``: appends may run on the capture session's sink thread, off the engine's (a
-        bulk stream copies megabytes of rows a step); only a store that keeps every row, whose
-        appends are all that touch it while it records. Readers settle the thread first."""
+                 pin_memory: bool = False):
         self.config = config
         self.layers = layers
         self.layouts = layouts
@@ -111,7 +108,6 @@ class StreamStore:
         self._next_owner = 0
         self.tokens_dropped = 0
         self.reduction = _Reduction(config.reduce, len(layers)) if config.reduce != "all" else None
-        self.threaded = threaded and self.reduction is None
 
     @property
     def tokens_stored(self) -> int:
