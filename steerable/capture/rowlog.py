@@ -2,8 +2,8 @@
 
 Rows arrive a step at a time and are copied straight into preallocated chunks: each four times the
 last up to 16 MiB, then 16 MiB each, so a long run takes few allocations, never moves what it
-stored and holds at most one chunk it does not fill (growing by four without a cap pinned 2.4 times
-what a long bulk run stored, and pinning takes time per byte). On a CUDA machine the chunks are
+stored and holds at most one chunk it does not fill (growing by four without a cap, a long bulk
+run's chunks come to about 2.4 times its rows, and pinning takes time per byte). On a CUDA machine the chunks are
 pinned: resident pages, and memory the caching host allocator hands out again once a fetched
 tensor is dropped, so a capture loop in steady state takes no page faults. Labels are numpy
 columns. Reading every row hands out a view of the chunk, or one concatenation of several; memory
