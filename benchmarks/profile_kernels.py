@@ -5,7 +5,8 @@ Three phases, each profiled after a warm-up of the same shape:
   ``--steering MODE`` steered as ``steering_cost.py``'s mode of that name (wall time beside kernel
   time shows what the host adds);
 - ``decode``: ``--batch`` requests of 16 prompt tokens decoding ``--steps`` tokens each (the
-  one prefill step of 16 x batch tokens is included; per-step figures divide by ``--steps``);
+  one prefill step of 16 x batch tokens is included; per-step figures divide by ``--steps``), for
+  each ``--steering`` mode in turn;
 - ``prefill``: one prompt of ``--prefill-tokens`` tokens, one output token (one prefill chunk
   when it is no longer than ``--max-num-batched-tokens``);
 - ``chat``: ``shared_prefix.py``'s chat workload (chats sharing one system prompt), once with
@@ -108,6 +109,22 @@ def profile_workload(llm, args, mode: str) -> None:
           **{k: after[k] - before[k] for k in ("num_steps", "graph_captures", "graph_replays")}})
 
 
+def profile_decode(llm, args, prompts: list[list[int]], mode: str) -> None:
+    """``--steps`` decode steps of the batch steered as ``mode`` (every request its own config for a
+    per-request mode), after one unprofiled pass of the same shape."""
+    w = common.Workload(prompts, [len(p) for p in prompts], [args.steps + 1] * len(prompts))
+    global_specs, extras = steering_cost.mode_steering(llm, w, args)
+    llm.clear_steering_vectors()
+    if mode in global_specs:
+        llm.set_steering_vectors(global_specs[mode])
+    extra = extras.get(mode)
+    llm.generate(prompts, common.sampling_params(w, f"warm-{mode}", extra, seed=1), use_tqdm=False)
+    params = common.sampling_params(w, f"profiled-{mode}", extra, seed=1)
+    totals, seconds = profile(lambda: llm.generate(prompts, params, use_tqdm=False))
+    report("decode" if mode == "none" else f"decode_{mode}", totals, seconds, args.steps, args.top)
+    llm.clear_steering_vectors()
+
+
 def profile_chat(llm, args) -> None:
     """The chat workload with prefix caching alone, then with shared-prefix attention: one warm-up and
     one profiled run each, the step counts beside the kernel times."""
@@ -134,7 +151,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=None)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--steering", default="none",
-                   help="workload phase: comma-separated steering_cost.py modes, each profiled in turn")
+                   help="workload and decode phases: comma-separated steering_cost.py modes, each profiled in turn")
     p.add_argument("--sae-capture", action="store_true",
                    help="workload phase: capture sae_cost.py's top-32 features of every token (its random SAE)")
     p.add_argument("--system-len", type=int, default=None, help="chat phase: tokens of the shared system prompt")
@@ -165,10 +182,10 @@ def main() -> None:
         return
     if args.phase == "decode":
         prompts = torch.randint(0, vocab, (args.batch, 16), generator=g).tolist()
-        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=0.6, seed=1)
-        llm.generate(prompts, params, use_tqdm=False)
-        run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
-        divide = args.steps
+        for mode in args.steering.split(","):
+            profile_decode(llm, args, prompts, mode)
+        llm.shutdown()
+        return
     else:
         prompt = torch.randint(0, vocab, (args.prefill_tokens,), generator=g).tolist()
         params = SamplingParams(max_tokens=1, temperature=0.0)

@@ -358,6 +358,14 @@ def test_profile_kernels(cache_dir, phase):
     positive(profile, "wall_s")
 
 
+def test_profile_kernels_decode_steering_modes(cache_dir):
+    """Decode steps profiled per steering mode, in one process."""
+    r = run("profile_kernels", cache_dir, "--phase", "decode", "--steering", "none,mixed_distinct")
+    assert [p["phase"] for p in r["profile"]] == ["decode", "decode_mixed_distinct"]
+    for profile in r["profile"]:
+        positive(profile, "wall_s")
+
+
 def test_profile_kernels_workload_modes_and_chat(cache_dir):
     """Several steering modes profiled in one process, each with its engine counts; the chat phase
     profiles caching alone, then shared-prefix attention, on the same chats."""

@@ -29,7 +29,7 @@ def test_rows_in_computed_order_across_chunks_and_views():
     store = StreamStore(StreamConfig(LAYERS, None, "all", "all", None), LAYERS, {})
     for rows in _steps(600, ["a-00000001", "b-00000002"]):  # 1200 rows: two chunks of the log
         store.append(rows)
-    assert len(store.logs[0].chunks) == 2
+    assert len(store.groups) == 1 and len(store.groups[0].log.chunks) == 2
     tensors, metas = store.fetch(clear_selected=True)
     assert tensors[3].shape == (1200, 8) and tensors[3][:, 0].tolist()[:4] == [1000.0, 1100.0, 1001.0, 1101.0]
     assert metas[0].positions.tolist()[:4] == [0, 0, 1, 1] and metas[0].req_ids[:2] == ["a-00000001", "b-00000002"]
@@ -39,7 +39,7 @@ def test_rows_in_computed_order_across_chunks_and_views():
     small = StreamStore(StreamConfig(LAYERS, None, "all", "all", None), LAYERS, {})
     small.append(next(_steps(1, ["a"])))
     peek, _ = small.fetch(clear_selected=False)
-    assert peek[0].data_ptr() == small.logs[0].chunks[0].data_ptr()  # a view, no copy
+    assert peek[3].data_ptr() == small.groups[0].log.chunks[0][1].data_ptr()  # a view, no copy
 
 
 def test_drain_one_request_budget_and_wire_round_trip():
@@ -58,6 +58,23 @@ def test_drain_one_request_budget_and_wire_round_trip():
     assert len(rest_meta[0]) == 25 - 8 and "b-00000002" not in rest_meta[0].req_ids
 
 
+def test_draining_some_layers_keeps_the_others():
+    store = StreamStore(StreamConfig(LAYERS, None, "all", None, 6), LAYERS, {})
+    steps = _steps(5, ["a", "b"])
+    for _ in range(2):
+        store.append(next(steps))
+    drained, _ = store.fetch(layers=[3], req_ids=["a"], clear_selected=True)
+    assert drained[3][:, 0].tolist() == [1000.0, 1001.0]
+    for rows in steps:  # layer 3 has room for two more rows than layer 0
+        store.append(rows)
+    assert store.status()["rows_stored"] == {0: 6, 3: 6} and store.tokens_dropped == 4 + 2
+    tensors, metas = store.fetch(clear_selected=False)
+    assert tensors[0][:, 0].tolist() == [0.0, 100.0, 1.0, 101.0, 2.0, 102.0]
+    assert tensors[3][:, 0].tolist() == [1100.0, 1101.0, 1002.0, 1102.0, 1003.0, 1103.0]
+    assert metas[3].req_ids == ["b", "b", "a", "b", "a", "b"] and metas[0].positions.tolist() == [0, 0, 1, 1, 2, 2]
+    assert list(tensors) == LAYERS
+
+
 def test_reductions_per_request():
     for reduce in ("mean", "last"):
         store = StreamStore(StreamConfig(LAYERS, None, reduce, None, None), LAYERS, {})
@@ -74,29 +91,30 @@ def test_reductions_per_request():
 
 
 def test_row_log_gathers_subsets_across_chunks():
-    log = RowLog()
+    log = RowLog(2)
     source = torch.arange(3000, dtype=torch.float32)[:, None].repeat(1, 4)
+    source = torch.stack([source, -source])
     for start in range(0, 3000, 300):
-        log.append(source[start:start + 300], None, np.arange(start, start + 300), np.zeros(300, np.int32),
+        log.append(source[:, start:start + 300], None, np.arange(start, start + 300), np.zeros(300, np.int32),
                    np.zeros(300, np.int32))
     assert len(log.chunks) == 2 and len(log) == 3000
     pick = np.array([0, 5, 1023, 1024, 2999])
-    assert log.rows(pick)[:, 0].tolist() == pick.tolist()
+    assert log.rows(0, pick)[:, 0].tolist() == pick.tolist() and log.rows(1, pick)[:, 0].tolist() == (-pick).tolist()
     log.keep(np.arange(3000) % 2 == 1)
-    assert len(log) == 1500 and log.rows()[:3, 0].tolist() == [1.0, 3.0, 5.0] and log.labels()[0][0] == 1
+    assert len(log) == 1500 and log.rows(1)[:3, 0].tolist() == [-1.0, -3.0, -5.0] and log.labels()[0][0] == 1
 
 
 def test_row_log_chunks_stop_growing_at_their_cap(monkeypatch):
     """A long run holds at most one chunk it does not fill (what it pins stays near what it stores)."""
     monkeypatch.setattr("steerable.capture.rowlog._MAX_CHUNK_BYTES", 4096 * 16)
-    log = RowLog()
-    source = torch.arange(20000, dtype=torch.float32)[:, None].repeat(1, 4)  # 16 bytes a row: cap 4096 rows
+    log = RowLog(1)
+    source = torch.arange(20000, dtype=torch.float32)[None, :, None].repeat(1, 1, 4)  # 16 bytes a row: cap 4096
     for start in range(0, 20000, 300):
-        rows = source[start:start + 300]
-        log.append(rows, None, np.arange(start, start + len(rows)), np.zeros(len(rows), np.int32),
-                   np.zeros(len(rows), np.int32))
+        rows = source[:, start:start + 300]
+        k = rows.shape[1]
+        log.append(rows, None, np.arange(start, start + k), np.zeros(k, np.int32), np.zeros(k, np.int32))
     capacities = [c.untyped_storage().nbytes() // 16 for c in log.chunks]  # a full chunk is trimmed to its rows
     assert capacities[:2] == [1024, 4096] and max(capacities) == 4096
     assert sum(capacities) < len(log) + 4096
-    assert log.rows()[:, 0].tolist() == list(range(20000))
-    assert log.rows(np.array([0, 1024, 5119, 5120, 19999]))[:, 0].tolist() == [0, 1024, 5119, 5120, 19999]
+    assert log.rows(0)[:, 0].tolist() == list(range(20000))
+    assert log.rows(0, np.array([0, 1024, 5119, 5120, 19999]))[:, 0].tolist() == [0, 1024, 5119, 5120, 19999]

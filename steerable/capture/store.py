@@ -1,8 +1,8 @@
 """Where a capture stream's rows accumulate on the host, with their labels, until they are fetched.
 
-A step's rows reach a stream as one block per layer (every request's rows at once), so storing is
-a copy per layer into that layer's ``RowLog``, reductions are a table update per layer, and a fetch
-is one gather per layer: no work per request and layer in Python.
+A step's rows reach a stream as one block of every layer (every request's rows at once), so storing
+is one copy into the stream's ``RowLog``, reductions are a table update per layer, and a fetch is
+one gather per layer: no work per request in Python.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ class StreamStore:
         self.config = config
         self.layers = layers
         self.layouts = layouts
-        self.logs = {layer: RowLog(pin_memory) for layer in layers}
+        self.pin_memory = pin_memory
+        # Layers whose rows are the same share a log: all of them, until a fetch drains some only.
+        self.groups = [_LayerGroup(layers, None, RowLog(len(layers), pin_memory))]
         self.owner_of: dict[str, int] = {}  # request id -> its index in the logs' owner column
         self.ids: dict[int, str] = {}
         self._next_owner = 0
@@ -111,7 +113,7 @@ class StreamStore:
 
     @property
     def tokens_stored(self) -> int:
-        return sum(len(log) for log in self.logs.values())
+        return sum(len(group.log) * len(group.layers) for group in self.groups)
 
     def append(self, rows: StreamRows) -> None:
         """A step's rows of every layer, already on the host."""
@@ -123,15 +125,10 @@ class StreamStore:
         where = rows.where
         n = len(where)
         every = n == rows.block.shape[1] and (n == 0 or (where[0] == 0 and where[-1] == n - 1))
-        index = None if every else torch.from_numpy(where)
-        for i, layer in enumerate(self.layers):
-            keep = self._room(layer, n)
-            source = rows.block[i]
-            if keep < n:
-                source, index_k = (source[:keep], None) if every else (source, torch.from_numpy(where[:keep]))
-            else:
-                index_k = index
-            self.logs[layer].append(source, index_k, owners[:keep], rows.positions[:keep], rows.token_ids[:keep])
+        for group in self.groups:
+            keep = self._room(group, n)
+            index = None if every else torch.from_numpy(where[:keep])
+            group.log.append(group.of(rows.block), index, owners[:keep], rows.positions[:keep], rows.token_ids[:keep])
 
     def _owner(self, request_id: str) -> int:
         owner = self.owner_of.get(request_id)
@@ -141,11 +138,12 @@ class StreamStore:
             self._next_owner += 1
         return owner
 
-    def _room(self, layer: int, n: int) -> int:
-        """How many of ``n`` new rows the budget lets ``layer`` keep (the rest are counted dropped)."""
+    def _room(self, group: "_LayerGroup", n: int) -> int:
+        """How many of ``n`` new rows the budget lets the group's layers keep (the rest are counted
+        dropped, once per layer)."""
         budget = self.config.budget_rows
-        keep = n if budget is None else max(0, min(n, budget - len(self.logs[layer])))
-        self.tokens_dropped += n - keep
+        keep = n if budget is None else max(0, min(n, budget - len(group.log)))
+        self.tokens_dropped += (n - keep) * len(group.layers)
         return keep
 
     def finish_request(self, request_id: str) -> None:
@@ -157,10 +155,10 @@ class StreamStore:
             return
         rows, position, token_id = reduced
         owner = np.array([self._owner(request_id)], np.int64)
-        for i, layer in enumerate(self.layers):
-            if self._room(layer, 1):
-                self.logs[layer].append(rows[i:i + 1], None, owner, np.array([position], np.int32),
-                                        np.array([token_id], np.int32))
+        for group in self.groups:
+            if self._room(group, 1):
+                group.log.append(group.of(rows[:, None]), None, owner, np.array([position], np.int32),
+                                 np.array([token_id], np.int32))
 
     def abort_request(self, request_id: str) -> None:
         if self.reduction is not None:
@@ -177,24 +175,27 @@ class StreamStore:
         """Per layer the rows of the selected requests (``req_ids``: client-visible ids) in the order
         they were computed, and their labels: every row is a view of the log (or one concatenation),
         a subset one gather. Labels equal across layers (the usual case) are built once."""
+        wanted = self._wanted(layers)
         tensors, metas = {}, {}
-        previous: tuple[np.ndarray, list[str]] | None = None
-        for layer in self._wanted(layers):
-            log = self.logs[layer]
+        for group in list(self.groups):
+            mine = [layer for layer in group.layers if layer in wanted]
+            if not mine:
+                continue
+            if clear_selected and len(mine) < len(group.layers):
+                group = self._split(group, mine)
+            log = group.log
             owner, positions, token_ids = log.labels()
             index = None if req_ids is None else np.flatnonzero(self._selected(owner, req_ids))
             if index is not None:
                 owner, positions, token_ids = owner[index], positions[index], token_ids[index]
             if not len(owner):
                 continue
-            tensors[layer] = log.rows(index)
-            if previous is not None and np.array_equal(previous[0], owner):
-                names = previous[1]
-            else:
-                table, inverse = np.unique(owner, return_inverse=True)
-                names = np.array([self.ids[o] for o in table.tolist()], dtype=object)[inverse].tolist()
-                previous = (owner.copy(), names)
-            metas[layer] = CaptureMeta(names, torch.from_numpy(positions.copy()), torch.from_numpy(token_ids.copy()))
+            table, inverse = np.unique(owner, return_inverse=True)
+            names = np.array([self.ids[o] for o in table.tolist()], dtype=object)[inverse].tolist()
+            for layer in mine:
+                tensors[layer] = log.rows(group.layers.index(layer), index)
+                metas[layer] = CaptureMeta(names, torch.from_numpy(positions.copy()),
+                                           torch.from_numpy(token_ids.copy()))
             if clear_selected:
                 if index is None:
                     log.clear()
@@ -202,7 +203,19 @@ class StreamStore:
                     log.keep(~self._selected(log.labels()[0], req_ids))
         if clear_selected:  # drained requests are forgotten, so a long-running stream stays bounded
             self._forget_drained()
-        return tensors, metas
+        return {layer: tensors[layer] for layer in wanted if layer in tensors}, \
+            {layer: metas[layer] for layer in wanted if layer in metas}
+
+    def _split(self, group: "_LayerGroup", layers: list[int]) -> "_LayerGroup":
+        """Give ``layers`` of the group a log of their own (a copy; the rest keep theirs, with
+        every row): a fetch is about to drain them alone."""
+        self.groups.remove(group)
+        parts = [[layer for layer in group.layers if layer not in layers], layers]
+        split = [_LayerGroup(part, torch.tensor([self.layers.index(layer) for layer in part]),
+                             group.log.take_layers([group.layers.index(layer) for layer in part]))
+                 for part in parts]
+        self.groups += split
+        return split[1]
 
     def serialize(self, layers: list[int] | None = None, req_ids: list[str] | None = None,
                   clear_selected: bool = False) -> dict[int, dict[str, Any]]:
@@ -217,8 +230,11 @@ class StreamStore:
             result[layer] = serialize_capture_layer(tensor, labels, table.tolist(), self.layouts.get(layer))
         return result
 
+    def _group_of(self, layer: int) -> "_LayerGroup":
+        return next(group for group in self.groups if layer in group.layers)
+
     def _wanted(self, layers: list[int] | None) -> list[int]:
-        unknown = [] if layers is None else [layer for layer in layers if layer not in self.logs]
+        unknown = [] if layers is None else [layer for layer in layers if layer not in self.layers]
         if unknown:
             raise InvalidRequestError(f"layers: {unknown} are not captured by this stream; captured: {self.layers}")
         return self.layers if layers is None else list(layers)
@@ -230,15 +246,14 @@ class StreamStore:
 
     def _forget_drained(self) -> None:
         live = set()
-        for log in self.logs.values():
-            live.update(np.unique(log.labels()[0]).tolist())
+        for group in self.groups:
+            live.update(np.unique(group.log.labels()[0]).tolist())
         for owner in [o for o in self.ids if o not in live]:
             del self.owner_of[self.ids.pop(owner)]
 
     def clear(self) -> None:
         """Drop stored rows and counters; reductions of running requests keep accumulating."""
-        for log in self.logs.values():
-            log.clear()
+        self.groups = [_LayerGroup(self.layers, None, RowLog(len(self.layers), self.pin_memory))]
         self.owner_of.clear()
         self.ids.clear()
         self.tokens_dropped = 0
@@ -246,7 +261,7 @@ class StreamStore:
     def status(self) -> dict[str, Any]:
         return {
             "layers": list(self.layers),
-            "rows_stored": {layer: len(log) for layer, log in self.logs.items()},
+            "rows_stored": {layer: len(self._group_of(layer).log) for layer in self.layers},
             "tokens_stored": self.tokens_stored,
             "tokens_dropped": self.tokens_dropped,
             "budget_rows": self.config.budget_rows,
@@ -256,6 +271,22 @@ class StreamStore:
             "requests": len(self.owner_of),
             "pending_reductions": len(self.pending_requests()) * len(self.layers),
         }
+
+
+class _LayerGroup:
+    """Layers of a stream that store the same rows, in one log. ``block_index``: where their rows
+    sit in a step's block (None: the block is exactly theirs)."""
+
+    __slots__ = ("layers", "block_index", "log")
+
+    def __init__(self, layers: list[int], block_index: torch.Tensor | None, log: RowLog):
+        self.layers = list(layers)
+        self.block_index = block_index
+        self.log = log
+
+    def of(self, block: torch.Tensor) -> torch.Tensor:
+        """The group's layers of a block ``[stream layers, rows, width]``."""
+        return block if self.block_index is None else block.index_select(0, self.block_index)
 
 
 class _Reduction:
