@@ -247,5 +247,23 @@ case $part in
         "$g::test_gemma_graph_replay_equals_eager[gemma3-4b]" $g::test_graphs_are_captured_inside_llm_construction \
         $g::test_qwen3_moe_decodes_from_cuda_graphs >"$out/gpu-tests-y3.txt" 2>&1; echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-y3.txt" | cut -c1-120)
     ;;
+  s9a)  # session 9, call 1: capture costs with one row log per stream, where a mixed decode step's
+        # kernel time goes (batch 256, beside none), steering costs over five repeats
+    step capture 260 python3 capture_cost.py --repeats 5
+    step mixed-decode-profile 90 python3 profile_kernels.py --phase decode --batch 256 --steps 32 \
+        --steering none,global_all_layers,mixed_distinct --top 30
+    step steering 190 python3 steering_cost.py --modes global_all_layers,global_clamp_all_layers,mixed_distinct --repeats 5
+    ;;
+  s9b)  # session 9, call 2: MoE throughput and batch-1 latency, the chat workload's five rounds, dense
+    step moe 190 python3 throughput.py --shape qwen3-30b-a3b --skip-hf --repeats 3
+    step moe-latency 70 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step chat 180 python3 shared_prefix.py --repeats 5
+    step dense 70 python3 throughput.py --skip-hf --repeats 3
+    ;;
+  s9c)  # session 9, call 3: serve, fp8 KV, the 8B shape
+    step serve 130 python3 serve.py
+    step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
+    step 8b 170 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
