@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from steerable.errors import InvalidRequestError
+from steerable.selection_sides import INF, Resolved, Side, merge_intervals
 from steerable.selection_fields import (
     _INCLUDE_FIELDS,
     _INT_LIST_FIELDS,
@@ -45,70 +46,8 @@ from steerable.selection_fields import (
 
 __all__ = ["SelectSpec", "SelectLike", "SELECT_FIELDS", "SHORTCUTS"]
 
-# "Open-ended" upper bound of an interval.
-_INF = 1 << 63
-
 # Per-spec bound on the number of cached prompt-length resolutions.
 _RESOLVE_CACHE_MAX = 1024
-
-
-
-def _merge_intervals(ivs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    ivs = sorted(iv for iv in ivs if iv[0] < iv[1])
-    out: list[list[int]] = []
-    for a, b in ivs:
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1][1] = b
-        else:
-            out.append([a, b])
-    return tuple((a, b) for a, b in out)
-
-
-class _Side:
-    """One side (include or exclude) of a spec, resolved for one prompt length.
-
-    ``intervals``: merged half-open absolute-position intervals (prompt/generation
-    scopes and windows); ``points``: sorted absolute positions (explicit position
-    lists); ``prompt_tokens`` / ``gen_tokens``: token-id tuples or None.
-    """
-
-    __slots__ = ("intervals", "points", "prompt_tokens", "gen_tokens", "_points_t")
-
-    def __init__(self, intervals, points, prompt_tokens, gen_tokens):
-        self.intervals: tuple[tuple[int, int], ...] = intervals
-        self.points: tuple[int, ...] = points
-        self.prompt_tokens: Optional[tuple[int, ...]] = prompt_tokens
-        self.gen_tokens: Optional[tuple[int, ...]] = gen_tokens
-        self._points_t: dict[torch.device, torch.Tensor] = {}
-
-    def points_tensor(self, device: torch.device) -> torch.Tensor:
-        t = self._points_t.get(device)
-        if t is None:
-            t = torch.tensor(self.points, dtype=torch.int64, device=device)
-            self._points_t[device] = t
-        return t
-
-    def points_in(self, lo: int, hi: int) -> bool:
-        pts = self.points
-        i = bisect.bisect_left(pts, lo)
-        return i < len(pts) and pts[i] <= hi
-
-    def covers(self, lo: int, hi: int) -> bool:
-        """True when the position intervals alone cover every position in [lo, hi]."""
-        for a, b in self.intervals:
-            if a <= lo and hi < b:
-                return True
-        return False
-
-
-class _Resolved:
-    __slots__ = ("has_include", "inc", "exc")
-
-    def __init__(self, has_include: bool, inc: _Side, exc: _Side):
-        self.has_include = has_include
-        self.inc = inc
-        self.exc = exc
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -281,7 +220,7 @@ class SelectSpec:
 
     # -------------------------------------------------------------- resolution
 
-    def _resolve(self, prompt_len: int) -> _Resolved:
+    def _resolve(self, prompt_len: int) -> Resolved:
         r = self._resolved.get(prompt_len)
         if r is not None:
             return r
@@ -289,21 +228,21 @@ class SelectSpec:
             raise InvalidRequestError(f"select: prompt_len must be a non-negative int, got {prompt_len!r}")
         P = int(prompt_len)
 
-        def side(prefix: str) -> _Side:
+        def side(prefix: str) -> Side:
             g = lambda f: getattr(self, prefix + f)  # noqa: E731
             ivs: list[tuple[int, int]] = []
             pts: set[int] = set()
             if g("prompt") is not None:
                 ivs.append((0, P))
             if g("generation") is not None:
-                ivs.append((P, _INF))
+                ivs.append((P, INF))
             w = g("prompt_window")
             if w is not None:
                 a, b, _ = slice(w[0], w[1]).indices(P)
                 ivs.append((a, b))
             w = g("generation_window")
             if w is not None:
-                ivs.append((P + w[0], _INF if w[1] is None else P + w[1]))
+                ivs.append((P + w[0], INF if w[1] is None else P + w[1]))
             v = g("prompt_positions")
             if v:
                 for q in v:
@@ -316,14 +255,14 @@ class SelectSpec:
             v = g("positions")
             if v:
                 pts.update(v)
-            return _Side(
-                _merge_intervals(ivs),
+            return Side(
+                merge_intervals(ivs),
                 tuple(sorted(pts)),
                 g("prompt_tokens") or None,
                 g("generation_tokens") or None,
             )
 
-        r = _Resolved(self._has_include, side(""), side("exclude_"))
+        r = Resolved(self._has_include, side(""), side("exclude_"))
         if len(self._resolved) >= _RESOLVE_CACHE_MAX:
             self._resolved.clear()
         self._resolved[P] = r
@@ -339,7 +278,7 @@ class SelectSpec:
 
     def _side_mask(
         self,
-        s: _Side,
+        s: Side,
         positions: torch.Tensor,
         P: int,
         token_ids: Optional[torch.Tensor],
@@ -504,7 +443,7 @@ class SelectSpec:
         r = self._resolve(prompt_len)
         start: float = 0
         if r.has_include:
-            open_ended = [a for a, b in r.inc.intervals if b == _INF]
+            open_ended = [a for a, b in r.inc.intervals if b == INF]
             start = min(open_ended) if open_ended else float("inf")
         exc = r.exc
         if exc.gen_tokens:
@@ -513,7 +452,7 @@ class SelectSpec:
             start = max(start, prompt_len)
         reaching = [b for a, b in exc.intervals if b > start]
         if reaching:
-            start = float("inf") if max(reaching) == _INF else max(reaching)
+            start = float("inf") if max(reaching) == INF else max(reaching)
         if exc.points and exc.points[-1] >= start:
             start = exc.points[-1] + 1
         return start
