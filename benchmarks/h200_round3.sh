@@ -260,7 +260,9 @@ case $part in
     step chat 180 python3 shared_prefix.py --repeats 5
     step dense 70 python3 throughput.py --skip-hf --repeats 3
     ;;
-  s9c)  # session 9, call 3: serve, fp8 KV, the 8B shape
+  s9c)  # session 9, call 3: the last-prompt capture lines again (call 1's baseline runs spread by
+        # 0.2 s), serve, fp8 KV, the 8B shape
+    step capture-last 150 python3 capture_cost.py --modes stream_last_prompt,per_request_last_prompt --repeats 5
     step serve 130 python3 serve.py
     step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
     step 8b 170 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
