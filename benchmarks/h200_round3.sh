@@ -267,5 +267,10 @@ case $part in
     step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
     step 8b 170 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
     ;;
+  s9d)  # session 9, call 4 (its last ~5 minutes): the 8B shape and the dense workload again (call 3
+        # measured 8B 0.4 % under 10k, call 2 dense under 25.5k while its other baselines were above)
+    step 8b 150 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
+    step dense 70 python3 throughput.py --skip-hf --repeats 3
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
