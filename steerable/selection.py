@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from steerable.errors import InvalidRequestError
-from steerable.selection_sides import INF, Resolved, Side, merge_intervals
 from steerable.selection_fields import (
     _INCLUDE_FIELDS,
     _INT_LIST_FIELDS,
@@ -43,6 +42,7 @@ from steerable.selection_fields import (
     _as_window,
     _base,
 )
+from steerable.selection_sides import INF, Resolved, Side, merge_intervals
 
 __all__ = ["SelectSpec", "SelectLike", "SELECT_FIELDS", "SHORTCUTS"]
 

@@ -174,7 +174,8 @@ class StreamStore:
               clear_selected: bool = False) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta]]:
         """Per layer the rows of the selected requests (``req_ids``: client-visible ids) in the order
         they were computed, and their labels: every row is a view of the log (or one concatenation),
-        a subset one gather. Labels equal across layers (the usual case) are built once."""
+        a subset one gather. Labels are built once per log (once for all layers, unless a fetch drained
+        some layers alone)."""
         wanted = self._wanted(layers)
         tensors, metas = {}, {}
         for group in list(self.groups):
