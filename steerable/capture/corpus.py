@@ -242,9 +242,8 @@ class _CorpusRun:
         return True
 
     def _finish_ready(self) -> None:
-        """Finish the oldest shards that are complete; raise a shard's storage failure."""
-        for shard in self.open:
-            shard.buffer.check()
+        """Finish the oldest shards that are complete, then raise a later shard's storage failure:
+        the shards before it are whole and a resumed run starts after them."""
         while self.open and self.open[0].unfinished == 0 and self.open[0].buffer.complete:
             shard = self.open.popleft()
             self.router.forget(shard.buffer)
@@ -252,6 +251,8 @@ class _CorpusRun:
             self.files.finish(shard.job, shard.allocation, {"shard": k, "file": shard_name(k), "start": lo,
                                                             "stop": lo + len(shard.job.prompts),
                                                             "rows": shard.buffer.rows})
+        for shard in self.open:
+            shard.buffer.check()
 
 
 class _SplitFeatures:
