@@ -272,5 +272,23 @@ case $part in
     step 8b 150 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
     step dense 70 python3 throughput.py --skip-hf --repeats 3
     ;;
+  s10a)  # session 10, call 1: the 8B shape before (288c5b0, the fifth session's 10,159 tok/s, unpacked in
+         # .carry/old by `git archive 288c5b0 | tar -x -C .carry/old`) and after on one machine, one
+         # process each; where its decode step's kernel time goes; dense
+    step 8b 150 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
+    PYTHONPATH=$root/.carry/old:$root/.carry/site STEERABLE_COMMIT=288c5b0 \
+        step 8b-before 150 python3 ../.carry/old/benchmarks/throughput.py --shape qwen3-8b --skip-hf --repeats 3
+    step 8b-decode-profile 100 python3 profile_kernels.py --shape qwen3-8b --phase decode --batch 256 --steps 16 --top 25
+    step dense 70 python3 throughput.py --skip-hf --repeats 3
+    ;;
+  s10b)  # session 10, call 2: every GPU test (the pinned row log runs only here), the free-memory one alone after
+    (cd .. && free=tests/test_gpu.py::test_gpu_kv_cache_sized_from_free_memory &&
+     files="tests/test_gpu.py tests/test_shared_prefix_gpu.py tests/test_parallel_gpu.py tests/test_fused_moe.py tests/test_fused_ops.py
+            tests/test_triton_attention.py tests/test_shared_prefix_attention.py tests/test_fp8_kv.py tests/test_fused_path.py
+            tests/test_shared_prefix_engine.py tests/test_benchmarks.py tests/test_capture_store.py" &&
+     timeout 480 python3 -m pytest -v -rfE -p no:cacheprovider -n 4 -m "gpu or triton" --continue-on-collection-errors \
+        --deselect $free $files >"$out/gpu-tests-s10b.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-s10b.txt" | cut -c1-200
+     timeout 75 python3 -m pytest -v -rfE -p no:cacheprovider $free >>"$out/gpu-tests-s10b.txt" 2>&1; echo "free-memory test rc=$?")
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ drain by request, reduce per request, and serialise to the wire format losslessl
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from steerable.capture.rowlog import RowLog
@@ -90,14 +91,18 @@ def test_reductions_per_request():
         assert metas[3].positions.tolist() == ([-1] if reduce == "mean" else [3])
 
 
-def test_row_log_gathers_subsets_across_chunks():
-    log = RowLog(2)
+@pytest.mark.parametrize("pinned", [False, pytest.param(True, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs a CUDA device")])])
+def test_row_log_gathers_subsets_across_chunks(pinned):
+    log = RowLog(2, pin_memory=pinned)
     source = torch.arange(3000, dtype=torch.float32)[:, None].repeat(1, 4)
+    if pinned:  # as a step's rows arrive on a CUDA machine: copied from the device's block
+        source = source.cuda()
     source = torch.stack([source, -source])
     for start in range(0, 3000, 300):
         log.append(source[:, start:start + 300], None, np.arange(start, start + 300), np.zeros(300, np.int32),
                    np.zeros(300, np.int32))
-    assert len(log.chunks) == 2 and len(log) == 3000
+    assert len(log.chunks) == 2 and len(log) == 3000 and all(c.is_pinned() == pinned for c in log.chunks)
     pick = np.array([0, 5, 1023, 1024, 2999])
     assert log.rows(0, pick)[:, 0].tolist() == pick.tolist() and log.rows(1, pick)[:, 0].tolist() == (-pick).tolist()
     log.keep(np.arange(3000) % 2 == 1)
