@@ -274,11 +274,13 @@ case $part in
     ;;
   s10a)  # session 10, call 1: the 8B shape before (288c5b0, the fifth session's 10,159 tok/s, unpacked in
          # .carry/old by `git archive 288c5b0 | tar -x -C .carry/old`) and after on one machine, one
-         # process each; where its decode step's kernel time goes; dense
+         # process each; where its decode step's kernel time goes, its decode attention's tiles; dense
     step 8b 150 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
     PYTHONPATH=$root/.carry/old:$root/.carry/site STEERABLE_COMMIT=288c5b0 \
         step 8b-before 150 python3 ../.carry/old/benchmarks/throughput.py --shape qwen3-8b --skip-hf --repeats 3
     step 8b-decode-profile 100 python3 profile_kernels.py --shape qwen3-8b --phase decode --batch 256 --steps 16 --top 25
+    step 8b-attention 100 python3 attention_replay.py --shape qwen3-8b --model-dtype-only \
+        --configs decode_tile_64,decode_tile_256,decode_tile_128_w8,decode_tile_64_s3,split_kv_to_512_programs
     step dense 70 python3 throughput.py --skip-hf --repeats 3
     ;;
   s10b)  # session 10, call 2: every GPU test (the pinned row log runs only here), the free-memory one alone after
