@@ -292,5 +292,16 @@ case $part in
         --deselect $free $files >"$out/gpu-tests-s10b.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-s10b.txt" | cut -c1-200
      timeout 75 python3 -m pytest -v -rfE -p no:cacheprovider $free >>"$out/gpu-tests-s10b.txt" 2>&1; echo "free-memory test rc=$?")
     ;;
+  s11a)  # session 11, call 3: issue 31's table again on the machine that measured the 8B shape at 10,150
+    step steering 200 python3 steering_cost.py --modes global_all_layers,global_clamp_all_layers,mixed_distinct --repeats 5
+    step moe 190 python3 throughput.py --shape qwen3-30b-a3b --skip-hf --repeats 3
+    step moe-latency 60 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step chat 140 python3 shared_prefix.py --repeats 5
+    ;;
+  s11b)  # session 11, call 4: the round-2 regression lines (serve, fp8 KV, capture costs) on the same machine
+    step serve 130 python3 serve.py
+    step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
+    step capture 260 python3 capture_cost.py --repeats 5
+    ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
