@@ -303,6 +303,15 @@ case $part in
     step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
     step capture 260 python3 capture_cost.py --repeats 5
     ;;
+  s12a)  # shared-prefix attention made bit-exact: its kernel tests natively, row invariance, the chat
+          # workload and dense; SmolLM2's first half (.carry/smolA) waits in /tmp for part smol2
+    mkdir -p /tmp/smol && cp "$root/.carry/smolA/part" /tmp/smol/part00
+    (cd .. && timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_shared_prefix_attention.py \
+        tests/test_triton_attention.py >"$out/gpu-tests-s12a.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$out/gpu-tests-s12a.txt")
+    step row-invariance 90 python3 row_invariance.py
+    step shared-prefix 240 python3 shared_prefix.py --repeats 5
+    step dense 150 python3 throughput.py --skip-hf --repeats 3
+    ;;
   smol1)  # SmolLM2's GGUF (98 MB) is over a call's 64 MiB carry: `split -n 2 -d FILE` gives two halves,
           # carried as .carry/smolA/part here and .carry/smolB/part in part smol2 (with the package's
           # __init__.py and the file's sha256 in .carry/smolB/sha); this half waits in /tmp on the warm machine

@@ -34,7 +34,7 @@ from steerable import SamplingParams
 CATEGORIES = [  # first match wins
     ("moe_gemm", r"_moe_gemm_kernel|_moe_gemv_"),
     ("moe_align", r"_moe_(count|place)_kernel|cumsum|searchsorted|scatter|bincount"),
-    ("attention", r"attention|_attn|split_kv|paged|_shared_pass|_own_pass"),
+    ("attention", r"attention|_attn|split_kv|paged|_shared_pass"),
     ("norm_steering", r"rms_norm|_norm_kernel|_steer"),
     ("rope_kv_store", r"rope|store_kv"),
     ("gated_act", r"_gated_mul"),

@@ -1,23 +1,24 @@
-"""Shared-prefix attention against the unshared kernel on real weights, token by token: where greedy
-tokens part, whether the parting is a rounding tie, and whether the unshared kernel keeps its own
-tokens when only the batch around the same chats changes.
+"""Shared-prefix attention against the unshared kernel on real weights, token by token: whether
+greedy tokens and logprobs part, where, and whether the parting is a rounding tie; and how far the
+unshared path's own tokens move when only the batch around the same chats changes.
 
-Twelve chats share a system prompt of over 256 tokens (SmolLM2-135M-Instruct, the demo model, unless
-``--model`` names another). One engine per dtype; four runs of the same greedy chats, each compared
-with the first, ``unshared`` (prefix caching on, shared-prefix attention off):
+Forty-eight chats (twelve questions, then ``--crowd`` more) share a system prompt of over 256
+tokens (SmolLM2-135M-Instruct, the demo model, unless ``--model`` names another). Forty-eight rows
+of SmolLM2's 3 KV heads are past ``CONFIG.split_kv_max_programs`` (128), where the unshared decode
+kernel is the unified one and shared-prefix attention engages. One engine per dtype; each run is
+compared with the first, ``unshared`` (prefix caching on, shared-prefix attention off), chat by chat:
 
-* ``shared``: shared-prefix attention on (its two passes sum the keys in another order);
+* ``shared``: shared-prefix attention on (a shared pass over the prefix, the unified kernel resumed);
 * ``unshared_again``: the first run repeated (the engine is deterministic: nothing may differ);
-* ``unshared_crowded``: unshared, the twelve decoding beside ``--crowd`` more chats: the GEMMs see
-  another row count, and past ``CONFIG.split_kv_max_programs`` decode programs the unshared kernel
-  itself changes from split-KV (16 segments of 64 keys, merged) to the unified kernel (128-key
-  tiles, one pass). No shared-prefix attention is involved: this is how far the engine's own
-  greedy tokens move with their batch company in that dtype.
+* ``unshared_alone``: unshared, the twelve without the crowd: the GEMMs see another row count and
+  the decode kernel is split-KV, not unified. No shared-prefix attention is involved: this is how
+  far the engine's own greedy tokens move with their batch company in that dtype.
 
 Each run has its own ``cache_salt``: it caches the system prompt alone first, as a chat service
-would, so every run prefills the same way. Per run: a ``divergence`` record per chat that parted (position, each run's top logprobs there and
-their top-two gaps) and a ``summary`` (chats that parted, tokens compared before partings, the
-largest logprob drift before them). ``compare`` is what ``tests/test_shared_prefix_gpu.py`` asserts on.
+would, so every run prefills the same way. Per run: a ``divergence`` record per chat that parted
+(position, each run's top logprobs there and their top-two gaps) and a ``summary`` (chats that
+parted, tokens compared before partings, the largest logprob drift before them). ``compare`` is
+what ``tests/test_shared_prefix_gpu.py`` asserts on.
 
     PYTHONPATH=. python benchmarks/shared_prefix_ties.py [--dtypes bfloat16 float32] [--tokens 64] [--crowd 36]
 """
@@ -32,11 +33,11 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number above 50.", 
              "Give me a synonym for quick.", "What does a compiler do?", "How many legs has a spider?",
              "Translate 'cat' into German.", "What is 12 times 12?", "Who wrote Hamlet?", "What is rust?",
              "Describe a cloud in five words.", "Is zero even?"]
-MODES = ("shared", "unshared_again", "unshared_crowded")
+MODES = ("shared", "unshared_again", "unshared_alone")
 
 
-def chat_prompts(tokenizer, crowd: int = 0) -> list[list[int]]:
-    """The twelve chats' token ids, then ``crowd`` more chats on the same system prompt."""
+def chat_prompts(tokenizer, crowd: int = 36) -> list[list[int]]:
+    """The twelve questions' chats, then ``crowd`` more on the same system prompt (token ids)."""
     system = tokenizer(SYSTEM).input_ids
     extra = [f"Tell me one fact about the number {i}." for i in range(crowd)]
     return [system + tokenizer(q).input_ids for q in QUESTIONS + extra]
@@ -98,7 +99,7 @@ def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--dtypes", nargs="+", default=None, help="default: bfloat16 float32 (--smoke: float32)")
     p.add_argument("--tokens", type=int, default=None, help="greedy tokens per chat (default 64; --smoke 4)")
-    p.add_argument("--crowd", type=int, default=None, help="chats beside the twelve in the crowded run (36; --smoke 2)")
+    p.add_argument("--crowd", type=int, default=None, help="chats beside the twelve questions' (36; --smoke 2)")
     args = p.parse_args()
     args.model = args.model or "smollm2"
     path = common.setup("shared_prefix_ties", args, {"dtypes": (["bfloat16", "float32"], ["float32"]),
@@ -107,18 +108,16 @@ def main() -> None:
         llm = common.make_llm(args, path, dtype=dtype, enable_shared_prefix_attention=True)
         prompts = chat_prompts(llm.get_tokenizer(), args.crowd)
         num_kv_heads = llm.engine.model_config.num_kv_heads
-        reference, counters = generate(llm, prompts[:len(QUESTIONS)], args.tokens, False, f"{dtype}-unshared")
-        emit({"record": "run", "dtype": dtype, "mode": "unshared", **counters})
+        reference, counters = generate(llm, prompts, args.tokens, False, f"{dtype}-unshared")
+        emit({"record": "run", "dtype": dtype, "mode": "unshared", "decode_rows": len(prompts), **counters})
         for mode in MODES:
-            crowd = mode == "unshared_crowded"
-            outs, counters = generate(llm, prompts if crowd else prompts[:len(QUESTIONS)], args.tokens,
-                                      mode == "shared", f"{dtype}-{mode}")
-            result = compare(reference, outs[:len(QUESTIONS)])
+            rows = prompts[:len(QUESTIONS)] if mode == "unshared_alone" else prompts
+            outs, counters = generate(llm, rows, args.tokens, mode == "shared", f"{dtype}-{mode}")
+            result = compare(reference[:len(rows)], outs)
             for d in result.pop("divergences"):
                 emit({"record": "divergence", "dtype": dtype, "mode": mode, **d})
-            decode_programs = len(outs) * num_kv_heads
-            emit({"record": "summary", "dtype": dtype, "mode": mode, "decode_rows": len(outs),
-                  "split_kv": decode_programs <= CONFIG.split_kv_max_programs, **counters, **result})
+            emit({"record": "summary", "dtype": dtype, "mode": mode, "decode_rows": len(rows),
+                  "split_kv": len(rows) * num_kv_heads <= CONFIG.split_kv_max_programs, **counters, **result})
         llm.shutdown()
         common.free_cuda()
 

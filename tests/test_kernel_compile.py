@@ -93,8 +93,10 @@ def test_kv_cache_kernels(kv):
                  DOT_PREC="tf32", FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8,
                  SOFTCAP=kv == BF16)  # Gemma 2's soft-capped scores, on the bf16 variant
     unified = dict(cache, q_ptr=BF16, out_ptr=BF16, num_seqs=1, v_scale=1.0, stride_qt=1, stride_qh=1, stride_ot=1,
-                   stride_oh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, NUM_KV_HEADS=8,
-                   ONE_TOKEN_PER_SEQ=True, SKIP_SINGLE=kv == BF16)  # a mixed step's skip, on the bf16 variant
+                   stride_oh=1, prefix_lens_ptr=I32, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_wab=1,
+                   stride_wah=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2, GQA_PAD=2, BLOCK_Q=1, BLOCK_M=16, TILE_N=64,
+                   NUM_KV_HEADS=8, ONE_TOKEN_PER_SEQ=True,
+                   RESUME=kv == BF16)  # a shared-prefix group's resume, on the bf16 variant
     ptx = compile_for_hopper(triton_paged._unified_attention_kernel, **unified)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv == FP8)  # one packed conversion per two float8 values
     split = dict(cache, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32, stride_qt=1, stride_qh=1,
@@ -161,17 +163,14 @@ def test_gemv_kernel(bias, gated, pdl):
 
 @pytest.mark.parametrize("kv,softcap", [(BF16, False), (FP8, False), (BF16, True)])
 def test_shared_prefix_kernels(kv, softcap):
-    """Both passes of shared-prefix decode attention (Qwen3-0.6B's heads: GQA 2, head size 128)."""
+    """The shared pass of shared-prefix decode attention (Qwen3-0.6B's heads: GQA 2, head size 128;
+    the decode tile); its second launch is the unified kernel's resume, compiled above."""
     from steerable.layers.attention_backends import shared_prefix
 
-    common = dict(q_ptr=BF16, k_cache_ptr=kv, v_cache_ptr=kv, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32,
-                  qsl_ptr=I32, prefix_lens_ptr=I32, block_table_ptr=I32, qk_scale=1.0, softcap=1.0, stride_qt=1, stride_qh=1,
-                  stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1, stride_vh=1, stride_vd=1,
-                  stride_bt=1, stride_wab=1, stride_wah=1, stride_was=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2,
-                  HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=64, DOT_PREC="tf32", FP16_TILES=kv == FP8,
-                  V_BY_BLOCK=kv == FP8, SOFTCAP=softcap)
-    ptx = compile_for_hopper(shared_prefix._shared_pass_kernel, **common, num_seqs=1, GQA_PAD=2, BLOCK_Q=32,
-                             BLOCK_M=64, NUM_SEGMENTS=4)
-    assert "mma" in ptx  # the shared pass is an MMA over many rows' queries
-    compile_for_hopper(shared_prefix._own_pass_kernel, **common, seq_lens_ptr=I32, BLOCK_M=16, NUM_SEGMENTS=2,
-                       SEG_OFFSET=4)
+    args = dict(q_ptr=BF16, k_cache_ptr=kv, v_cache_ptr=kv, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32,
+                qsl_ptr=I32, prefix_lens_ptr=I32, block_table_ptr=I32, num_seqs=1, qk_scale=1.0, softcap=1.0,
+                stride_qt=1, stride_qh=1, stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1, stride_vh=1,
+                stride_vd=1, stride_bt=1, stride_wab=1, stride_wah=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2,
+                GQA_PAD=2, BLOCK_Q=32, BLOCK_M=64, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=128, DOT_PREC="tf32",
+                FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8, SOFTCAP=softcap)
+    assert "mma" in compile_for_hopper(shared_prefix._shared_pass_kernel, **args)  # an MMA over many rows' queries

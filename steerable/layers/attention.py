@@ -66,13 +66,9 @@ class Attention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping[self.kv_group], k_scale, v_scale)
         out = torch.empty_like(q)
         if meta.prefix_lens is not None and self.sliding_window is None and self.kv_group == meta.shared_group:
-            if meta.max_query_len > 1:  # a mixed step: its prefill chunks here, every decode row below
-                self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_table[self.kv_group], meta.max_query_len, self.scale,
-                                             k_scale=k_scale, v_scale=v_scale, softcap=self.softcap, skip_single=True)
             meta.shared_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                  meta.block_table[self.kv_group], meta.prefix_lens, self.scale, meta.workspace,
-                                  k_scale, v_scale, self.softcap)
+                                  meta.block_table[self.kv_group], meta.max_query_len, meta.prefix_lens, self.scale,
+                                  meta.workspace, k_scale, v_scale, self.softcap)
             return out.view(-1, self.num_heads * self.head_dim)
         self.backend.paged_attention(q, self.k_cache, self.v_cache, out, meta.query_start_loc, meta.seq_lens,
                                      meta.block_table[self.kv_group], meta.max_query_len, self.scale,

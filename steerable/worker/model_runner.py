@@ -119,8 +119,7 @@ class ModelRunner:
             self.workspace = self.backend.DecodeWorkspace(config.max_num_seqs + 1, self.attention_layers[0].num_heads,
                                                           model_config.head_dim, device)
             from steerable.layers.attention_backends import shared_prefix
-            if self.workspace.num_segments > shared_prefix.SHARED_SEGMENTS:
-                self.shared_attention = shared_prefix.shared_prefix_attention
+            self.shared_attention = shared_prefix
         self.num_shared_prefix_steps = 0
         self.sampler = Sampler()
         self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
@@ -299,10 +298,13 @@ class ModelRunner:
                 and not sampling.logit_bias and not sampling.allowed and sampling.grammar_rows is None
                 and not step.prompt_logprobs and all(n is None for n in sampling.logprobs))
 
-    def _shares_prefix(self, step: StepInput) -> bool:
+    def _shares_prefix(self, step: StepInput, num_seqs: int, query_len_hint: int) -> bool:
         """Whether the step's attention runs the shared-prefix kernels: a step whose decode rows
-        have a shared group, on a backend that has them."""
-        return step.shared_prefix is not None and self.shared_attention is not None
+        have a shared group, on a backend that has them, at a shape where they reproduce the
+        unshared kernel (``attention_backends.shared_prefix.shares``)."""
+        return (step.shared_prefix is not None and self.shared_attention is not None
+                and self.shared_attention.shares(num_seqs, self.attention_layers[0].num_kv_heads, query_len_hint,
+                                                 self.workspace))
 
     def _graph_shape(self, step: StepInput) -> tuple[int, int, bool] | None:
         """(padded tokens, padded sequences, mixed) of the graph the step can replay, or None: a
@@ -335,10 +337,10 @@ class ModelRunner:
         query_len_hint = padded if mixed else step.max_query_len
         attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
                                  query_len_hint, self.workspace)
-        shared = self._shares_prefix(step)
+        shared = self._shares_prefix(step, pad_seqs, query_len_hint)
         if shared:
             attn.prefix_lens, attn.shared_group = views.prefix_lens, step.shared_prefix.group
-            attn.shared_attention = self.shared_attention
+            attn.shared_attention = self.shared_attention.shared_prefix_attention
             self.num_shared_prefix_steps += 1
         ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens)
         if self.pipeline_in is not None:

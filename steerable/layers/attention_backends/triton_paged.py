@@ -65,6 +65,8 @@ __all__ = [
     "TritonAttentionConfig",
     "paged_attention",
     "store_kv",
+    "unified_tile_n",
+    "uses_split_kv",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -294,13 +296,14 @@ def _unified_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt,
+    prefix_lens_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr, stride_wab, stride_wah, stride_wmb, stride_wmh,
     NUM_Q_PER_KV: tl.constexpr, GQA_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr, FP16_TILES: tl.constexpr,
-    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, RESUME: tl.constexpr,
 ):
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
@@ -331,8 +334,6 @@ def _unified_attention_kernel(
         seq_first_block += seq
     q_off0 = (pid_q - seq_first_block) * BLOCK_Q
     surplus = (q_off0 < 0) | (q_off0 >= q_len)  # the grid is sized for the worst case
-    if SKIP_SINGLE:
-        surplus = surplus | (q_len == 1)  # a row another op attends
     if surplus:
         return
 
@@ -366,6 +367,17 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    if RESUME:
+        # A row of a shared-prefix group (one query token): the shared pass left its softmax state
+        # after the prefix's tiles in workspace slot 0; going on from there is this loop unbroken.
+        plen = tl.load(prefix_lens_ptr + seq)
+        resume = row_valid & (offs_m * 0 + plen > 0)  # a vector compare: the interpreter's masks want one
+        ws_row = seq.to(tl.int64) * stride_wmb + q_head * stride_wmh
+        m_i = tl.load(ws_max_ptr + ws_row, mask=resume, other=float("-inf"))
+        l_i = tl.load(ws_sum_ptr + ws_row, mask=resume, other=0.0)
+        acc = tl.load(ws_acc_ptr + seq.to(tl.int64) * stride_wab + q_head[:, None] * stride_wah + offs_d[None, :],
+                      mask=resume[:, None] & (offs_d[None, :] < D_PAD), other=0.0)
+        tile_lo = tl.maximum(tile_lo, plen // TILE_N)
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
 
     for tile in range(tile_lo, tile_hi):
@@ -497,6 +509,19 @@ def _split_kv_reduce_kernel(
 # --------------------------------------------------------------------------------------
 
 
+def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: "DecodeWorkspace | None") -> bool:
+    """Whether ``paged_attention`` attends this shape with the split-KV kernels (else the unified one)."""
+    return (max_query_len <= 1 and workspace is not None and num_seqs * num_kv_heads <= CONFIG.split_kv_max_programs
+            and num_seqs <= workspace.max_num_seqs)
+
+
+def unified_tile_n(head_d: int, max_query_len: int) -> int:
+    """Keys per tile of the unified kernel for this head size and query-length hint."""
+    if max_query_len > 1:
+        return CONFIG.prefill_tile_n
+    return CONFIG.decode_tile_n if head_d <= 128 else CONFIG.decode_tile_n_wide
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: exact IEEE products (TF32 would break fp32 parity); ignored for 16-bit.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -506,7 +531,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
                     workspace: "DecodeWorkspace | None" = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0, softcap: float | None = None, skip_single: bool = False) -> None:
+                    v_scale: float = 1.0, softcap: float | None = None, prefix_lens: Tensor | None = None) -> None:
     """Causal paged attention over a ragged batch; writes ``out`` in place.
 
     ``q``/``out``: ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]`` (V of either
@@ -517,8 +542,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     (and ``>`` own - ``sliding_window`` when set); ``softcap`` caps the scaled scores as
     ``softcap * tanh(score / softcap)`` before the mask (Gemma 2). Rows not covered by
     ``query_start_loc`` are not written; a row whose sequence sees no key (seq_len 0) gets 0.
-    ``skip_single``: sequences of one query token are not written either (unified kernel only: a
-    mixed step's decode rows go to the shared-prefix op, ``attention_backends.shared_prefix``).
+    ``prefix_lens`` (int32 ``[>= B]``, with ``workspace``; the second launch of
+    ``attention_backends.shared_prefix``): a sequence of one query token with a length ``> 0``
+    resumes from the softmax state that op's shared pass left in workspace slot 0 after the whole
+    tiles of that many keys; the unified kernel runs whatever the batch size.
 
     Path: split-KV decode when ``max_query_len <= 1`` and ``workspace`` is given and
     ``B * Hkv <= CONFIG.split_kv_max_programs`` and ``B <= workspace.max_num_seqs`` (then every
@@ -566,10 +593,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     fp16_tiles = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     v_by_block = v_cache.stride(-1) != 1  # position-major V
 
-    use_split = (max_query_len <= 1 and workspace is not None and not skip_single
-                 and B * num_kv_heads <= cfg.split_kv_max_programs
-                 and B <= workspace.max_num_seqs)
-    if use_split:
+    if prefix_lens is not None and (workspace is None or B > workspace.max_num_seqs or prefix_lens.shape[0] < B):
+        raise ValueError("prefix_lens needs a workspace of B rows and a length per sequence")
+    if prefix_lens is None and uses_split_kv(B, num_kv_heads, max_query_len, workspace):
         if workspace.num_q_heads != num_q_heads or workspace.head_size_padded < d_pad:
             raise ValueError("DecodeWorkspace was allocated for a different head layout")
         nseg = workspace.num_segments
@@ -601,14 +627,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         )
         return
 
+    tile_n = unified_tile_n(head_d, max_query_len)
     if max_query_len <= 1:
         block_q = 1
-        tile_n = cfg.decode_tile_n if head_d <= 128 else cfg.decode_tile_n_wide
         num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
-        tile_n, num_warps, num_stages = (cfg.prefill_tile_n, cfg.prefill_num_warps,
-                                         cfg.prefill_num_stages)
+        num_warps, num_stages = cfg.prefill_num_warps, cfg.prefill_num_stages
+    resume = prefix_lens is not None
+    ws_args = ((prefix_lens, workspace.acc, workspace.max, workspace.sum, workspace.acc.stride(0),
+                workspace.acc.stride(1), workspace.max.stride(0), workspace.max.stride(1)) if resume
+               else (seq_lens, q, q, q, 0, 0, 0, 0))
     block_m = max(16, block_q * gqa_pad)
     num_q_blocks = T if block_q == 1 else T // block_q + B
     _unified_attention_kernel[(num_q_blocks * num_kv_heads,)](
@@ -618,12 +647,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        block_table.stride(0),
+        block_table.stride(0), *ws_args,
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_D=head_d, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         USE_WINDOW=use_window, DOT_PREC=dot_prec,
         # At most one query token per sequence and as many tokens as sequences: exactly one each.
         NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B, FP16_TILES=fp16_tiles,
-        V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap, SKIP_SINGLE=skip_single,
+        V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap, RESUME=resume,
         num_warps=num_warps, num_stages=num_stages,
     )
