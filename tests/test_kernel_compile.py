@@ -171,6 +171,6 @@ def test_shared_prefix_kernels(kv, softcap):
                 qsl_ptr=I32, prefix_lens_ptr=I32, block_table_ptr=I32, num_seqs=1, qk_scale=1.0, softcap=1.0,
                 stride_qt=1, stride_qh=1, stride_kb=1, stride_ko=1, stride_kh=1, stride_vb=1, stride_vo=1, stride_vh=1,
                 stride_vd=1, stride_bt=1, stride_wab=1, stride_wah=1, stride_wmb=1, stride_wmh=1, NUM_Q_PER_KV=2,
-                GQA_PAD=2, BLOCK_Q=32, BLOCK_M=64, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=128, DOT_PREC="tf32",
+                GQA_PAD=2, BLOCK_Q=8, BLOCK_M=16, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=128, DOT_PREC="tf32",
                 FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8, SOFTCAP=softcap)
-    assert "mma" in compile_for_hopper(shared_prefix._shared_pass_kernel, **args)  # an MMA over many rows' queries
+    assert "mma" in compile_for_hopper(shared_prefix._shared_pass_kernel, **args)  # an MMA over 8 rows' queries

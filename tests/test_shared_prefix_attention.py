@@ -119,7 +119,7 @@ def test_equals_unshared_kernel_bit_for_bit(shared_blocks, rows, heads, head_d, 
     k_cache[case["block_table"][0, :shared_blocks].long()] *= 3
     assert (run_shared(dict(case, k_cache=k_cache)) - got)[0].abs().max() > 1e-2
     # The members' prefix tiles come from the shared pass: their own tables' prefix is not read.
-    tile = triton_paged.unified_tile_n(head_d, 1)
+    tile = triton_paged.unified_launch(head_d, 1, 1)[2]
     if shared_blocks * block_size >= tile:
         poisoned = run_shared(poison_members_prefix(case, shared_blocks * block_size // tile * tile // block_size))
         assert_same(poisoned, got)

@@ -5,8 +5,8 @@ When several decode rows of a step hold the same physical KV blocks at the start
 tables (the prefix cache handed them the same blocks), attention runs in two launches:
 
 * *shared pass*: a program owns ``BLOCK_Q`` decode rows x one GQA group (``BLOCK_M`` query rows of
-  an MMA) and walks the prefix's tiles in order, so the prefix is read once per ``BLOCK_Q`` rows
-  instead of once per row. The block ids come from the table row of the first member in the
+  an MMA, as many as a unified-kernel program of the step has) and walks the prefix's tiles in
+  order, so the prefix is read once per ``BLOCK_Q`` rows instead of once per row. The block ids come from the table row of the first member in the
   program's rows (members' leading blocks are identical by construction). Each member's online
   softmax state after the prefix (running max, sum, unnormalised output) goes to slot 0 of the
   split-KV workspace.
@@ -14,16 +14,16 @@ tables (the prefix cache handed them the same blocks), attention runs in two lau
   each member from that state at the first key after the prefix.
 
 The two launches perform the unified kernel's own arithmetic in its own order: the same tiles (the
-shared pass takes the prefix's whole tiles, the resumed kernel the rest), the same tile step, and ``tl.dot`` and ``tl.sum`` give a row the
-same bits whatever the number of rows in the MMA (checked on the H200 for 16 to 128 rows, 1 to 8
-warps). So the output equals ``paged_attention``'s exactly wherever that uses the unified kernel.
-Where it would use split-KV (a decode batch of ``B * Hkv <= CONFIG.split_kv_max_programs``, whose
+shared pass takes the prefix's whole tiles, the resumed kernel the rest), the same tile step, and
+programs of the same shape (rows, warps), so that ``tl.sum`` over a tile reduces in the same
+layout (``tl.dot`` alone gives a row the same bits at any row count; ``tl.sum`` does not:
+``benchmarks/row_invariance.py``). So the output equals ``paged_attention``'s exactly wherever
+that uses the unified kernel. Where it would use split-KV (a decode batch of ``B * Hkv <= CONFIG.split_kv_max_programs``, whose
 segments cut the keys differently per row) nothing is shared: ``shares`` says which, and the op
 is ``paged_attention`` there.
 
 ``prefix_lens[b]`` (int32, device) is the shared length of row b in tokens (below the row's
-current position), or 0 for rows outside the group: the step's
-shape alone fixes the launches, so the op is CUDA-graph safe with the lengths in a persistent
+current position), or 0 for rows outside the group: the step's shape alone fixes the launches, so the op is CUDA-graph safe with the lengths in a persistent
 buffer. Full attention only (a sliding window may start inside the prefix). A step that mixes
 prefill chunks with decode rows shares among its decode rows; the chunks run in the same unified
 launch.
@@ -39,9 +39,6 @@ from torch import Tensor
 from steerable.layers.attention_backends import triton_paged as tp  # its tile step, config and unified kernel
 
 __all__ = ["shared_prefix_attention", "shares"]
-
-_SHARED_BLOCK_M = 64  # query rows (decode rows x packed GQA heads) per shared-pass program
-
 
 @triton.jit
 def _shared_pass_kernel(
@@ -137,16 +134,17 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
     if use_softcap:
         qk_scale = float(scale) * float(k_scale) / float(softcap)
     ws = workspace
-    block_q = max(1, min(_SHARED_BLOCK_M // gqa_pad, triton.next_power_of_2(B)))
+    _, block_m, tile_n, num_warps, num_stages = tp.unified_launch(head_d, gqa_pad, max_query_len)
+    block_q = block_m // gqa_pad
     _shared_pass_kernel[(triton.cdiv(B, block_q), num_kv_heads)](
         q, k_cache, v_cache, ws.acc, ws.max, ws.sum, query_start_loc, prefix_lens, block_table, B, qk_scale, cap_log2,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_table.stride(0),
         ws.acc.stride(0), ws.acc.stride(1), ws.max.stride(0), ws.max.stride(1),
-        NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * gqa_pad), HEAD_D=head_d,
-        D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tp.unified_tile_n(head_d, max_query_len),
+        NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_D=head_d,
+        D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         DOT_PREC=tp._dot_precision(q.dtype), FP16_TILES=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        V_BY_BLOCK=v_cache.stride(-1) != 1, SOFTCAP=use_softcap, num_warps=4, num_stages=2,
+        V_BY_BLOCK=v_cache.stride(-1) != 1, SOFTCAP=use_softcap, num_warps=num_warps, num_stages=num_stages,
     )
     tp.paged_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, max_query_len, scale,
                        prefix_lens=prefix_lens, **common)

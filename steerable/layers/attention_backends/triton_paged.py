@@ -65,7 +65,7 @@ __all__ = [
     "TritonAttentionConfig",
     "paged_attention",
     "store_kv",
-    "unified_tile_n",
+    "unified_launch",
     "uses_split_kv",
 ]
 
@@ -515,11 +515,21 @@ def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspac
             and num_seqs <= workspace.max_num_seqs)
 
 
-def unified_tile_n(head_d: int, max_query_len: int) -> int:
-    """Keys per tile of the unified kernel for this head size and query-length hint."""
-    if max_query_len > 1:
-        return CONFIG.prefill_tile_n
-    return CONFIG.decode_tile_n if head_d <= 128 else CONFIG.decode_tile_n_wide
+def unified_launch(head_d: int, gqa_pad: int, max_query_len: int) -> tuple[int, int, int, int, int]:
+    """The unified kernel's (query tokens, rows, keys per tile, warps, stages) per program for this
+    head size, padded GQA group and query-length hint. A row's scores and outputs come out of
+    ``tl.dot`` with the same bits at any row count, but ``tl.sum`` over a tile's keys reduces in a
+    layout that follows the tile's shape (``benchmarks/row_invariance.py``): a kernel that must
+    reproduce this one's rows (the shared-prefix pass) uses the same rows and warps."""
+    cfg = CONFIG
+    if max_query_len <= 1:
+        block_q = 1
+        tile_n = cfg.decode_tile_n if head_d <= 128 else cfg.decode_tile_n_wide
+        num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
+    else:
+        block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
+        tile_n, num_warps, num_stages = cfg.prefill_tile_n, cfg.prefill_num_warps, cfg.prefill_num_stages
+    return block_q, max(16, block_q * gqa_pad), tile_n, num_warps, num_stages
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -627,18 +637,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         )
         return
 
-    tile_n = unified_tile_n(head_d, max_query_len)
-    if max_query_len <= 1:
-        block_q = 1
-        num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
-    else:
-        block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
-        num_warps, num_stages = cfg.prefill_num_warps, cfg.prefill_num_stages
+    block_q, block_m, tile_n, num_warps, num_stages = unified_launch(head_d, gqa_pad, max_query_len)
     resume = prefix_lens is not None
     ws_args = ((prefix_lens, workspace.acc, workspace.max, workspace.sum, workspace.acc.stride(0),
                 workspace.acc.stride(1), workspace.max.stride(0), workspace.max.stride(1)) if resume
                else (seq_lens, q, q, q, 0, 0, 0, 0))
-    block_m = max(16, block_q * gqa_pad)
     num_q_blocks = T if block_q == 1 else T // block_q + B
     _unified_attention_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, out,
