@@ -1,6 +1,7 @@
 """Whether a row of ``tl.dot`` and of ``tl.sum`` over a dot-shaped tile comes out with the same bits
-whatever the number of rows in the tile and of warps in the program: what lets shared-prefix
-attention's shared pass (many rows per MMA) reproduce the unified decode kernel (16) bit for bit.
+whatever the number of rows in the tile and of warps in the program: what decides the program
+shape in which shared-prefix attention's shared pass reproduces the unified decode kernel bit for
+bit. (On the H200: dots at every shape, sums only at the same rows and warps.)
 
 For head sizes 64 and 128 and key tiles of 64 and 128, one program computes, for its first 16 query
 rows, S = Q K^T, P = exp2(S - rowmax), l = rowsum(P) and O = P V (bf16 in, fp32 accumulators), at
