@@ -243,18 +243,27 @@ def test_qwen3_moe_decodes_from_cuda_graphs(tmp_path):
 
 def test_graphs_are_captured_inside_llm_construction(model_dirs):
     """LLM(...) compiles and captures every decode graph size (sampling inside the graph, outside it
-    for top-p, and sharing a prefix) and every mixed size (sharing a prefix or not); the first
-    generate, whose chats share a system prompt and join running ones, captures nothing."""
-    llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, max_num_seqs=40,
+    for top-p, and sharing a prefix where the batch is past the split-KV limit) and every mixed size
+    (sharing a prefix or not); the first generate, whose chats share a system prompt and join running
+    ones, captures nothing."""
+    from steerable.layers.attention_backends.shared_prefix import shares
+
+    llm = LLM(model_dirs["qwen3"], dtype="bfloat16", device="cuda", kv_cache_tokens=16384, max_num_seqs=80,
               shared_prefix_min_tokens=32, shared_prefix_min_requests=2)
     stats = llm.llm_engine.stats()
-    graphs = llm.llm_engine.worker.graphs
+    runner = llm.llm_engine.worker
+    graphs = runner.graphs
+
+    def decode_shares(size: int) -> bool:
+        return size >= 2 and shares(size, runner.attention_layers[0].num_kv_heads, 1, runner.workspace)
+
+    assert decode_shares(80) and not decode_shares(64)  # 2 KV heads: both sides of the limit on the ladder
     keys = set(graphs.graphs)
     assert {(k[0], k[3], k[4]) for k in keys if not k[5]} == {
         (size, inside, shared) for size in graphs.sizes for inside in (True, False) for shared in (False, True)
-        if size >= 2 or not shared}
+        if decode_shares(size) or not shared}
     assert {(k[0], k[4]) for k in keys if k[5]} == {(size, shared) for size in graphs.mixed_sizes
-                                                    for shared in (False, True) if size <= 40 * 128}
+                                                    for shared in (False, True) if size <= 80 * 128}
     assert stats["graph_captures"] == len(keys) and stats["graph_replays"] == 0
     system = [11] * 96
     prompts = [system + [7 + i] * (5 + 3 * i) for i in range(33)]
