@@ -52,16 +52,18 @@ def decode_ptx(tree: str, resume: bool = False) -> list[str]:
 
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--old-tree", default=None, help="a directory holding another revision's steerable/ (default: this one)")
-    p.add_argument("--resume", action="store_true", help="this tree's kernel with its resume path on (the diff must see it)")
+    p.add_argument("--old-tree", default=None,
+                   help="a directory holding another revision's steerable/ (default: this one)")
+    p.add_argument("--resume", action="store_true",
+                   help="this tree's kernel with its resume path on (the diff must see it)")
     args = p.parse_args()
     common.setup("unified_ptx_diff", args, model=False)
     old = decode_ptx(os.path.abspath(args.old_tree or ROOT))
     new = decode_ptx(ROOT, args.resume)
     differ = [line for line in difflib.unified_diff(old, new, lineterm="", n=0)
               if not line.startswith(("---", "+++", "@@"))]
-    emit({"record": "ptx", "old_tree": args.old_tree, "resume": args.resume, "old_lines": len(old), "new_lines": len(new),
-          "differing_lines": len(differ), "first_differences": differ[:20]})
+    emit({"record": "ptx", "old_tree": args.old_tree, "resume": args.resume, "old_lines": len(old),
+          "new_lines": len(new), "differing_lines": len(differ), "first_differences": differ[:20]})
 
 
 if __name__ == "__main__":

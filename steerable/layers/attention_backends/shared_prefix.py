@@ -6,27 +6,27 @@ tables (the prefix cache handed them the same blocks), attention runs in two lau
 
 * *shared pass*: a program owns ``BLOCK_Q`` decode rows x one GQA group (``BLOCK_M`` query rows of
   an MMA, as many as a unified-kernel program of the step has) and walks the prefix's tiles in
-  order, so the prefix is read once per ``BLOCK_Q`` rows instead of once per row. The block ids come from the table row of the first member in the
-  program's rows (members' leading blocks are identical by construction). Each member's online
-  softmax state after the prefix (running max, sum, unnormalised output) goes to slot 0 of the
-  split-KV workspace.
-* *resume*: ``triton_paged``'s unified kernel, which every other row runs from its first key, starts
-  each member from that state at the first key after the prefix.
+  order, so the prefix is read once per ``BLOCK_Q`` rows instead of once per row. The block ids
+  come from the table row of the first member in the program's rows (members' leading blocks are
+  identical by construction). Each member's online-softmax state after the prefix's whole tiles
+  (running max, sum, unnormalised output) goes to slot 0 of the split-KV workspace.
+* *resume*: ``triton_paged``'s unified kernel, which every other row runs from its first key,
+  starts each member from that state at the first tile after them.
 
-The two launches perform the unified kernel's own arithmetic in its own order: the same tiles (the
-shared pass takes the prefix's whole tiles, the resumed kernel the rest), the same tile step, and
-programs of the same shape (rows, warps), so that ``tl.sum`` over a tile reduces in the same
-layout (``tl.dot`` alone gives a row the same bits at any row count; ``tl.sum`` does not:
-``benchmarks/row_invariance.py``). So the output equals ``paged_attention``'s exactly wherever
-that uses the unified kernel. Where it would use split-KV (a decode batch of ``B * Hkv <= CONFIG.split_kv_max_programs``, whose
-segments cut the keys differently per row) nothing is shared: ``shares`` says which, and the op
-is ``paged_attention`` there.
+The two launches perform the unified kernel's own arithmetic in its own order: the same tiles, the
+same tile step, and programs of the same shape (rows, warps), so that ``tl.sum`` over a tile
+reduces in the same layout (``tl.dot`` alone gives a row the same bits at any row count;
+``tl.sum`` does not: ``benchmarks/row_invariance.py``). So the output equals
+``paged_attention``'s exactly wherever that uses the unified kernel. Where it would use split-KV (a
+decode batch of ``B * Hkv <= CONFIG.split_kv_max_programs``, whose segments cut the keys
+differently per row) nothing is shared: ``shares`` says which, and the op is ``paged_attention``
+there.
 
 ``prefix_lens[b]`` (int32, device) is the shared length of row b in tokens (below the row's
-current position), or 0 for rows outside the group: the step's shape alone fixes the launches, so the op is CUDA-graph safe with the lengths in a persistent
-buffer. Full attention only (a sliding window may start inside the prefix). A step that mixes
-prefill chunks with decode rows shares among its decode rows; the chunks run in the same unified
-launch.
+current position), or 0 for rows outside the group: the step's shape alone fixes the launches, so
+the op is CUDA-graph safe with the lengths in a persistent buffer. Full attention only (a sliding
+window may start inside the prefix). A step that mixes prefill chunks with decode rows shares
+among its decode rows; the chunks run in the same unified launch.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch import Tensor
 from steerable.layers.attention_backends import triton_paged as tp  # its tile step, config and unified kernel
 
 __all__ = ["shared_prefix_attention", "shares"]
+
 
 @triton.jit
 def _shared_pass_kernel(
@@ -143,7 +144,8 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
         ws.acc.stride(0), ws.acc.stride(1), ws.max.stride(0), ws.max.stride(1),
         NUM_Q_PER_KV=group, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_D=head_d,
         D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        DOT_PREC=tp._dot_precision(q.dtype), FP16_TILES=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        DOT_PREC=tp._dot_precision(q.dtype),
+        FP16_TILES=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
         V_BY_BLOCK=v_cache.stride(-1) != 1, SOFTCAP=use_softcap, num_warps=num_warps, num_stages=num_stages,
     )
     tp.paged_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, max_query_len, scale,
