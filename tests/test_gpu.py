@@ -265,10 +265,12 @@ def test_graphs_are_captured_inside_llm_construction(model_dirs):
     assert {(k[0], k[4]) for k in keys if k[5]} == {(size, shared) for size in graphs.mixed_sizes
                                                     for shared in (False, True) if size <= 80 * 128}
     assert stats["graph_captures"] == len(keys) and stats["graph_replays"] == 0
+    # 72 chats: over one step's 8,192 tokens of prefill (so a mixed step follows) and decode batches
+    # padded to 80 rows, past the split-KV limit, until the shortest ones end.
     system = [11] * 96
-    prompts = [system + [7 + i] * (5 + 3 * i) for i in range(33)]
+    prompts = [system + [7 + i] * (5 + 2 * (i % 33)) for i in range(72)]
     for top_p in (1.0, 0.8):
-        params = [SamplingParams(max_tokens=4 + i % 9, temperature=0.7, top_p=top_p, ignore_eos=True) for i in range(33)]
+        params = [SamplingParams(max_tokens=4 + i % 9, temperature=0.7, top_p=top_p, ignore_eos=True) for i in range(72)]
         llm.generate(prompts, params, use_tqdm=False)
     after = llm.llm_engine.stats()
     assert after["graph_captures"] == len(keys) and after["graph_replays"] > 0 and after["shared_prefix_steps"] > 0
