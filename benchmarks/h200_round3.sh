@@ -319,6 +319,12 @@ case $part in
         >"$out/gpu-tests-s12b.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$out/gpu-tests-s12b.txt")
     step shared-prefix 200 python3 shared_prefix.py --repeats 5
     ;;
+  s13a)  # after s10b (every GPU test) on the same machine: the lines the exact shared-prefix design touches or
+          # sits beside, with dense and the 8B shape as this machine's control
+    step dense 150 python3 throughput.py --skip-hf --repeats 3
+    step shared-prefix 200 python3 shared_prefix.py --repeats 5
+    step 8b 200 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
+    ;;
   smol1)  # SmolLM2's GGUF (98 MB) is over a call's 64 MiB carry: `split -n 2 -d FILE` gives two halves,
           # carried as .carry/smolA/part here and .carry/smolB/part in part smol2 (with the package's
           # __init__.py and the file's sha256 in .carry/smolB/sha); this half waits in /tmp on the warm machine
