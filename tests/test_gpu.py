@@ -265,8 +265,9 @@ def test_graphs_are_captured_inside_llm_construction(model_dirs):
     assert {(k[0], k[4]) for k in keys if k[5]} == {(size, shared) for size in graphs.mixed_sizes
                                                     for shared in (False, True) if size <= 80 * 128}
     assert stats["graph_captures"] == len(keys) and stats["graph_replays"] == 0
-    # 72 chats: over one step's 8,192 tokens of prefill (so a mixed step follows) and decode batches
-    # padded to 80 rows, past the split-KV limit, until the shortest ones end.
+    # 72 chats, over one step's 8,192 tokens of prefill: the second generate finds them all in the prefix
+    # cache, and its decode steps of 65+ rows (padded to 80, past the split-KV limit) and a mixed step
+    # share (on a CPU under the interpreter, with the graph runner's padding: 4 such steps).
     system = [11] * 96
     prompts = [system + [7 + i] * (5 + 2 * (i % 33)) for i in range(72)]
     for top_p in (1.0, 0.8):
