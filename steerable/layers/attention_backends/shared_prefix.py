@@ -129,11 +129,7 @@ def shared_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Te
     group = num_q_heads // num_kv_heads
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
-    qk_scale = float(scale) * float(k_scale) * tp._LOG2E
-    use_softcap = softcap is not None and softcap > 0  # as paged_attention: tanh of score / cap, cap in log2
-    cap_log2 = float(softcap) * tp._LOG2E if use_softcap else 0.0
-    if use_softcap:
-        qk_scale = float(scale) * float(k_scale) / float(softcap)
+    qk_scale, cap_log2, use_softcap = tp.score_scale(scale, k_scale, softcap)
     ws = workspace
     _, block_m, tile_n, num_warps, num_stages = tp.unified_launch(head_d, gqa_pad, max_query_len)
     block_q = block_m // gqa_pad

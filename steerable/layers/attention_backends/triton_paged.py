@@ -64,6 +64,7 @@ __all__ = [
     "DecodeWorkspace",
     "TritonAttentionConfig",
     "paged_attention",
+    "score_scale",
     "store_kv",
     "unified_launch",
     "uses_split_kv",
@@ -515,6 +516,15 @@ def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspac
             and num_seqs <= workspace.max_num_seqs)
 
 
+def score_scale(scale: float, k_scale: float, softcap: float | None) -> tuple[float, float, bool]:
+    """(the kernels' ``qk_scale``, ``softcap``, whether capped): scores in the log2 domain, with a
+    float8 cache's K / k_scale folded in; capped, tanh takes the natural-domain score over the cap
+    and the cap (in log2) brings it back."""
+    if softcap is not None and softcap > 0:
+        return float(scale) * float(k_scale) / float(softcap), float(softcap) * _LOG2E, True
+    return float(scale) * float(k_scale) * _LOG2E, 0.0, False
+
+
 def unified_launch(head_d: int, gqa_pad: int, max_query_len: int) -> tuple[int, int, int, int, int]:
     """The unified kernel's (query tokens, rows, keys per tile, warps, stages) per program for this
     head size, padded GQA group and query-length hint. A row's scores and outputs come out of
@@ -590,11 +600,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     group = num_q_heads // num_kv_heads
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
-    qk_scale = float(scale) * float(k_scale) * _LOG2E  # a float8 cache holds K / k_scale
-    use_softcap = softcap is not None and softcap > 0
-    cap_log2 = float(softcap) * _LOG2E if use_softcap else 0.0
-    if use_softcap:  # tanh takes the natural-domain score over the cap; the cap brings it back, in log2
-        qk_scale = float(scale) * float(k_scale) / float(softcap)
+    qk_scale, cap_log2, use_softcap = score_scale(scale, k_scale, softcap)
     use_window = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if use_window else 0
     dot_prec = _dot_precision(q.dtype)
