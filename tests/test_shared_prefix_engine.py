@@ -2,9 +2,9 @@
 kernels): requests that hit the prefix cache share its blocks, decode steps read them once, and the
 outputs equal an engine with the feature off (and HF greedy): tokens exactly, logprobs to 1e-5, as
 numpy's matmul under the interpreter rounds a row by its tile's row count (on a GPU the two are
-bit-identical: ``test_shared_prefix_gpu.py``). The engines here run a few
-rows, so the split-KV limit is set to 0: every decode batch takes the unified kernel, as batches
-past the limit do, and shares. Run with ``TRITON_INTERPRET=1 STEERABLE_FUSED_ON_CPU=1 -m triton``."""
+bit-identical: ``test_shared_prefix_gpu.py``). The engines here run a few rows, so the split-KV
+limit is set to 0: every decode batch takes the unified kernel, as batches past the limit do, and
+shares (one test keeps the limit: below it only mixed steps share). Run with ``TRITON_INTERPRET=1 STEERABLE_FUSED_ON_CPU=1 -m triton``."""
 
 import os
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.triton
 @pytest.fixture(autouse=True)
 def unified_decode(monkeypatch):
     monkeypatch.setattr(triton_paged.CONFIG, "split_kv_max_programs", 0)
+
 
 PREFIX = list(range(5, 45))  # 40 tokens: two whole blocks of 16 shared, the rest mid-block and private
 
@@ -134,3 +135,23 @@ def test_mixed_steps_share_and_pad(model_dirs):
     keys = graphs.keys
     assert any(key[5] for key in keys) and any(not key[5] for key in keys)  # mixed and decode shapes
     assert any(key[4] and key[5] for key in keys)  # a mixed step that shares, padded
+
+
+def test_decode_steps_below_the_split_kv_limit_do_not_share(model_dirs, monkeypatch):
+    """With the shipped limit, a few decode rows take split-KV, whose per-row segments no shared pass
+    reproduces: the step builder still finds their group, the runner runs them unshared, and only the
+    mixed steps (always the unified kernel) share."""
+    monkeypatch.setattr(triton_paged.CONFIG, "split_kv_max_programs", 128)
+    llm = _engine(model_dirs["qwen3"], True, max_num_seqs=4)
+    seen = _recording(llm)
+    got = _run_mixed(llm)
+    shared_steps = llm.llm_engine.stats()["shared_prefix_steps"]
+    llm.shutdown()
+    assert any(q == 1 and found for q, found in seen)  # decode steps with a group
+    assert shared_steps == sum(q > 1 and found for q, found in seen) > 0
+    plain = _engine(model_dirs["qwen3"], False, max_num_seqs=4)
+    expected = _run_mixed(plain)
+    plain.shutdown()
+    for on, off in zip(got, expected):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
+        _same_logprobs(on, off)
