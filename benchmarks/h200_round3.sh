@@ -325,6 +325,19 @@ case $part in
     step shared-prefix 200 python3 shared_prefix.py --repeats 5
     step 8b 200 python3 throughput.py --shape qwen3-8b --skip-hf --repeats 3
     ;;
+  s13b)  # after s13a: the rest of issue 31's table at the commit that closes it (steering, MoE, fp8 KV)
+    step steering 200 python3 steering_cost.py --modes global_all_layers,global_clamp_all_layers,mixed_distinct --repeats 5
+    step moe 190 python3 throughput.py --shape qwen3-30b-a3b --skip-hf --repeats 3
+    step moe-latency 60 python3 latency.py --shape qwen3-30b-a3b --repeats 3
+    step fp8 90 python3 throughput.py --skip-hf --repeats 5 --kv-cache-dtype fp8
+    ;;
+  s13c)  # mixed steering measured +10.5 % in s13b (s11a: +4.7 %): where a run's extra seconds go
+          # (admission, decode-only and prefill steps, the garbage collector), and the host's stacks
+    step mixed-breakdown 200 python3 steering_cost.py --modes mixed_distinct --repeats 3 --breakdown
+    step mixed-pyspy 150 "$root/.carry/bin/py-spy" record -r 100 --idle --threads -f raw -o /tmp/mixed-pyspy.txt -- \
+        python3 steering_cost.py --modes mixed_distinct --repeats 1
+    gzip -c /tmp/mixed-pyspy.txt >"$out/mixed-pyspy.txt.gz"
+    ;;
   smol1)  # SmolLM2's GGUF (98 MB) is over a call's 64 MiB carry: `split -n 2 -d FILE` gives two halves,
           # carried as .carry/smolA/part here and .carry/smolB/part in part smol2 (with the package's
           # __init__.py and the file's sha256 in .carry/smolB/sha); this half waits in /tmp on the warm machine

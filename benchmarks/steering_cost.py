@@ -9,6 +9,8 @@ generation windows) at all three hook points. Cost = (t_x / t_a - 1) * 100, from
 
 from __future__ import annotations
 
+import gc
+import time
 from functools import partial
 
 import common
@@ -61,6 +63,54 @@ def mode_steering(llm, w, args) -> tuple[dict, dict]:
     return global_specs, extras
 
 
+class Breakdown:
+    """Where a run's wall time goes: admission (``add_request``), engine steps that only decode and
+    the others (prefill chunks), and the garbage collector's passes within them. With asynchronous
+    scheduling a step's wall time is the longer of its host work and the previous step's device
+    work, so a mode's extra seconds show up in the kind of step that pays them."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.totals = engine, {}
+        self._gc_start = 0.0
+        add, step = engine.add_request, engine.step
+
+        def timed_add(*a, **k):
+            start = time.perf_counter()
+            try:
+                return add(*a, **k)
+            finally:
+                self._count("admit_s", time.perf_counter() - start)
+
+        def timed_step(*a, **k):
+            sched = engine.scheduler
+            kind = "decode" if not sched.waiting and all(
+                r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running) else "other"
+            start = time.perf_counter()
+            try:
+                return step(*a, **k)
+            finally:
+                self._count(f"{kind}_s", time.perf_counter() - start)
+                self._count(f"{kind}_steps", 1)
+
+        engine.add_request, engine.step = timed_add, timed_step
+        gc.callbacks.append(self._on_gc)
+
+    def _count(self, key: str, value: float) -> None:
+        self.totals[key] = self.totals.get(key, 0) + value
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._count("gc_s", time.perf_counter() - self._gc_start)
+            self._count(f"gc_gen{info['generation']}", 1)
+
+    def take(self) -> dict:
+        """The totals since the last call."""
+        totals, self.totals = self.totals, {}
+        return totals
+
+
 def add_arguments(p) -> None:
     p.add_argument("--vector-scale", type=float, default=0.05, help="std of the random vectors' entries")
 
@@ -69,6 +119,8 @@ def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes ('none' always runs)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time admission, decode-only and other steps, and garbage collection per run")
     add_arguments(p)
     args = p.parse_args()
     modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
@@ -106,15 +158,21 @@ def main() -> None:
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
     graphs: dict[str, list[dict[str, int]]] = {m: [] for m in modes}  # graph captures/replays in timed runs
+    breakdown = Breakdown(llm.llm_engine) if args.breakdown else None
+    parts: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.repeats):
         for mode in modes:
             params = common.sampling_params(w, f"{mode}-{r}", extras.get(mode))
+            if breakdown is not None:
+                breakdown.take()
             before = llm.llm_engine.stats()
             outs, seconds = in_mode(mode, partial(timed, partial(llm.generate, w.prompts, params, use_tqdm=False)))
             after = llm.llm_engine.stats()
             graphs[mode].append({k: after[k] - before[k] for k in ("graph_captures", "graph_replays", "num_steps")})
             times[mode].append(seconds)
             tokens[mode] = common.generated_tokens(outs)
+            if breakdown is not None:
+                parts[mode].append(breakdown.take())
     base = common.median(times["none"])
     for mode in modes:
         t = common.median(times[mode])
@@ -122,6 +180,9 @@ def main() -> None:
                   "seconds_all": times[mode], "graphs_all": graphs[mode],
                   **common.throughput(t, sum(w.input_lens), tokens[mode])}
         record.update(cost_pct=(t / base - 1) * 100, throughput_drop_pct=(1 - base / t) * 100)
+        if parts[mode]:
+            record["breakdown"] = {key: common.median([run.get(key, 0) for run in parts[mode]])
+                                   for key in sorted(set().union(*parts[mode]))}
         emit(record)
     status = llm.get_steering_status()
     ok = status.get("rows_in_use") == 0 and status.get("configs_in_use", 0) == 0

@@ -101,13 +101,17 @@ def test_pattern_cost(cache_dir):
 
 
 def test_steering_cost(cache_dir):
-    r = run("steering_cost", cache_dir, "--repeats", "2")
+    r = run("steering_cost", cache_dir, "--repeats", "2", "--breakdown")
     runs = {x["mode"]: x for x in r["run"]}
     assert list(runs) == ["none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers",
                           "mixed_distinct"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
+        # every request admitted and every step timed, the steps' time within the run's
+        parts = x["breakdown"]
+        assert parts["admit_s"] > 0 and parts["decode_steps"] > 0 and parts["other_steps"] > 0
+        assert parts["admit_s"] + parts["decode_s"] + parts["other_s"] <= max(x["seconds_all"])
     assert runs["none"]["cost_pct"] == 0.0
     status = r["steering_status"][0]
     assert status["ok"] and status["rows_in_use"] == 0
