@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import steerable.steering.tables as tables_module
-from steerable import Add, Clamp, SelectSpec
+from steerable import Add, Clamp, SelectSpec, SteeringSpec
 from steerable.distributed.codec import decode, encode
 from steerable.steering.rows import RowTables
 from steerable.steering.spec import Intervention, SpecParser, _vector_hash
@@ -93,8 +93,13 @@ def test_items_built_per_layer_parse_as_one_by_one_and_each_is_checked():
     assert str(signed[1].lo) == "-0.0"  # equal values that are other objects are checked on their own
     with pytest.raises(ValueError, match="scale"):
         parser.parse([Add(0, vector, scale=1.0), Add(1, vector, scale=True)], "s")
-    with pytest.raises(ValueError, match="layer"):
+    with pytest.raises(ValueError, match=r"s\[1\]\.layer"):
         parser.parse([Add(0, vector), Add(LAYERS, vector)], "s")
+    with pytest.raises(ValueError, match=r"s\.interventions\[2\]\.layer: True"):  # a bool is no layer
+        parser.parse(SteeringSpec([Add(0, vector), Add(1, vector), Add(True, vector)]), "s")
+    by_string = parser.parse(SteeringSpec([Add(0, vector), Add("1", vector)]), "s")  # a digit string is one
+    assert [item.layer for item in by_string] == [0, 1]
+    assert by_string[1].digest == parser.parse([Add(1, vector)], "s")[0].digest
     assert np.array_equal(items[0].vector.numpy(), (vector * 0.5).numpy())
 
 

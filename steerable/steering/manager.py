@@ -182,14 +182,19 @@ class SteeringManager:
     @staticmethod
     def _new_config(identity: bytes, items: list[Intervention]) -> ConfigEntry:
         selects: list[SelectSpec] = []
+        index_of: dict[int, int] = {}  # by identity: a parse makes equal selections one object
         requires = []
         for item in items:
-            if item.select is None:
+            select = item.select
+            if select is None:
                 requires.append(-1)
                 continue
-            if item.select not in selects:
-                selects.append(item.select)
-            requires.append(selects.index(item.select))
+            index = index_of.get(id(select))
+            if index is None:
+                if select not in selects:  # equal to one from another source (the global spec, a module)
+                    selects.append(select)
+                index = index_of[id(select)] = selects.index(select)
+            requires.append(index)
         uniform = all(set(s.to_wire()) <= _GENERATION_UNIFORM_FIELDS for s in selects)
         return ConfigEntry(identity, items, selects, requires, uniform,
                            any(s.reads_generated_tokens for s in selects))

@@ -34,6 +34,8 @@ class Seen:
     vectors: dict[tuple, tuple[Any, torch.Tensor, bytes]] = field(default_factory=dict)  # (given, copy, hash)
     units: dict[int, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # id of a copy -> (unit, hash)
     selects: dict[SelectSpec, SelectSpec] = field(default_factory=dict)
+    # id of a given selection (alive while the spec is parsed) -> the id of its equal in ``selects``
+    select_ids: dict[int, int] = field(default_factory=dict)
     # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them;
     # a SelectSpec by value) -> (the item, which keeps those ids taken, and its checked intervention).
     items: dict[tuple, tuple[Any, "Intervention"]] = field(default_factory=dict)
@@ -119,23 +121,22 @@ class Intervention:
     bias: float = 0.0
     threshold: float = -math.inf
     feature: tuple[str, int] | None = None  # (registered SAE, index) of a feature item; its content is in vector_hash
+    # What the content hash covers but the layer: the same at every layer an item is given for.
+    unlayered: bytes = field(init=False, repr=False, compare=False)
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The content hash, computed once per intervention (a global spec is shared by every request).
-        object.__setattr__(self, "digest", self._digest())
-
-    def _digest(self) -> bytes:
         select = self.select.key if self.select is not None else "*"
-        head = f"{self.kind}|{self.point}|{self.layer}|{self.lo}|{self.hi}|{self.strength}|{select}"
-        return _hash(head.encode() + self.vector_hash)
+        head = f"{self.kind}|{self.point}|{self.lo}|{self.hi}|{self.strength}|{select}|".encode()
+        object.__setattr__(self, "unlayered", head + self.vector_hash)
+        object.__setattr__(self, "digest", _layer_digest(self.unlayered, self.layer))
 
     def at_layer(self, layer: int) -> "Intervention":
         """The same intervention at ``layer``, sharing its vector. A copy of the fields rather than
         the dataclass init: a spec gives most items once per layer, and the init costs microseconds."""
         moved = object.__new__(Intervention)
-        moved.__dict__.update(self.__dict__, layer=layer)
-        object.__setattr__(moved, "digest", moved._digest())
+        moved.__dict__.update(self.__dict__, layer=layer, digest=_layer_digest(self.unlayered, layer))
         return moved
 
     @property
@@ -178,6 +179,10 @@ def _hash(data: bytes | np.ndarray) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def _layer_digest(unlayered: bytes, layer: int) -> bytes:
+    return hashlib.blake2b(unlayered + layer.to_bytes(4, "little"), digest_size=16).digest()
+
+
 _ZERO_HASH = bytes(16)
 
 
@@ -185,6 +190,20 @@ def _vector_hash(vector: torch.Tensor) -> bytes:
     """Hash of the values; every all-zero vector gets ``_ZERO_HASH``, so ``is_noop`` needs no pass over them."""
     values = vector.numpy()
     return _hash(values) if values.any() else _ZERO_HASH
+
+
+def _item_key(item: Add | Clamp, seen: Seen) -> tuple:
+    """An item's fields but the layer, by the identity of each (a spec built per layer shares
+    them); a SelectSpec by value (equal ones are one selection anyway, and one is often built per
+    layer), looked up by identity first: hashing one by value costs microseconds."""
+    select = seen.select_ids.get(id(item.select))
+    if select is None:
+        given = item.select
+        select = seen.select_ids[id(given)] = id(seen.selects.setdefault(given, given)) \
+            if isinstance(given, SelectSpec) else id(given)
+    if isinstance(item, Add):
+        return Add, id(item.hook), id(item.vector), id(item.scale), select
+    return Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength), select
 
 
 class SpecParser:
@@ -209,14 +228,13 @@ class SpecParser:
         if isinstance(spec, Mapping):
             return self._parse_vectors(spec, None, where, seen)
         if isinstance(spec, (list, tuple)) and all(isinstance(i, ITEM_TYPES) for i in spec):
-            return [self._parse_item(item, f"{where}[{i}]", seen) for i, item in enumerate(spec)]
+            return self._parse_items(spec, where, seen)
         raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp/Feature/FeatureClamp items or a dict "
                                   f"of vectors, got {type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
         scale = finite_number(spec.scale, f"{where}.scale")
-        items = [self._parse_item(item, f"{where}.interventions[{i}]", seen)
-                 for i, item in enumerate(spec.interventions)]
+        items = self._parse_items(spec.interventions, f"{where}.interventions", seen)
         items += self._parse_vectors(spec.vectors, None, f"{where}.vectors", seen)
         items += self._parse_vectors(spec.prefill_vectors, PREFILL, f"{where}.prefill_vectors", seen)
         items += self._parse_vectors(spec.decode_vectors, DECODE, f"{where}.decode_vectors", seen)
@@ -258,15 +276,19 @@ class SpecParser:
                 items.append(item.scaled(scale, here) if scale != 1.0 else item)
         return items
 
+    def _parse_items(self, given: Sequence[Any], where: str, seen: Seen) -> list[Intervention]:
+        """Each item, those repeated at another layer taken the short way (``where`` is formatted
+        only for the others: a spec gives most items once per layer, and admission parses them all)."""
+        items = []
+        for i, item in enumerate(given):
+            repeated = self._repeated(item, seen)
+            items.append(repeated if repeated is not None else self._parse_item(item, f"{where}[{i}]", seen))
+        return items
+
     def _parse_item(self, item: Add | Clamp | Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
         if isinstance(item, (Feature, FeatureClamp)):
             return self._feature(item, where, seen)
-        # A SelectSpec by value: equal ones are one selection anyway, and one is often built per layer.
-        select = item.select if isinstance(item.select, SelectSpec) else id(item.select)
-        if isinstance(item, Add):
-            key = (Add, id(item.hook), id(item.vector), id(item.scale), select)
-        else:
-            key = (Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength), select)
+        key = _item_key(item, seen)
         known = seen.items.get(key)
         if known is None:
             check_residual_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
@@ -274,6 +296,17 @@ class SpecParser:
             known = seen.items[key] = item, self._check_item(item, layer, where, seen)
             return known[1]
         return known[1].at_layer(self._layer(item.layer, where))
+
+    def _repeated(self, item: Any, seen: Seen) -> Intervention | None:
+        """An ``Add`` or ``Clamp`` whose fields but a valid layer were checked already, moved to its
+        layer; None for anything else (``_parse_item`` checks it, with the place named for errors)."""
+        if type(item) is not Add and type(item) is not Clamp:
+            return None
+        known = seen.items.get(_item_key(item, seen))
+        layer = item.layer
+        if known is None or type(layer) is not int or not 0 <= layer < self.num_layers:
+            return None
+        return known[1].at_layer(layer)
 
     def _check_item(self, item: Add | Clamp, layer: int, where: str, seen: Seen) -> Intervention:
         """An ``Add`` or ``Clamp`` at ``layer``, checked (the other layers' come from it)."""
