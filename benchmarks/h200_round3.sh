@@ -338,6 +338,13 @@ case $part in
         python3 steering_cost.py --modes mixed_distinct --repeats 1
     gzip -c /tmp/mixed-pyspy.txt >"$out/mixed-pyspy.txt.gz"
     ;;
+  s13d)  # after generate's queued admission and the faster steering parse: issue 31's steering lines
+          # with the breakdown, then dense and the chat workload (both run LLM.generate) on the same machine
+    step steering 200 python3 steering_cost.py --modes global_all_layers,global_clamp_all_layers,mixed_distinct \
+        --repeats 5 --breakdown
+    step dense 80 python3 throughput.py --skip-hf --repeats 3
+    step shared-prefix 120 python3 shared_prefix.py --repeats 5
+    ;;
   smol1)  # SmolLM2's GGUF (98 MB) is over a call's 64 MiB carry: `split -n 2 -d FILE` gives two halves,
           # carried as .carry/smolA/part here and .carry/smolB/part in part smol2 (with the package's
           # __init__.py and the file's sha256 in .carry/smolB/sha); this half waits in /tmp on the warm machine

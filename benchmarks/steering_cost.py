@@ -64,15 +64,17 @@ def mode_steering(llm, w, args) -> tuple[dict, dict]:
 
 
 class Breakdown:
-    """Where a run's wall time goes: admission (``add_request``), engine steps that only decode and
-    the others (prefill chunks), and the garbage collector's passes within them. With asynchronous
-    scheduling a step's wall time is the longer of its host work and the previous step's device
-    work, so a mode's extra seconds show up in the kind of step that pays them."""
+    """Where a run's wall time goes: engine steps that only decode and the others (prefill
+    chunks), the host time of admitting requests (``generate`` queues its prompts and the
+    scheduler admits them inside steps, so it is part of the steps' time) and the garbage
+    collector's passes. With asynchronous scheduling a step's wall time is the longer of its host
+    work and the previous step's device work, so a mode's extra seconds show up in the kind of
+    step that pays them."""
 
     def __init__(self, engine) -> None:
         self.engine, self.totals = engine, {}
         self._gc_start = 0.0
-        add, step = engine.add_request, engine.step
+        add, step = engine._add_request, engine.step
 
         def timed_add(*a, **k):
             start = time.perf_counter()
@@ -81,18 +83,23 @@ class Breakdown:
             finally:
                 self._count("admit_s", time.perf_counter() - start)
 
+        schedule, launched = engine.scheduler.schedule, ["decode"]
+
+        def noted_schedule():  # the kind of step a step launches: one token a request, or more
+            out = schedule()
+            launched[0] = "decode" if all(s.num_tokens == 1 for s in out.scheduled) else "other"
+            return out
+
         def timed_step(*a, **k):
-            sched = engine.scheduler
-            kind = "decode" if not sched.waiting and all(
-                r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running) else "other"
+            launched[0] = "decode"  # a step that launches nothing only collects the last one
             start = time.perf_counter()
             try:
                 return step(*a, **k)
             finally:
-                self._count(f"{kind}_s", time.perf_counter() - start)
-                self._count(f"{kind}_steps", 1)
+                self._count(f"{launched[0]}_s", time.perf_counter() - start)
+                self._count(f"{launched[0]}_steps", 1)
 
-        engine.add_request, engine.step = timed_add, timed_step
+        engine._add_request, engine.step, engine.scheduler.schedule = timed_add, timed_step, noted_schedule
         gc.callbacks.append(self._on_gc)
 
     def _count(self, key: str, value: float) -> None:

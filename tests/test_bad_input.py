@@ -50,7 +50,7 @@ def test_bad_prompts(llm):
     assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_waiting"] == 0
 
 
-def test_bad_request_in_a_batch_admits_nothing(llm):
+def test_bad_request_in_a_batch_leaves_nothing(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", "", "also fine"], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.stats()["num_requests"] == 0

@@ -1,12 +1,15 @@
 """Admission, the part of the engine that turns ``add_request`` into scheduled requests: input
 checks (every bad field a ``ValueError`` naming it, before anything is allocated), tokenization,
 each completion's steering, structured-output and capture state, and ``n`` > 1 groups whose
-siblings are created as the batch has room, sharing the first one's prompt KV."""
+siblings are created as the batch has room, sharing the first one's prompt KV. ``LLM.generate``'s
+prompts are queued and admitted as the scheduler takes them (``QueuedPrompts``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from steerable.checks import all_ints
 from steerable.engine.output_processor import RequestGroup
@@ -14,6 +17,18 @@ from steerable.errors import InvalidRequestError
 from steerable.request import Request
 from steerable.sampling_params import SamplingParams
 from steerable.structured.plane import refuse_streaming_input
+
+
+@dataclass
+class QueuedPrompts:
+    """One call's prompts, admitted in order when the scheduler has room and no other request
+    waits: their checks, tokenization and steering parse then run while the device works on the
+    steps before, and every step is the one admitting them all up front would have built (the
+    scheduler takes waiting requests first come, first served, and asks for the next only once
+    none is left). The first invalid one ends the queue and is kept in ``error``."""
+
+    entries: deque[tuple[str, str | Sequence[int], SamplingParams]]
+    error: InvalidRequestError | None = None
 
 
 class Admission:
@@ -50,6 +65,30 @@ class Admission:
         for child in group.children:
             self._enqueue(child, group, resumable)
         return group
+
+    def _admit_queued(self) -> bool:
+        """The scheduler's refill: admit the oldest queued prompt; False when none is left."""
+        while self._queued:
+            batch = self._queued[0]
+            if not batch.entries:
+                self._queued.popleft()
+                continue
+            client_id, prompt, params = batch.entries.popleft()
+            try:
+                self._add_request(client_id, prompt, params, False, False, False)
+            except InvalidRequestError as err:
+                batch.error = err
+                batch.entries.clear()
+                continue
+            return True
+        return False
+
+    def _drop_queued(self, client_ids: set[str]) -> None:
+        for batch in self._queued:
+            batch.entries = deque(e for e in batch.entries if e[0] not in client_ids)
+
+    def _num_queued(self) -> int:
+        return sum(len(batch.entries) for batch in self._queued)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in the parameters name entries of this model's vocabulary."""
@@ -123,7 +162,7 @@ class Admission:
         ``max_fanout_seqs``, so the others keep the rest of the batch. Siblings wait until the
         first one's prompt blocks are in the prefix cache, so they share its KV instead of
         computing the prompt again."""
-        room = self.config.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting)
+        room = self.config.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting) - self._num_queued()
         cap = self.config.max_fanout_seqs or self.config.max_num_seqs
         for group in list(self._fanning_out):
             if room <= 0:

@@ -26,7 +26,7 @@ from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine import prompt_logprobs
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
-from steerable.engine.admission import Admission
+from steerable.engine.admission import Admission, QueuedPrompts
 from steerable.engine.resumable import ResumableRequests
 from steerable.engine.scheduler import Scheduler
 from steerable.engine.shared_prefix import SharedPrefixDetector
@@ -108,6 +108,8 @@ class LLMEngine(Admission, ResumableRequests):
         self._paused: dict[str, Request] = {}  # streaming-input requests between chunks, by engine id
         self._prompt_logprobs: set[str] = set()  # engine ids whose prompt logprobs are not all recorded
         self._fanning_out: deque[RequestGroup] = deque()  # n-requests with completions still to create
+        self._queued: deque[QueuedPrompts] = deque()  # prompts admitted as the scheduler takes them
+        self.scheduler.refill = self._admit_queued
         # Launched, not finished, oldest first: one on a single stage (host work overlaps the
         # device), each micro-batch on a pipeline.
         self._inflight: deque[_InFlight] = deque()
@@ -144,6 +146,15 @@ class LLMEngine(Admission, ResumableRequests):
             self._check_open()
             return self._add_request(client_id, prompt, params, stream, resumable, increments)
 
+    def queue_requests(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]]) -> QueuedPrompts:
+        """Queue ``(client_id, prompt, params)`` (each ``n`` = 1) to be admitted as the scheduler has
+        room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``."""
+        with self.lock.hold():
+            self._check_open()
+            batch = QueuedPrompts(deque(requests))
+            self._queued.append(batch)
+            return batch
+
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """The token ids ``add_request`` would run for ``prompt`` (errors name ``prompt``)."""
         with self.lock.hold():
@@ -153,6 +164,7 @@ class LLMEngine(Admission, ResumableRequests):
         """Abort by client id (every completion) or engine id; everything held is freed now."""
         with self.lock.hold():
             ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            self._drop_queued(set(ids))
             outputs = []
             for rid in ids:
                 group = self.groups.get(rid) or getattr(self.requests.get(rid), "group", None)
@@ -192,6 +204,7 @@ class LLMEngine(Admission, ResumableRequests):
     def has_unfinished_requests(self) -> bool:
         """Work a step can do (a paused streaming-input request waiting for its next chunk is none)."""
         return (self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._fanning_out)
+                or self._num_queued() > 0
                 or any(r.chunks for r in self._paused.values()))
 
     def _check_open(self) -> None:

@@ -35,6 +35,8 @@ class Scheduler:
         self.cache_limit = cache_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Admits the next queued request into ``waiting`` when it runs dry (False: none is queued).
+        self.refill: Callable[[], bool] = lambda: False
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -75,7 +77,8 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing smaller is left to evict
 
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs and (
+                self.waiting or self.refill()):
             request = self.waiting[0]
             if request.num_pending:  # preempted with a token in flight: resume once it has arrived
                 break

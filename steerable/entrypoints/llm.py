@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from steerable.checks import all_ints
 from steerable.config import EngineConfig
+from steerable.engine.admission import QueuedPrompts
 from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
 from steerable.models.loader import DEFAULT_MODEL
@@ -155,7 +156,14 @@ class LLM:
         return outputs
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        """Prompts of one completion each are admitted as the scheduler takes them, so admitting
+        them (tokenization, steering specs) overlaps the device's work on the first ones; with
+        ``n`` > 1 siblings are created between them and admission order would change the
+        random streams, so those are admitted up front."""
         engine = self.llm_engine
+        if all(isinstance(p, SamplingParams) and p.n == 1 for p in params):
+            ids = [str(next(self._ids)) for _ in prompts]
+            return run_to_completion(engine, ids, use_tqdm, engine.queue_requests(list(zip(ids, prompts, params))))
         added = []
         try:
             for prompt, p in zip(prompts, params):
@@ -166,23 +174,30 @@ class LLM:
         return run_to_completion(engine, [g.client_id for g in added], use_tqdm)
 
 
-def run_to_completion(engine: LLMEngine, client_ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
+def run_to_completion(engine: LLMEngine, client_ids: list[str], use_tqdm: bool = False,
+                      queued: QueuedPrompts | None = None) -> list[RequestOutput]:
     """Step ``engine`` until the requests ``client_ids`` have finished; their final outputs in that
-    order. On any error (or an interrupt) the unfinished ones are aborted, freeing what they hold."""
+    order. On any error (or an interrupt) the unfinished ones are aborted, freeing what they hold;
+    ``queued``: their prompts are queued, and one that fails admission raises its error."""
     order = {client_id: i for i, client_id in enumerate(client_ids)}
     results: list[RequestOutput | None] = [None] * len(client_ids)
     pending = set(order)
     bar = tqdm(total=len(client_ids), desc="Generating", disable=not use_tqdm, unit="req")
     try:
         while pending:
-            for out in engine.step():
+            outputs = engine.step()
+            if queued is not None and queued.error is not None:
+                raise queued.error
+            for out in outputs:
                 if out.finished and out.request_id in pending:
                     results[order[out.request_id]] = out
                     pending.discard(out.request_id)
                     bar.update(1)
         engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
-    except BaseException:
+    except BaseException as err:
         engine.abort_request(list(pending))
+        if queued is not None and err is queued.error:  # a bad prompt: the engine is fine, leave nothing in flight
+            engine.finish_inflight()
         raise
     finally:
         bar.close()

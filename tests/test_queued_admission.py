@@ -1,0 +1,125 @@
+"""``LLM.generate`` queues its prompts and the scheduler admits them as it takes them: admission
+(tokenization, steering specs) overlaps the device's work on the first steps, every step is the
+one that admitting them all up front builds, and a bad prompt late in the list still raises its
+``ValueError`` and leaves nothing behind."""
+
+import random
+
+import pytest
+import torch
+
+from steerable import LLM, Add, Clamp, SamplingParams, SelectSpec, SteeringSpec
+from steerable.entrypoints.llm import run_to_completion
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    # A 48-token budget against ~16 prompts of 10-40 tokens: the prompts span many steps, some
+    # share a prefix (the cache decides how many tokens a step takes).
+    return LLM(model_dirs["qwen2"], device="cpu", kv_cache_tokens=4096, max_model_len=256,
+               max_num_batched_tokens=48, max_num_seqs=6)
+
+
+def _workload(llm, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 200) for _ in range(20)]
+    prompts = [(shared if i % 3 == 0 else []) + [rng.randrange(5, 200) for _ in range(rng.randrange(10, 25))]
+               for i in range(16)]
+    hidden = llm.llm_engine.model_config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for i in range(len(prompts)):
+        vector = torch.randn(hidden, generator=gen) * 0.5
+        items = [Add(layer, vector, select=SelectSpec(prompt="all")) for layer in (0, 1)] if i % 2 else \
+            [Clamp(1, vector / vector.norm(), min=-0.1, max=0.1)]
+        params.append(SamplingParams(max_tokens=4 + i % 5, temperature=0, steering_vectors=SteeringSpec(items)))
+    return prompts, params
+
+
+def _record_steps(engine) -> list:
+    """Every step's scheduled (prompt, tokens) pairs, by prompt content (client ids differ per run)."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append([(tuple(s.request.prompt_token_ids), s.num_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recorded
+    return steps
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_queued_prompts_build_the_steps_up_front_admission_builds(llm):
+    engine = llm.llm_engine
+    prompts, params = _workload(llm)
+    steps = _record_steps(engine)
+    try:
+        eager_ids = [f"eager-{i}" for i in range(len(prompts))]
+        for client_id, prompt, p in zip(eager_ids, prompts, params):
+            engine.add_request(client_id, prompt, p)
+        eager = run_to_completion(engine, eager_ids)
+        eager_steps = list(steps)
+        steps.clear()
+        # the prefix cache now holds the prompts: a second eager run is the fair reference
+        for client_id, prompt, p in zip(eager_ids, prompts, params):
+            engine.add_request(client_id + "-again", prompt, p)
+        again = run_to_completion(engine, [c + "-again" for c in eager_ids])
+        again_steps = list(steps)
+        steps.clear()
+        queued = llm.generate(prompts, params, use_tqdm=False)
+        queued_steps = list(steps)
+    finally:
+        del engine.scheduler.schedule
+    assert _tokens(eager) == _tokens(again) == _tokens(queued)
+    assert len(eager_steps) > 8 and sum(len(s) > 1 for s in eager_steps) > 4  # many steps, mostly batched
+    assert queued_steps == again_steps
+    assert engine.stats()["num_requests"] == 0 and llm.get_steering_status()["rows_in_use"] == 0
+
+
+def test_queued_prompts_are_admitted_as_the_scheduler_takes_them(llm):
+    engine = llm.llm_engine
+    prompts, params = _workload(llm, seed=1)
+    ids = [f"q-{i}" for i in range(len(prompts))]
+    queued = engine.queue_requests(list(zip(ids, prompts, params)))
+    assert engine.has_unfinished_requests() and not engine.groups
+    engine.step()  # one step of 48 tokens: a few prompts admitted, the rest still queued
+    admitted = len(engine.groups)
+    assert 1 <= admitted < len(prompts) and len(queued.entries) == len(prompts) - admitted
+    out = run_to_completion(engine, ids, queued=queued)
+    assert all(o.finished for o in out) and not queued.entries and queued.error is None
+    assert engine.stats()["num_requests"] == 0
+
+
+def test_a_bad_prompt_late_in_the_queue_raises_and_leaves_nothing(llm):
+    engine = llm.llm_engine
+    prompts, params = _workload(llm, seed=2)
+    hidden = engine.model_config.hidden_size
+    params[11] = SamplingParams(max_tokens=3, steering_vectors={1: torch.zeros(hidden + 1)})
+    steps_before = engine.stats()["num_steps"]
+    with pytest.raises(ValueError, match=r"steering_vectors.*hidden size"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert engine.stats()["num_steps"] > steps_before  # the prompts before it ran meanwhile
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["num_requests"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert llm.get_steering_status()["rows_in_use"] == 0 and llm.get_steering_status()["configs_in_use"] == 0
+    fine = llm.generate(prompts[:3], params[:3], use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in fine)
+
+
+def test_an_aborted_queue_admits_nothing_more(llm):
+    engine = llm.llm_engine
+    prompts, params = _workload(llm, seed=3)
+    ids = [f"a-{i}" for i in range(len(prompts))]
+    queued = engine.queue_requests(list(zip(ids, prompts, params)))
+    engine.step()
+    engine.abort_request(ids)
+    assert not queued.entries and engine.stats()["num_requests"] == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.groups and llm.get_steering_status()["rows_in_use"] == 0
