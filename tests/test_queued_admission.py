@@ -81,6 +81,33 @@ def test_queued_prompts_build_the_steps_up_front_admission_builds(llm):
     assert engine.stats()["num_requests"] == 0 and llm.get_steering_status()["rows_in_use"] == 0
 
 
+def test_siblings_fanning_out_beside_queued_prompts_get_the_room_and_place_they_get_beside_waiting_ones(llm):
+    # an n=3 request from add_request creates its siblings as the batch has room and queues them
+    # behind the requests waiting then: prompts queued behind it count and go first as those would
+    engine = llm.llm_engine
+    prompts, params = _workload(llm, seed=4)
+    group_params = SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=7)
+
+    def run(tag: str, queue: bool) -> tuple[list, list]:
+        steps = _record_steps(engine)
+        try:
+            engine.add_request(f"{tag}-group", prompts[0], group_params)
+            ids = [f"{tag}-{i}" for i in range(1, len(prompts))]
+            queued = engine.queue_requests(list(zip(ids, prompts[1:], params[1:]))) if queue else None
+            if not queue:
+                for client_id, prompt, p in zip(ids, prompts[1:], params[1:]):
+                    engine.add_request(client_id, prompt, p)
+            outs = run_to_completion(engine, [f"{tag}-group", *ids], queued=queued)
+        finally:
+            del engine.scheduler.schedule
+        return [[list(c.token_ids) for c in o.outputs] for o in outs], steps
+
+    run("warm", queue=False)  # the prefix cache as the two compared runs find it
+    eager, eager_steps = run("eager", queue=False)
+    queued, queued_steps = run("queued", queue=True)
+    assert queued_steps == eager_steps and queued == eager and len(eager[0]) == 3
+
+
 def test_queued_prompts_are_admitted_as_the_scheduler_takes_them(llm):
     engine = llm.llm_engine
     prompts, params = _workload(llm, seed=1)

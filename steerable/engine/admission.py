@@ -84,6 +84,7 @@ class Admission:
         return False
 
     def _drop_queued(self, client_ids: set[str]) -> None:
+        """Aborted before their turn: never admitted."""
         for batch in self._queued:
             batch.entries = deque(e for e in batch.entries if e[0] not in client_ids)
 
@@ -162,7 +163,8 @@ class Admission:
         ``max_fanout_seqs``, so the others keep the rest of the batch. Siblings wait until the
         first one's prompt blocks are in the prefix cache, so they share its KV instead of
         computing the prompt again."""
-        room = self.config.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting) - self._num_queued()
+        waiting = len(self.scheduler.waiting) + self._num_queued()  # queued prompts count as waiting
+        room = self.config.max_num_seqs - len(self.scheduler.running) - waiting
         cap = self.config.max_fanout_seqs or self.config.max_num_seqs
         for group in list(self._fanning_out):
             if room <= 0:
@@ -174,6 +176,8 @@ class Admission:
             if take <= 0:
                 continue
             self._fanning_out.remove(group)
+            while self._admit_queued():  # queued prompts wait ahead of the siblings, as admitted ones would
+                pass
             template = group.template
             for _ in range(take):
                 index = len(group.children)

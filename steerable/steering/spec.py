@@ -37,7 +37,8 @@ class Seen:
     # id of a given selection (alive while the spec is parsed) -> the id of its equal in ``selects``
     select_ids: dict[int, int] = field(default_factory=dict)
     # Add/Clamp fields but the layer, by the identity of each (an item built per layer shares them;
-    # a SelectSpec by value) -> (the item, which keeps those ids taken, and its checked intervention).
+    # a SelectSpec by its equal in ``selects``) -> (the item, which keeps those ids taken, and its
+    # checked intervention).
     items: dict[tuple, tuple[Any, "Intervention"]] = field(default_factory=dict)
 
 
