@@ -157,9 +157,10 @@ class LLM:
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         """Prompts of one completion each are admitted as the scheduler takes them, so admitting
-        them (tokenization, steering specs) overlaps the device's work on the first ones; with
-        ``n`` > 1 siblings are created between them and admission order would change the
-        random streams, so those are admitted up front."""
+        them (tokenization, steering specs) overlaps the device's work on the first ones. With
+        ``n`` > 1 they are admitted up front: a group's siblings are created as soon as the batch
+        has room, which for a group admitted up front can be before its first completion runs, so
+        queuing it would change the steps."""
         engine = self.llm_engine
         if all(isinstance(p, SamplingParams) and p.n == 1 for p in params):
             ids = [str(next(self._ids)) for _ in prompts]
