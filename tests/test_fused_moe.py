@@ -54,7 +54,7 @@ def test_moe_align_places_every_assignment_once(tokens, experts, top_k, block_m)
 
 def test_align_bound_holds_when_every_expert_is_one_past_a_block():
     """The worst case of the static bound: every expert gets block_m + 1 assignments."""
-    experts, top_k, block_m = 8, 1, 16
+    experts, block_m = 8, 16  # one expert per token (top-k = 1)
     chosen = torch.arange(experts).repeat_interleave(block_m + 1)[:, None].to(DEVICE)
     ids, block_expert = moe_align(chosen, experts, block_m)
     assert (block_expert < experts).sum().item() == 2 * experts == len(block_expert)

@@ -9,7 +9,6 @@ the engine constructor.
 from __future__ import annotations
 
 import contextlib
-import os
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from steerable.capture.patterns import concat_captured
 from steerable.capture.serialization import CaptureMeta
