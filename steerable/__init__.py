@@ -17,7 +17,8 @@ _EXPORTS = {
     "SelectSpec": "steerable.selection", "Add": "steerable.steering.spec", "Clamp": "steerable.steering.spec",
     "SteeringSpec": "steerable.steering.spec", "SAE": "steerable.sae", "Feature": "steerable.sae",
     "FeatureClamp": "steerable.sae", "StructuredOutputsParams": "steerable.structured",
-    "GuidedDecodingParams": "steerable.structured",
+    "GuidedDecodingParams": "steerable.structured", "TextPrompt": "steerable.inputs",
+    "TokensPrompt": "steerable.inputs",
 }
 
 
@@ -35,4 +36,4 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Feature", "FeatureClamp", "CaptureSpec", "capture",
-           "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
+           "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "__version__"]

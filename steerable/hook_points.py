@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Protocol
 
 from steerable.errors import InvalidRequestError
-from steerable.hook_names import POST_ATTN, POST_MLP, PRE_ATTN, RESIDUAL_POINTS  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:  # annotations only: the CLI offers the point names before it imports torch
+    import torch
+    from torch import nn
+
+PRE_ATTN = "pre_attn"  # residual stream entering layer L (HF hidden_states[L])
+POST_ATTN = "post_attn"  # residual after the attention residual add
+POST_MLP = "post_mlp"  # layer output (HF hidden_states[L + 1], before any final norm)
+RESIDUAL_POINTS = (PRE_ATTN, POST_ATTN, POST_MLP)
 
 HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated

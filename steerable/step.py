@@ -4,6 +4,9 @@
 Only numpy arrays, numbers, strings and small dataclasses of them: what a tensor-parallel worker
 process receives over the wire, and what every rank turns into the same decisions (which CUDA
 graph to replay, which rows to gather). Nothing in here refers to engine objects.
+
+``to_device`` is how a worker lands a message's arrays on its device: from page-locked memory, so
+the copy never waits for the step in flight.
 """
 
 from __future__ import annotations
@@ -18,6 +21,19 @@ import torch
 PLACEHOLDER = -1  # a token id sampled by the previous step, still on the device
 
 Site = tuple[str, int]  # (hook point, layer)
+
+
+def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device``, copied without a stream sync on CUDA.
+
+    A copy from pageable host memory first waits for the stream to drain, so the host would sit
+    idle until the step in flight ends instead of preparing the next one; PyTorch's caching host
+    allocator reuses a pinned block only once its copy has finished. On a CPU device the array is
+    used as it is."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from conftest import build_tokenizer
 from test_qwen3_moe import build_qwen3_moe
 
 from steerable import LLM
-from steerable.distributed.launch import START_METHOD_ENV
+from steerable.executor.launch import START_METHOD_ENV
 
 # Families whose layers add nothing new to the layouts beyond TP=2 and PP=2 alone (their own parts:
 # Gemma 2's softcapped attention, OLMo-2's all-reduced q/k norm, Phi-3's fused checkpoint tensors).

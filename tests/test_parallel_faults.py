@@ -20,7 +20,7 @@ from conftest import PROMPTS
 from parallel_harness import HANG_S, _env, _fork_server, _hang_guard, deadline, models, single  # noqa: F401 (fixtures)
 
 from steerable import LLM, SamplingParams
-from steerable.distributed.launch import START_METHOD_ENV
+from steerable.executor.launch import START_METHOD_ENV
 from steerable.errors import EngineDeadError
 from steerable.models import registry
 

@@ -132,7 +132,7 @@ def test_small_requests_keep_their_latency_while_a_large_n_runs(big_server, big_
 
 def test_finished_requests_leave_no_cyclic_garbage(offline):
     """Requests freed by reference counting, not by the cyclic collector whose full passes stall
-    serving (steerable/heap.py): an n-request leaves no Request or RequestGroup in a cycle."""
+    serving (steerable/entrypoints/heap.py): an n-request leaves no Request or RequestGroup in a cycle."""
     from steerable import SamplingParams
 
     gc.collect()

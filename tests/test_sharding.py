@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from steerable import LLM
-from steerable.distributed.channel import FRAME_BYTES, Kind, _frame, _join, _parse
-from steerable.distributed.codec import decode, encode
+from steerable.executor.channel import FRAME_BYTES, Kind, _frame, _join, _parse
+from steerable.executor.codec import decode, encode
 from steerable.distributed.groups import ParallelContext, TPGroup, building
 from steerable.distributed.placement import (
     MICRO_BATCHES_ENV,
@@ -22,7 +22,7 @@ from steerable.distributed.placement import (
 )
 from steerable.hook_points import HookPoints
 from steerable.layers.attention_backends import torch_ref
-from steerable.models.checkpoint import CheckpointTensor
+from steerable.layers.checkpoint import CheckpointTensor
 from steerable.models.loader import iter_weights, load_hf_config, resolve_model
 from steerable.models.registry import resolve_model_config
 from steerable.step import (

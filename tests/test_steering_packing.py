@@ -12,7 +12,7 @@ import torch
 
 import steerable.steering.tables as tables_module
 from steerable import Add, Clamp, SelectSpec, SteeringSpec
-from steerable.distributed.codec import decode, encode
+from steerable.executor.codec import decode, encode
 from steerable.steering.rows import RowTables
 from steerable.steering.spec import Intervention, SpecParser, _vector_hash
 from steerable.steering.tables import SteeringTables

@@ -38,8 +38,7 @@ from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
 from steerable.hook_points import ATTENTION_PATTERNS
 from steerable.sae.worker_tables import SaeTables
-from steerable.step import CapturePlan, Site, StepInput
-from steerable.uploads import to_device
+from steerable.step import CapturePlan, Site, StepInput, to_device
 
 OUTBOX_SETS = 3
 

@@ -20,7 +20,7 @@ from steerable import cpu_threads
 from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
-from steerable.distributed.executor import create_worker
+from steerable.executor.executor import create_worker
 from steerable.distributed.placement import pipeline_micro_batches
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock

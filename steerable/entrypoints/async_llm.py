@@ -28,8 +28,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from steerable.entrypoints.llm import LLM, parse_prompt
+from steerable.entrypoints.llm import LLM
 from steerable.errors import EngineDeadError, InvalidRequestError
+from steerable.hook_points import COMPONENTS
+from steerable.inputs import parse_prompt
 from steerable.outputs import CompletionOutput, RequestOutput
 from steerable.sampling_params import SamplingParams
 
@@ -416,8 +418,6 @@ for _name in _CONTROL_PLANE:
 
 def capture_layouts(engine: Any) -> dict[str, dict[str, Any]]:
     """``engine.capture_status`` of each capture component the model has hook points for."""
-    from steerable.capture.session import COMPONENTS
-
     layouts = {}
     for component in COMPONENTS:
         try:

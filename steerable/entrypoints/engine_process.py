@@ -38,7 +38,7 @@ from typing import Any
 from steerable.entrypoints.async_llm import AsyncLLM, RequestStream, _post, _put_all, _resolve, capture_layouts
 from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
 from steerable.errors import EngineDeadError
-from steerable.heap import freeze_startup_heap
+from steerable.entrypoints.heap import freeze_startup_heap
 from steerable.outputs import RequestOutput
 from steerable.sampling_params import SamplingParams
 

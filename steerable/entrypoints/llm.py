@@ -8,19 +8,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from steerable.checks import all_ints
 from steerable.config import EngineConfig
 from steerable.engine.admission import QueuedPrompts
 from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
+from steerable.inputs import Prompt, as_prompt_list
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
 from steerable.sae.model import SAE
 from steerable.sampling_params import SamplingParams
 from steerable.steering.spec import SteeringSpec
-
-Prompt = str | Sequence[int]
-
 
 class LLM:
     """Load a model once, then generate, chat, steer and capture."""
@@ -138,7 +135,7 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 
@@ -203,48 +200,6 @@ def run_to_completion(engine: LLMEngine, client_ids: list[str], use_tqdm: bool =
     finally:
         bar.close()
     return results
-
-
-def _as_prompt_list(prompts: Any) -> list[Prompt]:
-    """vLLM's prompt forms: a string, a token-id list, ``{"prompt": str}``, ``{"prompt_token_ids":
-    [...]}``, or a list of any of them; anything else is an error naming ``prompt``."""
-    if isinstance(prompts, (str, dict)):
-        return [parse_prompt(prompts)]
-    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
-        prompts = list(prompts)
-        if not prompts:
-            raise InvalidRequestError("prompt: at least one prompt is required")
-        if all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompts):
-            return [parse_prompt(prompts)]
-        return [parse_prompt(p) for p in prompts]
-    raise InvalidRequestError(f"prompt: expected a string, a list of token ids, a prompt dict or a list of them, "
-                              f"got {type(prompts).__name__}")
-
-
-def parse_prompt(prompt: Any) -> Prompt:
-    """One prompt in any of vLLM's forms as text or token ids; an error naming ``prompt`` otherwise."""
-    if isinstance(prompt, dict):
-        keys = set(prompt)
-        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"]
-        if keys == {"prompt_token_ids"}:
-            return parse_prompt(prompt["prompt_token_ids"]) if not isinstance(prompt["prompt_token_ids"], str) else \
-                _bad_prompt(prompt)
-        return _bad_prompt(prompt)
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        ids = list(prompt)
-        if not all_ints(ids):
-            raise InvalidRequestError("prompt: token-id prompts must be lists of integers")
-        return ids
-    return _bad_prompt(prompt)
-
-
-def _bad_prompt(prompt: Any) -> Prompt:
-    shown = sorted(prompt) if isinstance(prompt, dict) else type(prompt).__name__
-    raise InvalidRequestError(f"prompt: expected a string, a list of token ids, {{'prompt': str}} or "
-                              f"{{'prompt_token_ids': [int, ...]}}, got {shown}")
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

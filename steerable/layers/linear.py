@@ -23,7 +23,7 @@ from torch import nn
 
 from steerable.distributed.groups import TPGroup, current_tp
 from steerable.layers import gemv
-from steerable.models.checkpoint import CheckpointTensor, materialize
+from steerable.layers.checkpoint import CheckpointTensor, materialize
 
 Weight = torch.Tensor | CheckpointTensor
 

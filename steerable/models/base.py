@@ -25,9 +25,9 @@ from steerable.config import ModelConfig
 from steerable.distributed.groups import current_placement
 from steerable.hook_points import ATTENTION_HEADS, POST_MLP, HookLayout, HookPoints
 from steerable.layers.attention import Attention
+from steerable.layers.checkpoint import materialize
 from steerable.layers.linear import Weight, default_weight_loader
 from steerable.layers.vocab import LMHead, VocabEmbedding
-from steerable.models.checkpoint import materialize
 
 
 class OtherStage(nn.Module):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import transformers
 
-from steerable.models.checkpoint import CheckpointTensor
+from steerable.layers.checkpoint import CheckpointTensor
 from steerable.models.gguf_file import GGUFFile, GGUFTensor
 
 logger = logging.getLogger(__name__)

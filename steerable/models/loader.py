@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from steerable.models.checkpoint import CheckpointTensor
+from steerable.layers.checkpoint import CheckpointTensor
 from steerable.models.demo import DEFAULT_MODEL, DEMO_MODELS, DemoModel  # noqa: F401 (their home before)
 from steerable.models.hub import is_hub_id, resolve_hub_model
 

@@ -15,8 +15,7 @@ import torch
 from steerable.hook_points import SiteWrite
 from steerable.layers import fused
 from steerable.steering.ops import add_rows, clamp_rows
-from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite
-from steerable.uploads import to_device
+from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite, to_device
 
 
 class SteeringTables:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from steerable.errors import InvalidRequestError
-from steerable.structured.params import StructuredOutputsParams
+from steerable.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from steerable.uploads import to_device
+from steerable.step import to_device
 
 
 def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> None:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from steerable.step import PLACEHOLDER, BlockTableUpdate, StepInput
-from steerable.uploads import to_device
+from steerable.step import PLACEHOLDER, BlockTableUpdate, StepInput, to_device
 
 # Rows of the per-token int64 block: token id (0 where pending), position, steering row, owner (the
 # slot whose last sample is the input; NOT_PENDING otherwise), sampling seed, the request slot of

@@ -32,8 +32,7 @@ from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
 from steerable.sae.worker_tables import SaeTables
 from steerable.steering.tables import SteeringTables
-from steerable.step import SamplingInput, StepInput, StepOutput
-from steerable.uploads import to_device
+from steerable.step import SamplingInput, StepInput, StepOutput, to_device
 from steerable.worker.cuda_graphs import CudaGraphRunner
 from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers, StepViews

@@ -15,7 +15,7 @@ from steerable.entrypoints.cli.common import (
     run_checked,
     sae_file,
 )
-from steerable.hook_names import POST_MLP, RESIDUAL_POINTS
+from steerable.hook_points import POST_MLP, RESIDUAL_POINTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,7 @@ from steerable.entrypoints.cli.common import (
     number_list,
     run_checked,
 )
-from steerable.hook_names import POST_MLP, RESIDUAL_POINTS
+from steerable.hook_points import POST_MLP, RESIDUAL_POINTS
 
 # "--scales -2,-1,0,1,2": argparse takes a value starting with "-" for an option unless it looks
 # like a negative number; a comma-separated list of numbers should count as one too.

@@ -19,7 +19,7 @@ from steerable.entrypoints.openai.errors import error_body, install_error_handle
 from steerable.entrypoints.openai.extensions import CaptureInfo
 from steerable.entrypoints.openai.metrics import Metrics
 from steerable.entrypoints.openai.state import ServerSettings, ServerState
-from steerable.heap import freeze_startup_heap
+from steerable.entrypoints.heap import freeze_startup_heap
 
 ROUTERS = [info.open_router, info.router, auth.router, completions.router, chat.router, invocations.router,
            admin.user, admin.admin, vectors.user, vectors.admin, saes.user, saes.admin, playground.router]

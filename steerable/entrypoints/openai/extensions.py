@@ -21,10 +21,10 @@ import torch
 
 from steerable.capture.features import SAE_FEATURES
 from steerable.capture.serialization import serialize_captured
-from steerable.capture.session import COMPONENTS, HIDDEN_STATES, CaptureSpec
+from steerable.capture.session import CaptureSpec
 from steerable.capture.store import resolve_storage_dtype
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import ATTENTION_PATTERNS, POST_MLP
+from steerable.hook_points import ATTENTION_PATTERNS, COMPONENTS, HIDDEN_STATES, POST_MLP
 from steerable.outputs import CompletionOutput
 from steerable.selection import SelectSpec
 

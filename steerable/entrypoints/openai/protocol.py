@@ -9,11 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
 
-from steerable.entrypoints.openai.structured import structured_from_body
 from steerable.entrypoints.openai.extensions import capture_from_json, module_ref_from_json, reject_unknown_extensions
+from steerable.entrypoints.openai.structured import structured_from_body
 from steerable.errors import InvalidRequestError
-from steerable.sampling_params import SamplingParams
-from steerable.structured.params import StructuredOutputsParams
+from steerable.sampling_params import SamplingParams, StructuredOutputsParams
 from steerable.steering.wire import steering_from_json
 
 MAX_LOGPROBS = 20  # as OpenAI and vLLM

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from steerable.errors import InvalidRequestError
-from steerable.structured.params import StructuredOutputsParams
+from steerable.sampling_params import StructuredOutputsParams
 
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _BACKENDS = (None, "auto", "xgrammar")

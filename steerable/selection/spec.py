@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from steerable.errors import InvalidRequestError
-from steerable.selection_fields import (
+from steerable.selection.fields import (
     _INCLUDE_FIELDS,
     _INT_LIST_FIELDS,
     _SCOPE_FIELDS,
@@ -42,9 +42,9 @@ from steerable.selection_fields import (
     _as_window,
     _base,
 )
-from steerable.selection_sides import INF, Resolved, Side, merge_intervals
+from steerable.selection.sides import INF, Resolved, Side, merge_intervals
 
-__all__ = ["SelectSpec", "SelectLike", "SELECT_FIELDS", "SHORTCUTS"]
+__all__ = ["SelectSpec", "SelectLike"]
 
 # Per-spec bound on the number of cached prompt-length resolutions.
 _RESOLVE_CACHE_MAX = 1024

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from steerable.distributed.worker import JOINED_KEY, WorkerArgs, run_spawned
+from steerable.executor.worker_process import JOINED_KEY, WorkerArgs, run_spawned
 
 JOIN_TIMEOUT_S = 300.0  # a rank's interpreter start and imports
 STOP_TIMEOUT_S = 10.0  # after the shutdown message, before a rank is killed
@@ -36,7 +36,7 @@ def _start_context() -> mp.context.BaseContext:
         raise ValueError(f"{START_METHOD_ENV}={method!r}: expected 'spawn' or 'forkserver'")
     context = mp.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(["steerable.distributed.worker"])
+        context.set_forkserver_preload(["steerable.executor.worker_process"])
     return context
 
 

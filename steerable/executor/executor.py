@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from steerable.config import EngineConfig, ModelConfig
-from steerable.distributed.channel import ControlChannel, Kind, ReportChannel
-from steerable.distributed.codec import decode, encode
 from steerable.distributed.groups import close_groups, init_groups
-from steerable.distributed.launch import STOP_TIMEOUT_S, WorkerProcesses, torchrun_rank
 from steerable.distributed.placement import Placement, layer_partition
-from steerable.distributed.worker import WorkerArgs, rank_device, serve
 from steerable.errors import EngineDeadError
+from steerable.executor.channel import ControlChannel, Kind, ReportChannel
+from steerable.executor.codec import decode, encode
+from steerable.executor.launch import STOP_TIMEOUT_S, WorkerProcesses, torchrun_rank
+from steerable.executor.worker_process import WorkerArgs, rank_device, serve
 from steerable.models.loader import ModelSource
 from steerable.step import CapturePlan, StepInput, StepOutput, Worker
 from steerable.worker.model_runner import Launched, ModelRunner

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from steerable import cpu_threads
 from steerable.config import EngineConfig, ModelConfig
-from steerable.distributed.channel import ControlChannel, Kind, ReportChannel
-from steerable.distributed.codec import decode, encode
 from steerable.distributed.groups import DATA_TIMEOUT, close_groups, init_groups
 from steerable.distributed.placement import Placement
+from steerable.executor.channel import ControlChannel, Kind, ReportChannel
+from steerable.executor.codec import decode, encode
 from steerable.models.loader import ModelSource
 from steerable.worker.model_runner import ModelRunner
 
