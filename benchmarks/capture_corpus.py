@@ -1,4 +1,6 @@
-"""Corpus capture (DESIGN.md §6): prompt tokens/s capturing every layer at every prompt position into
+"""Corpus capture (every layer, every prompt position, into shards) against HF ``output_hidden_states``.
+
+Corpus capture (DESIGN.md §6): prompt tokens/s capturing every layer at every prompt position into
 safetensors shards, steerable's ``capture_corpus`` vs HF ``output_hidden_states`` writing the same
 data (same shards: one tensor per layer plus example/position/token-id labels, same dtype), in the
 same run. Rows per shard must agree (exit non-zero otherwise); where the dtype is float32 the values
@@ -6,7 +8,7 @@ of every layer but the last (HF normalises its last entry) must agree too. ``--r
 side N times (each run's shards deleted before the next, so later runs reuse freed pages; the last
 run's are compared) and reports the ratio of the medians.
 
-    PYTHONPATH=. python benchmarks/capture_corpus.py [--num-requests 256] [--shard-size 64] [--repeats 3]
+    python -m benchmarks capture_corpus [--num-requests 256] [--shard-size 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import os
 import shutil
 import tempfile
 
-import common
 import torch
-from common import emit, timed
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from . import common
+from .common import emit, timed
 
 
 def out_root(args, path: str) -> str:
@@ -151,14 +154,14 @@ def compare(root: str, layers: list[int], exact: bool) -> dict:
             "max_abs_diff": max_diff, "values_ok": not exact or max_diff < 1e-3}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--shard-size", type=int, default=None, help="examples per shard (and per engine call)")
     p.add_argument("--hf-batch-size", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="where shards are written (default: /dev/shm)")
     p.add_argument("--keep", action="store_true", help="keep the shards")
     p.add_argument("--repeats", type=int, default=1, help="runs of each side (medians compared)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     path = common.setup("capture_corpus", args, {"shard_size": (64, 4), "hf_batch_size": (16, 2)})
     root = out_root(args, path)
     try:
@@ -174,6 +177,3 @@ def main() -> None:
     if not (check["rows_ok"] and check["values_ok"]):
         raise SystemExit("steerable's shards differ from HF's")
 
-
-if __name__ == "__main__":
-    main()

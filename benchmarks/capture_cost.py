@@ -1,4 +1,6 @@
-"""Cost of capture on one engine: (a) no capture, (b) a stream recording the last prompt token's
+"""Throughput cost of capture (last prompt row, per-request specs, every generated token).
+
+Cost of capture on one engine: (a) no capture, (b) a stream recording the last prompt token's
 hidden state at every layer for every request, (c) the same through a per-request ``CaptureSpec``;
 and bulk capture on the first ``--bulk-requests`` requests: (d) no capture, (e) a stream recording
 every generated token at every layer in the model dtype, then ``fetch_captured`` timed (GB/s).
@@ -7,15 +9,15 @@ CUDA machine each run also reports what the caching host allocator pinned during
 (seconds in its allocation calls, GB): pinning new row-log memory is the part of a capture run's cost that
 later runs do not pay.
 
-    PYTHONPATH=. python benchmarks/capture_cost.py [--num-requests 256] [--bulk-requests 64] [--repeats R] [--modes M,...]
+    python -m benchmarks capture_cost [--num-requests 256] [--bulk-requests 64] [--repeats R] [--modes M,...]
 """
 
 from __future__ import annotations
 
 import torch
 
-import common
-from common import emit, timed
+from . import common
+from .common import emit, timed
 
 MODES = ("none", "stream_last_prompt", "per_request_last_prompt", "none_bulk", "stream_all_generated")
 BASELINE = {"none": "none", "stream_last_prompt": "none", "per_request_last_prompt": "none",
@@ -33,7 +35,7 @@ def pinned_so_far() -> dict:
             "pinned_alloc_gb": stats.get("allocated_bytes.allocated", 0) / 1e9}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from steerable import CaptureSpec
 
     p = common.parser(__doc__.splitlines()[0])
@@ -41,7 +43,7 @@ def main() -> None:
     p.add_argument("--bulk-requests", type=int, default=None, help="requests of the bulk modes (d, e)")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated subset of the modes (each one's baseline always runs)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     chosen = set(args.modes.split(","))
     if chosen - set(MODES):
         p.error(f"unknown modes {sorted(chosen - set(MODES))}; expected some of {list(MODES)}")
@@ -130,6 +132,3 @@ def main() -> None:
     if not ok:
         raise SystemExit("captured row counts differ from the expected rows per request and layer")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,11 @@
-"""Cold start: in a fresh process, the time of ``LLM(...)`` (which compiles the kernels and captures
+"""``LLM(...)`` and the first ``generate`` against a second one, in fresh processes.
+
+Cold start: in a fresh process, the time of ``LLM(...)`` (which compiles the kernels and captures
 the decode CUDA graphs), then the first ``generate`` of N requests and a second one of the same
 shapes (its own baseline: a fresh cache salt, so it prefills again). Each repeat is a new process;
 the first may also compile Triton's on-disk cache, later ones load it. Reports medians.
 
-    PYTHONPATH=. python benchmarks/cold_start.py [--num-requests 32] [--repeats 3]
+    python -m benchmarks cold_start [--num-requests 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import os
 import subprocess
 import sys
 
-import common
-from common import emit, timed
+from . import common, provenance
+from .common import emit, timed
 
 CHILD = "STEERABLE_COLD_START_CHILD"
 
@@ -34,19 +36,20 @@ def child(args, path: str) -> None:
           "graph_replays_in_first": after_first["graph_replays"] - init["graph_replays"]})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="fresh processes; medians are reported")
-    args = p.parse_args()
+    child_argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(child_argv)
     if os.environ.get(CHILD):
-        args.out = None  # the parent writes --out
+        args.out = "-"  # the parent records the run
         child(args, common.setup("cold_start", args, {"num_requests": (32, 4)}))
         return
     common.setup("cold_start", args, {"num_requests": (32, 4)})
     runs = []
     for _ in range(args.repeats):
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], capture_output=True,
-                              text=True, check=False, env={**os.environ, CHILD: "1"})
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", "cold_start", *child_argv], cwd=provenance.ROOT,
+                              capture_output=True, text=True, check=False, env={**os.environ, CHILD: "1"})
         if proc.returncode:
             raise SystemExit(f"cold-start child failed:\n{proc.stderr[-3000:]}")
         records = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -59,6 +62,3 @@ def main() -> None:
              for key in ("llm_init_s", "first_s", "second_s", "first_vs_second_pct")},
           "graph_captures_in_first": max(r["graph_captures_in_first"] for r in runs)})
 
-
-if __name__ == "__main__":
-    main()

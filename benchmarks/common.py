@@ -1,4 +1,6 @@
-"""Shared pieces of the benchmarks: a random-weight checkpoint of a known shape (Qwen3-0.6B by
+"""Shared pieces of the benchmarks: models of known shapes, workloads, timing, the records.
+
+A random-weight checkpoint of a known shape (Qwen3-0.6B by
 default; ``--shape qwen3-8b`` for the tensor/pipeline-parallel targets; ``gemma3-270m`` or
 ``gemma3-4b`` for Gemma 3's text models, ``gemma2-2b`` for Gemma 2's, ``gpt2`` for GPT-2 small,
 whose 1024 positions cap the workload's lengths at 512 in and 512 out; built once, cached) or, with ``--shape qwen3-30b-a3b``, a
@@ -6,21 +8,19 @@ Qwen3-30B-A3B-shaped MoE whose 61 GB of random bf16 weights are drawn on the dev
 (``load_format="dummy"``: the checkpoint would not fit the disk), a seeded workload of token-id
 prompts, CUDA-synchronised timing and JSON-line output.
 
-Every script prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``)
-and runs the baseline it is compared with in the same process, so ratios survive shared machines.
+Every benchmark prints JSON lines on stdout only (one record each, ``{"bench": ..., "record": ...}``),
+the run's header first, appends them to the results store (``benchmarks/results.py``) and runs
+the baseline it is compared with in the same process, so ratios survive shared machines.
 ``--smoke`` swaps in a tiny random model of the same family and a handful of short requests so
-everything runs on a CPU in seconds (the tests use it)."""
+everything runs on a CPU in seconds (the tests use it); its records go to stdout only."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import provenance
 
 DEFAULT_CACHE = "/tmp/steerable-bench"
 _OUT: str | None = None
@@ -358,7 +360,7 @@ def kernel_timer(bench: str, smoke: bool) -> tuple[Callable[[Callable[[], Any]],
 
 
 def emit(record: dict) -> None:
-    """One JSON line on stdout (flushed), also appended to ``--out`` when given."""
+    """One JSON line on stdout (flushed), also appended to the run's results file when it has one."""
     line = json.dumps({"bench": _BENCH, **record}, default=str)
     print(line, flush=True)
     if _OUT:
@@ -373,39 +375,26 @@ def free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def _commit() -> str | None:
-    """The checkout's commit; ``STEERABLE_COMMIT`` names it where the tree was copied without git."""
-    if os.environ.get("STEERABLE_COMMIT"):
-        return os.environ["STEERABLE_COMMIT"]
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=False)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def header(args: argparse.Namespace, path: str | None) -> None:
-    import transformers
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    emit({"record": "header", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
-          "python": sys.version.split()[0], "commit": _commit(), "model": path, "smoke": args.smoke,
-          "args": vars(args)})
+def header(args: argparse.Namespace, path: str | None) -> dict:
+    """Print the run's header record (``provenance.describe``) and return it."""
+    record = {"record": "header", **provenance.describe(args, path)}
+    emit(record)
+    return record
 
 
 # ---------------------------------------------------------------- command line
 
 def parser(description: str) -> argparse.ArgumentParser:
-    """Flags every script shares. Defaults left as None are filled by ``setup`` (full or --smoke)."""
-    p = argparse.ArgumentParser(description=description)
+    """Flags every benchmark shares. Defaults left as None are filled by ``setup`` (full or --smoke)."""
+    p = argparse.ArgumentParser(prog=provenance.prog(), description=description)
     p.add_argument("--model", default=None, help="an HF checkpoint dir (default: a random model of --shape)")
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES),
                    help="the random model's shape when no --model is given (default: qwen3-0.6b)")
     p.add_argument("--smoke", action="store_true", help="tiny random model, few short requests (CPU, seconds)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints are kept")
-    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--out", default=None,
+                   help="where the records go besides stdout: a .jsonl file, or a folder for the default name "
+                        "(default: $STEERABLE_BENCH_RESULTS or benchmarks/results/; with --smoke, nowhere); - for none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--min-len", type=int, default=None)
@@ -428,10 +417,9 @@ COMMON_DEFAULTS = {"num_requests": (256, 6), "min_len": (100, 4), "max_len": (10
 
 
 def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None, model: bool = True) -> str | None:
-    """Fill defaults (full, smoke), open --out, build or find the model (unless ``model`` is
-    False), print the header; returns the model path."""
+    """Fill defaults (full, smoke), pick the results file, build or find the model (unless
+    ``model`` is False), print the header; returns the model path."""
     global _BENCH, _OUT
-    _BENCH, _OUT = bench, args.out
     if args.max_len is None and not args.smoke and args.shape in SHAPE_MAX_LEN and not args.model:
         args.max_len = SHAPE_MAX_LEN[args.shape]
     for key, (full, smoke) in {**COMMON_DEFAULTS, **(defaults or {})}.items():
@@ -443,5 +431,6 @@ def setup(bench: str, args: argparse.Namespace, defaults: dict | None = None, mo
     if args.smoke:  # tiny matrices: one thread is as fast and immune to oversubscription
         torch.set_num_threads(1)
     path = model_path(args) if model else None
+    _BENCH, _OUT = bench, provenance.results_file(bench, args)
     header(args, path)
     return path

@@ -1,4 +1,6 @@
-"""Corpus capture's host side on its own (CPU, no model): a shard's fabricated step blocks through
+"""Corpus capture's host side on a CPU: delivery into the mapped shard file against ``save_file``.
+
+Corpus capture's host side on its own (CPU, no model): a shard's fabricated step blocks through
 the capture session's planning and delivery into a ``ShardBuffer`` over the shard's mapped file
 (``ShardFile``: the one copy ``capture_corpus`` makes of every row, and all of its writing),
 against delivery into plain memory followed by ``save_file`` (what writing the file at the end
@@ -8,7 +10,7 @@ be equal (exit non-zero otherwise). Then how fast a file of that size fills on t
 itself: ``pwrite`` from memory by 1 and by ``--write-threads`` threads (one file's writes share
 its inode lock), against ``posix_fallocate`` and a copy into the mapped pages (``ShardFile``).
 
-    PYTHONPATH=. python benchmarks/corpus_host.py [--out-dir /dev/shm] [--repeats 3]
+    python -m benchmarks corpus_host [--out-dir /dev/shm] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import common
 import numpy as np
 import torch
-from common import emit
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -33,6 +33,9 @@ from steerable.capture.shard_file import LABELS, ShardFile
 from steerable.hook_points import HIDDEN_STATES, HookLayout
 from steerable.request import Request, ScheduledRequest
 from steerable.sampling_params import SamplingParams
+
+from . import common
+from .common import emit
 
 METADATA = {"format": "steerable-corpus-v1"}
 
@@ -78,14 +81,14 @@ def deliver_shard(session: CaptureSession, buffer: ShardBuffer, lens: list[int],
     return seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="where shards are written (default: /dev/shm if present)")
     p.add_argument("--write-threads", type=int, default=8)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     common.setup("corpus_host", args, {"num_requests": (64, 4), "layers": (28, 2), "width": (1024, 64),
                                        "repeats": (3, 1)}, model=False)
     torch.set_num_threads(os.cpu_count() or 1)  # as an engine process on a GPU host runs
@@ -176,6 +179,3 @@ def same_tensors(a: Path, b: Path) -> bool:
         return x.metadata() == y.metadata() and set(x.keys()) == set(y.keys()) and \
             all(torch.equal(x.get_tensor(k), y.get_tensor(k)) for k in x.keys())
 
-
-if __name__ == "__main__":
-    main()

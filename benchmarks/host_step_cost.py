@@ -1,4 +1,6 @@
-"""Host time of steering on a CPU, with the forward taken out: a random Qwen3 of Qwen3-0.6B's depth
+"""Host time of ``steering_cost``'s modes on a CPU, the forward taken out.
+
+Host time of steering on a CPU, with the forward taken out: a random Qwen3 of Qwen3-0.6B's depth
 and hidden size (28 layers of 1024, so every per-site cost and table row counts as there), every
 other width tiny, running steering_cost's modes on a workload of its shape. On a GPU the decode steps replay CUDA graphs and the
 host thread is the bottleneck, so what a mode adds here (admission, scheduling, step building,
@@ -9,7 +11,7 @@ wall time of ``engine.step`` less the sampler's (device work on a GPU), the forw
 zeros: the mean of every step, the median of decode-only steps (graph replays on a GPU) and the
 mean of the others; ``total_host_ms`` is admission plus every step.
 
-    PYTHONPATH=. python benchmarks/host_step_cost.py [--num-requests 256] [--repeats 3]
+    python -m benchmarks host_step_cost [--num-requests 256] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import statistics
 import time
 from typing import Any
 
-import common
-import steering_cost
 import torch
-from common import emit
+
+from . import common, steering_cost
+from .common import emit
 
 # Qwen3-0.6B's depth and hidden size (the steering tables' shape), every other width tiny.
 SHAPE = dict(common.QWEN3_SMOKE, num_hidden_layers=28, hidden_size=1024, intermediate_size=64,
@@ -74,13 +76,13 @@ def run_mode(llm, w: common.Workload, params: list, device: list[float], salt: s
             "total_host_ms": admit * 1e3 + sum(steps)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="alternate the modes this many times; report medians")
     p.add_argument("--modes", default="mixed_distinct", help="comma-separated modes of steering_cost ('none' always runs)")
     steering_cost.add_arguments(p)
     p.set_defaults(device="cpu", dtype="float32", max_num_batched_tokens=2048)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
     if set(modes) - set(steering_cost.MODES):
         p.error(f"unknown modes {sorted(set(modes) - set(steering_cost.MODES))}; expected some of {steering_cost.MODES}")
@@ -113,6 +115,3 @@ def main() -> None:
         emit({"record": "run", "mode": mode, "requests": len(w), "repeats": args.repeats, **record,
               "extra_host_ms": record["total_host_ms"] - base})
 
-
-if __name__ == "__main__":
-    main()

@@ -1,28 +1,31 @@
-"""How closely an fp8 KV cache follows the model-dtype cache: a greedy generation of ``--length``
+"""Teacher-forced top-1 agreement of an fp8 KV cache with the model-dtype cache.
+
+How closely an fp8 KV cache follows the model-dtype cache: a greedy generation of ``--length``
 tokens per prompt with the model-dtype cache, then, for every prefix of it, the next token under
 both caches (teacher forcing: each position is judged on the same input, so one early difference
 does not decide the rest). Reports top-1 agreement per prompt and overall, and the KV bytes of
 each cache. Default model: the packaged SmolLM2-135M (real weights; a random model says little).
 
-    PYTHONPATH=. python benchmarks/kv_fidelity.py [--model smollm2] [--length 512] [--num-requests 4]
+    python -m benchmarks kv_fidelity [--model smollm2] [--length 512] [--num-requests 4]
 """
 
 from __future__ import annotations
 
-import common
 import numpy as np
-from common import emit
+
+from . import common
+from .common import emit
 
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):", "Photosynthesis is the process by which",
            "In 1969, the first humans", "A good recipe for bread needs", "The capital of France is"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from steerable import SamplingParams
 
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=None, help="tokens generated per prompt")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.model is None and not args.smoke:
         args.model = "smollm2"
     path = common.setup("kv_fidelity", args, {"num_requests": (4, 2), "length": (512, 24)})
@@ -53,6 +56,3 @@ def main() -> None:
     emit({"record": "kv_fidelity", "prompts": len(prompts), "positions": total, "top1_agreement": agree / total,
           "kv_cache_bytes": {kv: llm.llm_engine.stats()["kv_cache_bytes"] for kv, llm in engines.items()}})
 
-
-if __name__ == "__main__":
-    main()

@@ -1,26 +1,29 @@
-"""KV-cache memory of one long request on a model with sliding-window layers (Gemma 3 by default):
+"""KV bytes of one long request on a sliding-window model, against a cache without window release.
+
+KV-cache memory of one long request on a model with sliding-window layers (Gemma 3 by default):
 the most KV bytes in use at any step (prefill chunks hold a chunk on every layer) and while it
 decodes, against what a cache without window release holds for the same context (every token of
 every layer; known exactly, so it is computed rather than run).
 
-    PYTHONPATH=. python benchmarks/kv_memory.py [--shape gemma3-270m] [--context 32768] [--output-len 64]
+    python -m benchmarks kv_memory [--shape gemma3-270m] [--context 32768] [--output-len 64]
 """
 
 from __future__ import annotations
 
-import common
 import numpy as np
-from common import emit, timed
 
 from steerable import SamplingParams
 from steerable.kv_groups import KVGroups
 
+from . import common
+from .common import emit, timed
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=None, help="prompt + output tokens of the request")
     p.add_argument("--output-len", type=int, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.model is None and args.shape == "qwen3-0.6b":
         args.shape = "gemma3-270m"  # the default model has no windows to measure
     path = common.setup("kv_memory", args, {"context": (32768, 200), "output_len": (64, 8)})
@@ -53,6 +56,3 @@ def main() -> None:
           "bound_blocks": groups.blocks_needed(args.context, block_size, engine.config.max_num_batched_tokens),
           "peak_saving": full_bytes / (peak * block_bytes), "decode_saving": full_bytes / (decode * block_bytes)})
 
-
-if __name__ == "__main__":
-    main()

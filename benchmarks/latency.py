@@ -1,19 +1,22 @@
-"""Batch-1 decode latency (DESIGN.md §6): one greedy request, ignore_eos; decode ms/token =
+"""Batch-1 decode ms/token, unsteered and with a vector at every layer.
+
+Batch-1 decode latency (DESIGN.md §6): one greedy request, ignore_eos; decode ms/token =
 (t(output_len) - t(1)) / (output_len - 1), so prefill cancels out. Median over repeats, unsteered
 and steered (a vector at every layer, per request), in the same process.
 
-    PYTHONPATH=. python benchmarks/latency.py [--input-len 128] [--output-len 256] [--repeats 5]
+    python -m benchmarks latency [--input-len 128] [--output-len 256] [--repeats 5]
 """
 
 from __future__ import annotations
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from steerable import SamplingParams
 
     p = common.parser(__doc__.splitlines()[0])
@@ -21,7 +24,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--vector-scale", type=float, default=0.05, help="std of the steering vector's entries")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     path = common.setup("latency", args, {"input_len": (128, 8), "output_len": (256, 16)})
     if args.output_len < 2:
         p.error("--output-len must be at least 2")
@@ -58,6 +61,3 @@ def main() -> None:
               "first_token_s": common.median([o for _, o in samples[steered]]),
               "overhead_pct": (common.median(ms) / base - 1) * 100})
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,6 @@
-"""The engine pipe's cost per step (``steerable serve``'s engine process): a step's streamed outputs
+"""The engine pipe's cost per step: streamed outputs as increments against whole outputs (CPU).
+
+The engine pipe's cost per step (``steerable serve``'s engine process): a step's streamed outputs
 for ``--num-requests`` requests of growing length, built and pickled whole (``OutputProcessor.output``)
 against built as increments (``OutputProcessor.increment``), engine side (build + pickle) and
 server side (unpickle, and rebuild for increments: ``steerable.entrypoints.output_codec``), in the
@@ -6,7 +8,7 @@ same run; checks that the rebuilt outputs equal the engine's. Then the server si
 whose consumer takes an output every 1, 2 or 3 steps (``ProcessAsyncLLM``'s streams fold the
 increments in between and rebuild once), per step over the whole generation. CPU only: no model.
 
-    PYTHONPATH=. python benchmarks/output_codec.py [--num-requests 256] [--max-len 550]
+    python -m benchmarks output_codec [--num-requests 256] [--max-len 550]
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from __future__ import annotations
 import pickle
 import time
 
-import common
 import numpy as np
-from common import emit
 
 from steerable.engine.output_processor import OutputProcessor, RequestGroup
 from steerable.entrypoints.output_codec import OutputDecoder, merge_increments
 from steerable.request import Request
 from steerable.sampling_params import SamplingParams
+
+from . import common
+from .common import emit
 
 
 def _groups(prompt: list[int], n: int) -> list[RequestGroup]:
@@ -34,8 +37,8 @@ def _groups(prompt: list[int], n: int) -> list[RequestGroup]:
     return groups
 
 
-def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
     common.setup("output_codec", args, {"min_len": (580, 8), "max_len": (550, 12)}, model=False)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, 150_000, args.min_len).tolist()  # --min-len: the prompt length here
@@ -86,6 +89,3 @@ def main() -> None:
     emit({"record": "ratio", "engine_side": totals["whole"][0] / totals["increments"][0],
           "server_side": totals["whole"][1] / totals["increments"][1]})
 
-
-if __name__ == "__main__":
-    main()

@@ -1,22 +1,25 @@
-"""Tensor and pipeline parallelism (issue 11) in one process, one engine at a time, on one
+"""TP=2 and PP=2 against TP=1: throughput, batch-1 latency, steering and capture costs.
+
+Tensor and pipeline parallelism (issue 11) in one process, one engine at a time, on one
 workload: throughput (``throughput.py``'s: N random requests, lengths uniform in [min, max]) for
 TP=1, TP=2 and PP=2; batch-1 decode latency TP=1 vs TP=2; under TP=2 the cost of an additive
 vector at every layer for every request and of capturing the last prompt token's hidden state
 at every layer; and, under TP=2 with CUDA graphs, a batch mixing capturing and plain requests.
 Ratios and targets are the last record.
 
-    PYTHONPATH=. python benchmarks/parallel.py --shape qwen3-8b [--layouts tp1,tp2,pp2] [--repeats 2]
-    PYTHONPATH=. python benchmarks/parallel.py --smoke          # CPU, gloo, tiny model
+    python -m benchmarks parallel --shape qwen3-8b [--layouts tp1,tp2,pp2] [--repeats 2]
+    python -m benchmarks parallel --smoke          # CPU, gloo, tiny model
 """
 
 from __future__ import annotations
 
 import sys
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 TARGETS = {"tp2_throughput_ratio": (">=", 1.6), "pp2_throughput_ratio": (">=", 1.5),
@@ -101,7 +104,7 @@ def mixed_capture(llm, w: common.Workload) -> dict:
             "graph_replays": llm.engine.stats()["graph_replays"] - before}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--layouts", default="tp1,tp2,pp2", help=f"comma-separated, of {sorted(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds per layout (modes alternate); medians")
@@ -109,7 +112,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=None, help="latency output length")
     p.add_argument("--latency-repeats", type=int, default=3)
     p.add_argument("--vector-scale", type=float, default=0.05, help="std of the steering vector's entries")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(LAYOUTS):
         p.error(f"--layouts: expected some of {sorted(LAYOUTS)}")
@@ -162,6 +165,3 @@ def summary(results: dict[str, dict]) -> dict:
             record[f"{key}_met"] = record[key] >= target if op == ">=" else record[key] <= target
     return record
 
-
-if __name__ == "__main__":
-    main()

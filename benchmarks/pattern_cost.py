@@ -1,22 +1,24 @@
-"""Cost of attention-pattern capture on one engine and one workload, each mode against no capture
+"""Throughput cost of attention-pattern capture against none.
+
+Cost of attention-pattern capture on one engine and one workload, each mode against no capture
 in the same process: (a) no capture, (b) one layer's patterns (every head) for the last prompt
 token of every request, (c) every layer's patterns for every generated token of the first
 ``--pattern-requests`` requests (the others capture nothing). Cost = (t_x / t_a - 1) * 100, from
 median times; rows and key lengths are checked, a wrong count exits non-zero.
 
-    PYTHONPATH=. python benchmarks/pattern_cost.py [--layer 14] [--pattern-requests 16] [--repeats 3]
+    python -m benchmarks pattern_cost [--layer 14] [--pattern-requests 16] [--repeats 3]
 """
 
 from __future__ import annotations
 
-import common
-from common import emit, timed
+from . import common
+from .common import emit, timed
 
 MODES = ("none", "last_prompt_one_layer", "all_layers_generated")
 STREAM = "attention_patterns"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from steerable import CaptureSpec
 
     p = common.parser(__doc__.splitlines()[0])
@@ -24,7 +26,7 @@ def main() -> None:
     p.add_argument("--layer", type=int, default=None, help="the layer of mode (b) (default 14; --smoke 1)")
     p.add_argument("--pattern-requests", type=int, default=None, help="requests of mode (c) (default 16; --smoke 2)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes ('none' always runs)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
     if set(modes) - set(MODES):
         p.error(f"unknown modes {sorted(set(modes) - set(MODES))}; expected some of {list(MODES)}")
@@ -70,6 +72,3 @@ def main() -> None:
               "seconds_all": [r["seconds"] for r in results[mode]], "pattern_rows": results[mode][-1]["rows"],
               **common.throughput(t, sum(w.input_lens), results[mode][-1]["tokens"]), "cost_pct": (t / base - 1) * 100})
 
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,13 @@
-"""Cost of the SAE plane on one engine and one workload, each mode against no SAE in the same
+"""Cost of SAE feature capture and feature steering, and the speed of sparse corpus capture.
+
+Cost of the SAE plane on one engine and one workload, each mode against no SAE in the same
 process: (a) no SAE, (b) capture of the top-k features of every token (prompt and generated) of a
 random jumprelu SAE at one layer, (c) N distinct per-request configs of feature adds and feature
 clamps of that SAE. Cost = (t_x / t_a - 1) * 100, from median times. Then (d) sparse corpus capture
 (``capture_corpus(sae=...)``, the top-k features of every prompt row into safetensors shards in
 RAM) over the same prompts: prompt tokens/s, median of the repeats, rows checked.
 
-    PYTHONPATH=. python benchmarks/sae_cost.py [--d-sae 65536] [--layer 14] [--repeats 3]
+    python -m benchmarks sae_cost [--d-sae 65536] [--layer 14] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import shutil
 import tempfile
 from functools import partial
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 MODES = ("none", "capture_top_k_every_token", "feature_steering_distinct")
 
@@ -66,7 +69,7 @@ def corpus_rate(llm, w: common.Workload, args) -> None:
         raise SystemExit(f"corpus capture wrote {rows} rows for {sum(w.input_lens)} prompt tokens")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from steerable import CaptureSpec
 
     p = common.parser(__doc__.splitlines()[0])
@@ -77,7 +80,7 @@ def main() -> None:
     p.add_argument("--feature-adds", type=int, default=8)
     p.add_argument("--feature-clamps", type=int, default=2)
     p.add_argument("--shard-size", type=int, default=None, help="corpus examples per shard (default 64; --smoke 4)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     path = common.setup("sae_cost", args, {"d_sae": (65536, 256), "layer": (14, 1), "shard_size": (64, 4)})
     llm = common.make_llm(args, path)
     w = common.workload(args.num_requests, args.seed, args.min_len, args.max_len, common.prompt_vocab(llm))
@@ -115,6 +118,3 @@ def main() -> None:
     if not ok:
         raise SystemExit("steering rows still in use after every request finished")
 
-
-if __name__ == "__main__":
-    main()

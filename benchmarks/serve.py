@@ -1,10 +1,12 @@
-"""Online serving (DESIGN.md §6), like ``vllm bench serve``: a fixed request set (throughput.py's
+"""``steerable serve`` under load (like ``vllm bench serve``) against the same requests offline.
+
+Online serving (DESIGN.md §6), like ``vllm bench serve``: a fixed request set (throughput.py's
 workload) through ``steerable serve`` at a maximum concurrency or a Poisson request rate, streamed
 by ``--client-processes`` client processes; output tok/s, TTFT and ITL p50/p99. The offline
 baseline runs first in this process on the same requests: throughput.py's measurement, and at
 concurrency 1 each request alone as latency.py times it, so the ratios hold on a shared machine.
 
-    PYTHONPATH=. python benchmarks/serve.py [--num-requests 256] [--max-concurrency C | --request-rate R]
+    python -m benchmarks serve [--num-requests 256] [--max-concurrency C | --request-rate R]
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-import common
 import httpx
 import numpy as np
-from common import emit, timed
 
 from steerable.entrypoints.openai.launcher import ServerProcess
+
+from . import common
+from .common import emit, timed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -210,7 +213,7 @@ def _gaps_ms(times: list[float]) -> np.ndarray:
     return np.repeat(np.diff(arrivals) / counts[1:], counts[1:]) * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     p.add_argument("--request-rate", type=float, default=None,
@@ -219,7 +222,7 @@ def main() -> None:
     p.add_argument("--client-processes", type=int, default=4,
                    help="client processes sharing the load: on an H200 one httpx client spent 5.9 CPU seconds of a "
                         "6.9 s run at saturation, measuring itself (1: one client in this process)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.client_processes < 1:
         p.error(f"--client-processes: at least 1, got {args.client_processes}")
     path = common.setup("serve", args)
@@ -244,6 +247,3 @@ def main() -> None:
         ratio["itl_p50_over_offline_ms_per_token"] = serve["itl_ms_p50"] / offline["decode_ms_per_token"]
     emit(ratio)
 
-
-if __name__ == "__main__":
-    main()

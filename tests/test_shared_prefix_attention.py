@@ -5,7 +5,7 @@ of a group hold the same physical blocks at the start of their tables, as the pr
 them out. Where the unshared kernel is the unified one (here forced for every batch size by
 ``split_kv_max_programs = 0``) the result must equal ``paged_attention``'s bit for bit on a GPU
 whichever rows are in the group (under the interpreter to the dtype's rounding: numpy's matmul rounds a row
-differently by the number of rows, ``benchmarks/row_invariance.py --smoke``), and the prefix must
+differently by the number of rows), and the prefix must
 be read through the shared pass (effect-size and poison checks); where it is split-KV the op is
 ``paged_attention``.
 """

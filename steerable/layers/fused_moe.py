@@ -10,7 +10,7 @@ sums a token's ``k`` expert outputs exactly as the PyTorch path does. Rounding f
 path: each linear output is rounded to the activation dtype before SwiGLU or the routing weight.
 
 Tile sizes come from a table keyed by the number of tokens (``moe_configs.py``; tuned per device
-and shape by ``benchmarks/moe_tune.py``): small tiles for decode, where the weights' bytes set
+and shape by ``python -m benchmarks moe_tune``): small tiles for decode, where the weights' bytes set
 the time, large ones for prefill, where the MMA does. Float32 always uses one configuration, so
 its results do not depend on the batch size.
 

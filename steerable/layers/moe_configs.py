@@ -3,8 +3,8 @@
 A decode step of a large MoE reads every routed expert's weights once: its time is bytes over
 bandwidth, so the tiles should be narrow enough to keep every SM loading and one row block per
 expert (no expert read twice). A prefill chunk gives each expert hundreds of rows: there the MMA
-sets the time and large tiles win. Neither is known without measuring, so ``benchmarks/
-moe_tune.py`` times candidate tiles on a device for one shape and writes a table
+sets the time and large tiles win. Neither is known without measuring, so ``python -m benchmarks
+moe_tune`` times candidate tiles on a device for one shape and writes a table
 (``moe_tables/<device>.json``, one entry per shape, one configuration per token count); a step
 uses the entry whose token count is nearest its own. Shapes or devices without a table, and
 float32 (whose results must not depend on the batch size), use ``DEFAULT``.

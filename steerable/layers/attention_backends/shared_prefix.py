@@ -16,7 +16,7 @@ tables (the prefix cache handed them the same blocks), attention runs in two lau
 The two launches perform the unified kernel's own arithmetic in its own order: the same tiles, the
 same tile step, and programs of the same shape (rows, warps), so that ``tl.sum`` over a tile
 reduces in the same layout (``tl.dot`` alone gives a row the same bits at any row count;
-``tl.sum`` does not: ``benchmarks/row_invariance.py``). So the output equals
+``tl.sum`` does not, on the H200: docs/benchmarks.md). So the output equals
 ``paged_attention``'s exactly wherever that uses the unified kernel. Where it would use split-KV (a
 decode batch of ``B * Hkv <= CONFIG.split_kv_max_programs``, whose segments cut the keys
 differently per row) nothing is shared: ``shares`` says which, and the op is ``paged_attention``

@@ -86,14 +86,13 @@ class TritonAttentionConfig:
     prefill_num_stages: int = 2
     # Unified kernel, decode batches (max_query_len == 1): one token x GQA group per program, KV
     # positions per inner-loop tile. 128 beat 64 and 256 over throughput.py's
-    # decode steps replayed on the H200 (benchmarks/attention_replay.py; bf16 4.39 s against 4.55
+    # decode steps replayed on the H200 (`python -m benchmarks attention_replay`; bf16 4.39 s against 4.55
     # and 5.44, float8 3.53 against 3.71 and 3.87).
     decode_tile_n: int = 128
     # Heads wider than 128 (Gemma 2's 256): a 128-position K and V tile pair is 128 KB, two stages
     # do not fit beside each other in shared memory, and one program per SM hides no latency. 64
     # beat 128 (4.22 s against 4.86 over the Gemma 2 2B workload's decode steps replayed on the
-    # H200) and 32; 8 warps or 1 or 3 stages did not help
-    # (benchmarks/results/2026-12-03-h200-b5102f1-round3-o.jsonl).
+    # H200) and 32; 8 warps or 1 or 3 stages did not help (docs/benchmarks.md, "Gemma 2 2B shape").
     decode_tile_n_wide: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
@@ -529,7 +528,7 @@ def unified_launch(head_d: int, gqa_pad: int, max_query_len: int) -> tuple[int, 
     """The unified kernel's (query tokens, rows, keys per tile, warps, stages) per program for this
     head size, padded GQA group and query-length hint. A row's scores and outputs come out of
     ``tl.dot`` with the same bits at any row count, but ``tl.sum`` over a tile's keys reduces in a
-    layout that follows the tile's shape (``benchmarks/row_invariance.py``): a kernel that must
+    layout that follows the tile's shape (measured on the H200: docs/benchmarks.md): a kernel that must
     reproduce this one's rows (the shared-prefix pass) uses the same rows and warps."""
     cfg = CONFIG
     if max_query_len <= 1:
