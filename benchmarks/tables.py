@@ -55,34 +55,18 @@ class Table:
 H200 = "H200"  # the card of DESIGN.md §6's absolute targets
 
 
-# ---------------------------------------------------------------- formats
+# ---------------------------------------------------------------- formats of a figure's number
 
-def tok_s(v: float) -> str:
-    return f"{v:,.0f} tok/s"
-
-
-def cost(v: float) -> str:
-    return f"{v:+.1f} %"
-
-
-def times(v: float) -> str:
-    return f"{v:.2f}×"
-
-
-def ms_token(v: float) -> str:
-    return f"{v:.3f} ms/token"
+tok_s = "{:,.0f} tok/s".format
+cost = "{:+.1f} %".format
+times = "{:.2f}×".format
+ms_token = "{:.3f} ms/token".format
+seconds = "{:.2f} s".format
+ms = "{:.1f} ms".format
 
 
 def pct(v: float) -> str:
     return f"{v * 100:.1f} %"
-
-
-def seconds(v: float) -> str:
-    return f"{v:.2f} s"
-
-
-def ms(v: float) -> str:
-    return f"{v:.1f} ms"
 
 
 # ---------------------------------------------------------------- details from the same run
