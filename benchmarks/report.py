@@ -69,7 +69,7 @@ def _commit(run: Run) -> str:
 
 def _cells(figure: Figure, found: Found | None, goals: bool) -> list[str]:
     if found is None:
-        figure_text, card, commit, where = "no record yet", "", "", ""
+        figure_text, card, commit, link = "no record yet", "", "", ""
         met = "" if figure.goal is None else "—"
     else:
         value = found.record[figure.value]
@@ -78,12 +78,12 @@ def _cells(figure: Figure, found: Found | None, goals: bool) -> list[str]:
         if extra:
             figure_text += f" ({extra})"
         card, commit = found.run.card, _commit(found.run)
-        where = f"[{found.run.file}:{found.line}](../benchmarks/results/{found.run.file}#L{found.line})"
+        link = f"[{found.run.file}:{found.line}](../benchmarks/results/{found.run.file}#L{found.line})"
         met = "" if figure.goal is None else ("yes" if figure.goal.met(value) else "**no**")
     cells = [figure.what, figure_text]
     if goals:
         cells += [figure.goal.text if figure.goal else "", met]
-    return cells + [card, commit, where]
+    return cells + [card, commit, link]
 
 
 def render(table: Table, runs: list[Run]) -> str:

@@ -79,7 +79,10 @@ def runs_and_roofline(run: Run, r: dict) -> str:
     return text + (f"; {pct(roof['fraction_of_roofline'])} of its roofline" if roof else "")
 
 
-def against(baseline: str) -> object:
+Detail = Callable[[Run, dict], "str | None"]
+
+
+def against(baseline: str) -> Detail:
     """The median seconds of a mode against its baseline mode's in the same run."""
     def detail(run: Run, r: dict) -> str | None:
         base = run.first("run", mode=r.get("baseline", baseline))
@@ -88,7 +91,8 @@ def against(baseline: str) -> object:
 
 
 def fetch(run: Run, r: dict) -> str:
-    return against("none_bulk")(run, r) + (f"; fetch {r['fetch_gb_s']:.0f} GB/s" if "fetch_gb_s" in r else "")
+    speed = f"fetch {r['fetch_gb_s']:.0f} GB/s" if "fetch_gb_s" in r else None
+    return "; ".join(filter(None, [against("none_bulk")(run, r), speed]))
 
 
 def roofline_step(run: Run, r: dict) -> str:
