@@ -138,6 +138,10 @@ def shard(run: Run, r: dict) -> str:
     return f"{r['gb']:.1f} GB at {r['gb_s']:.1f} GB/s"
 
 
+def positions(run: Run, r: dict) -> str:
+    return f"{r['positions']} positions of {r['prompts']} prompts, {run.header.get('model')}"
+
+
 def admission(run: Run, r: dict) -> str | None:
     none = run.first("run", mode="none")
     return f"unsteered {none['admit_ms']:.1f} ms; {r['extra_host_ms']:+.0f} ms of host time a run" if none else None
@@ -313,7 +317,7 @@ KV_MEMORY = Table("kv_memory", (
 
 KV_FIDELITY = Table("kv_fidelity", (
     Figure("fp8 KV, teacher-forced top-1 agreement with the model-dtype cache", "kv_fidelity", "kv_fidelity",
-           "top1_agreement", pct),
+           "top1_agreement", pct, detail=positions),
 ))
 
 OUTPUT_CODEC = Table("output_codec", (
