@@ -15,7 +15,8 @@ _EXPORTS = {
     "LLM": "steerable.entrypoints.llm", "CompletionOutput": "steerable.outputs", "Logprob": "steerable.outputs",
     "RequestOutput": "steerable.outputs", "SamplingParams": "steerable.sampling_params",
     "SelectSpec": "steerable.selection", "Add": "steerable.steering.spec", "Clamp": "steerable.steering.spec",
-    "SteeringSpec": "steerable.steering.spec", "SAE": "steerable.sae", "Feature": "steerable.sae",
+    "SteeringSpec": "steerable.steering.spec", "SAE": "steerable.sae", "Transcoder": "steerable.sae",
+    "Feature": "steerable.sae",
     "FeatureClamp": "steerable.sae", "StructuredOutputsParams": "steerable.structured",
     "GuidedDecodingParams": "steerable.structured", "TextPrompt": "steerable.inputs",
     "TokensPrompt": "steerable.inputs",
@@ -35,5 +36,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Feature", "FeatureClamp", "CaptureSpec", "capture",
-           "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "__version__"]
+           "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Transcoder", "Feature", "FeatureClamp", "CaptureSpec",
+           "capture", "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt",
+           "__version__"]

@@ -22,12 +22,21 @@ PRE_ATTN = "pre_attn"  # residual stream entering layer L (HF hidden_states[L])
 POST_ATTN = "post_attn"  # residual after the attention residual add
 POST_MLP = "post_mlp"  # layer output (HF hidden_states[L + 1], before any final norm)
 RESIDUAL_POINTS = (PRE_ATTN, POST_ATTN, POST_MLP)
+# The MLP's own points, where transcoders read and write (TransformerLens: blocks.L.ln2.hook_normalized,
+# blocks.L.hook_mlp_out).
+MLP_IN = "mlp_in"  # the MLP's input, after its norm
+MLP_OUT = "mlp_out"  # what the MLP block adds to the residual (after a post-MLP norm; MoE: the experts' sum)
+MLP_POINTS = (MLP_IN, MLP_OUT)
+HOOK_POINTS = RESIDUAL_POINTS + MLP_POINTS  # the hidden-size points steering writes and capture reads
 
 HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated
 ROUTER_LOGITS = "router_logits"  # MoE gate logits before top-k
 ATTENTION_PATTERNS = "attention_patterns"  # per-head attention probabilities of selected query rows
 COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS, ATTENTION_PATTERNS)
+# A transcoder's reconstruction error at mlp_out (its "error node"), from what it reads and the
+# MLP's output (``capture.gather``); a capture group of this name spans both points.
+TRANSCODER_ERROR = "transcoder_error"
 
 Site = tuple[str, int]
 
@@ -36,6 +45,14 @@ def check_residual_point(hook: Any, where: str) -> str:
     """``hook`` if it names a residual point, else ``InvalidRequestError`` naming ``where``."""
     if hook not in RESIDUAL_POINTS:
         raise InvalidRequestError(f"{where}: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+    return hook
+
+
+def check_hook_point(hook: Any, where: str) -> str:
+    """``hook`` if it names a point steering writes and capture reads (a residual point, ``mlp_in``
+    or ``mlp_out``), else ``InvalidRequestError`` naming ``where``."""
+    if hook not in HOOK_POINTS:
+        raise InvalidRequestError(f"{where}: unknown hook {hook!r}; expected one of {list(HOOK_POINTS)}")
     return hook
 
 
@@ -109,6 +126,11 @@ class SteeringView(Protocol):
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def reads_at(self, site: Site) -> bool:
+        """Whether writes elsewhere (transcoder feature clamps) read the value at ``site``."""
+
+    def read(self, site: Site, hidden: torch.Tensor) -> None: ...
+
 
 class CaptureView(Protocol):
     def wants(self, site: Site) -> bool: ...
@@ -124,8 +146,12 @@ class HookPoints:
 
     def residual(self, point: str, layer: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         site = (point, layer)
-        if ctx.steering is not None and ctx.steering.acts_at(site):
-            hidden = ctx.steering.apply(site, hidden)
+        steering = ctx.steering
+        if steering is not None:
+            if steering.acts_at(site):
+                hidden = steering.apply(site, hidden)
+            if steering.reads_at(site):
+                steering.read(site, hidden)
         if ctx.capture is not None:
             ctx.capture.record(site, hidden)
         return hidden
@@ -143,8 +169,10 @@ class HookPoints:
             fused = norm.fused_add_norm(residual, delta, writes)
             if fused is not None:
                 hidden, normed = fused
-                if ctx.capture is not None:
-                    for site in sites:
+                for site in sites:  # no write follows a read here (``_fusable_writes``)
+                    if ctx.steering is not None and ctx.steering.reads_at(site):
+                        ctx.steering.read(site, hidden)
+                    if ctx.capture is not None:
                         ctx.capture.record(site, hidden)
                 return hidden, normed
         hidden = residual if delta is None else residual + delta
@@ -152,11 +180,22 @@ class HookPoints:
             hidden = self.residual(point, layer, hidden, ctx)
         return hidden, norm(hidden)
 
+    def mlp_in(self, layer: int, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The MLP's input after its norm (``blocks.L.ln2.hook_normalized``): steering writes, then
+        reads (transcoder feature clamps, capture); the MLP runs on what this returns."""
+        return self.residual(MLP_IN, layer, x, ctx)
+
+    def mlp_out(self, layer: int, out: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """What the MLP block adds to the residual (``blocks.L.hook_mlp_out``): steering writes (a
+        transcoder feature clamp's among them), then capture reads (a transcoder's error node
+        among them); the residual stream adds what this returns."""
+        return self.residual(MLP_OUT, layer, out, ctx)
+
     @staticmethod
     def in_use(site: Site, ctx: Any) -> bool:
         """Whether steering writes or capture reads at ``site`` this step: where neither does, a
         model need not form the value there (GPT-NeoX's parallel ``post_attn``)."""
-        return ((ctx.steering is not None and ctx.steering.acts_at(site))
+        return ((ctx.steering is not None and (ctx.steering.acts_at(site) or ctx.steering.reads_at(site)))
                 or (ctx.capture is not None and ctx.capture.wants(site)))
 
     def observe(self, component: str, layer: int, value: torch.Tensor, ctx: Any) -> None:
@@ -182,5 +221,6 @@ class HookPoints:
                 if read:
                     return None
                 writes.append(steering.site_write(site))
-            read = read or (capture is not None and capture.wants(site))
+            read = read or (capture is not None and capture.wants(site)) or (steering is not None
+                                                                              and steering.reads_at(site))
         return writes if len(writes) <= 2 else None

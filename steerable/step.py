@@ -106,7 +106,9 @@ NO_GATE = (0.0, -math.inf)  # bias, threshold of a projection clamp: it reads a 
 class TableWrite:
     """Where one site's new rows lie in a ``SteeringUpdate``. ``table``: "add" (``n`` vectors) or
     "clamp" (``n * slots`` read directions and as many bounds -- lo, hi, strength; with ``split``,
-    as many write directions after the read ones and gates -- bias, threshold -- after the bounds)."""
+    as many write directions after the read ones and gates -- bias, threshold -- after the bounds)
+    or "tclamp" (a transcoder clamp: a split clamp whose slots each write ``span`` directions, one per
+    ``mlp_out`` from the source layer on)."""
 
     table: str
     point: str
@@ -117,6 +119,7 @@ class TableWrite:
     params: int = 0  # offset of its first bound among the update's params
     slots: int = 1
     split: bool = False
+    span: int = 1
 
     @property
     def site(self) -> Site:
@@ -136,7 +139,7 @@ class TableWrite:
         """Its vectors among the update's vector indices: the added or read ones, or (``written``,
         a split clamp) the written ones after them."""
         start = self.vectors + (self.count if written else 0)
-        return slice(start, start + self.count)
+        return slice(start, start + self.count * (self.span if written else 1))
 
     @property
     def bound_span(self) -> slice:
@@ -216,10 +219,11 @@ class SteeringPlan:
     add_sites: frozenset[Site]
     clamp_sites: frozenset[Site]
     version: int
+    tclamp_sites: frozenset[Site] = frozenset()  # transcoder clamps, by the site where they read
 
     @property
     def signature(self) -> tuple:
-        return self.add_sites, self.clamp_sites, self.version
+        return self.add_sites, self.clamp_sites, self.tclamp_sites, self.version
 
 
 @dataclass
@@ -227,7 +231,9 @@ class CaptureGroup:
     """Rows to gather at ``hook`` of each of ``layers``, stored as ``dtype`` (None: the model's);
     ``heads``: the query heads an attention-pattern group keeps (None: all). With ``sae`` (a key of
     the worker's SAE tables) the rows are encoded on the device and each keeps its ``top_k`` highest
-    features: float32 ``[indices as int32 bits | values]``."""
+    features: float32 ``[indices as int32 bits | values]`` (a transcoder's flat indices, per layer).
+    ``hook == "transcoder_error"``: the transcoder ``sae``'s error node at each of ``layers``, float32
+    rows of the hidden size, from what it reads and the MLP's output."""
 
     hook: str
     layers: tuple[int, ...]
@@ -259,11 +265,35 @@ class SaeWeights:
 
 
 @dataclass
+class TranscoderWeights:
+    """What a worker needs to encode rows with a transcoder: one encoder per source layer (``layer``
+    on), each read at ``hook``."""
+
+    layer: int
+    hook: str
+    encoders: list[SaeWeights]
+
+
+@dataclass
+class TranscoderDecoders:
+    """What a worker needs besides to compute a transcoder's error node: per source layer its
+    decoders ``[d_tc, span, d_out]`` (the model dtype), per output layer ``b_dec`` (float32 [n, d_out])
+    and the skip term ``W_skip [n, d_in, d_out]`` (None: none)."""
+
+    W_dec: list[torch.Tensor]
+    b_dec: torch.Tensor
+    W_skip: torch.Tensor | None = None
+
+
+@dataclass
 class SaeUpdate:
-    """SAEs registered (``add``, by key) and unregistered (``remove``) since the last step."""
+    """SAEs and transcoders registered (``add``, ``transcoders``, by key), transcoder decoders shipped
+    for an error capture (``decoders``), and keys unregistered (``remove``) since the last step."""
 
     add: dict[str, SaeWeights] = field(default_factory=dict)
     remove: list[str] = field(default_factory=list)
+    transcoders: dict[str, TranscoderWeights] = field(default_factory=dict)
+    decoders: dict[str, TranscoderDecoders] = field(default_factory=dict)
 
 
 @dataclass

@@ -5,6 +5,9 @@ post_attn L = residual after the attention add (hook on the output of the branch
               self_attn, or post_attention_layernorm where a norm follows it, as in Gemma and OLMo-2;
               for parallel-residual GPT-NeoX the layer input + the attention output)
 post_mlp  L = output of decoder layer L (forward hook on the layer)
+mlp_in    L = input of the layer's MLP module (forward pre-hook on it)
+mlp_out   L = what the MLP block adds to the residual: the output of the post-feed-forward norm where
+              the layer has one (Gemma, OLMo-2), else of the MLP module (the experts' sum for MoE)
 Greedy decoding recomputes the whole sequence each step (no KV cache), so a hook sees every
 position with its absolute index and the oracle shares no code or state with the engine.
 """
@@ -57,6 +60,15 @@ def attention_parts(layer) -> tuple:
         return layer.attention, layer.attention.dense
     sandwich = hasattr(layer, "post_feedforward_layernorm")  # Gemma, OLMo-2: post-normed branches
     return (layer.post_attention_layernorm if sandwich else layer.self_attn), layer.self_attn.o_proj
+
+
+def mlp_parts(layer) -> tuple:
+    """(the MLP module, the module whose output is what the residual adds for the MLP branch)."""
+    return layer.mlp, getattr(layer, "post_feedforward_layernorm", layer.mlp)
+
+
+def _first(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 class HFSteered:
@@ -116,11 +128,28 @@ class HFSteered:
                 if capture is not None:
                     capture[("attention_heads", i)] = args[0][0].detach().clone()
 
+            def mlp_in(mod, args, kwargs, i=i):
+                hidden = apply("mlp_in", i, _first(args, kwargs))
+                if capture is not None:
+                    capture[("mlp_in", i)] = hidden[0].detach().clone()
+                if args:
+                    return (hidden, *args[1:]), kwargs
+                return args, {**kwargs, next(iter(kwargs)): hidden}
+
+            def mlp_out(mod, args, output, i=i):
+                hidden = apply("mlp_out", i, output[0] if isinstance(output, tuple) else output)
+                if capture is not None:
+                    capture[("mlp_out", i)] = hidden[0].detach().clone()
+                return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
             branch, out_proj = attention_parts(layer)
             handles.append(branch.register_forward_hook(attn_out))
             handles.append(layer.register_forward_hook(post))
             handles.append(out_proj.register_forward_pre_hook(heads))
+            mlp, mlp_output = mlp_parts(layer)
+            handles.append(mlp.register_forward_pre_hook(mlp_in, with_kwargs=True))
+            handles.append(mlp_output.register_forward_hook(mlp_out))
         try:
             with torch.no_grad():
                 return self.model(ids, use_cache=False).logits[0].float()

@@ -12,11 +12,14 @@ INDEX = torch.zeros(3, dtype=torch.int64)
 
 
 class FakeSteering:
-    def __init__(self, adds=(), clamps=()):
-        self.adds, self.clamps = set(adds), set(clamps)
+    def __init__(self, adds=(), clamps=(), reads=()):
+        self.adds, self.clamps, self.reads = set(adds), set(clamps), set(reads)
 
     def acts_at(self, site):
         return site in self.adds | self.clamps
+
+    def reads_at(self, site):
+        return site in self.reads
 
     def site_write(self, site):
         clamped = site in self.clamps
@@ -62,3 +65,11 @@ def test_clamps_fuse_like_adds():
     both = plan(FakeSteering(clamps=[(POST_MLP, 0), (PRE_ATTN, 1)]), FakeCapture([(PRE_ATTN, 1)]))
     assert [w.add is None and w.clamp_dir is not None for w in both] == [True, True]
     assert plan(FakeSteering(clamps=[(PRE_ATTN, 1)]), FakeCapture([(POST_MLP, 0)])) is None
+
+
+def test_a_transcoder_read_between_writes_does_not_fuse():
+    """A transcoder feature clamp reads its feature where the transcoder reads: like a capture, it
+    must see the value before a later write."""
+    sites = [(POST_MLP, 0), (PRE_ATTN, 1)]
+    assert plan(FakeSteering(adds=[(PRE_ATTN, 1)], reads=[(POST_MLP, 0)]), FakeCapture(), sites) is None
+    assert len(plan(FakeSteering(adds=[(POST_MLP, 0)], reads=[(POST_ATTN, 0)]), FakeCapture(), sites)) == 1

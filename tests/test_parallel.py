@@ -23,7 +23,7 @@ from steerable.distributed.placement import MICRO_BATCHES_ENV, PARTITION_ENV
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3"]
-HOOKS = ["pre_attn", "post_attn", "post_mlp"]
+HOOKS = ["pre_attn", "post_attn", "post_mlp", "mlp_in", "mlp_out"]
 TOKENS = 6
 LOGPROB_TOL = 1e-4
 CAPTURE_TOL = 1e-5
@@ -160,7 +160,7 @@ def _steering_batch(num_layers: int) -> list[SamplingParams]:
     without the registered module at different scales (all on top of a global spec)."""
     params = []
     for i in range(32):
-        hook, layer = HOOKS[i % 3], i % num_layers
+        hook, layer = HOOKS[i % len(HOOKS)], i % num_layers
         kind = i % 4
         if kind == 0:
             spec = {hook: {layer: _vec(i)}}

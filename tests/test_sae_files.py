@@ -158,7 +158,7 @@ def test_in_memory_sae_validates_each_field():
     bad = [({"W_dec": torch.randn(8, 16)}, "W_dec"), ({"b_enc": torch.zeros(15)}, "b_enc"),
            ({"architecture": "gated"}, "architecture"), ({"architecture": "jumprelu"}, "threshold"),
            ({"architecture": "topk"}, "k"), ({"architecture": "topk", "k": 17}, "k"), ({"layer": -1}, "layer"),
-           ({"hook": "mlp_out"}, "hook"), ({"W_enc": torch.full((8, 16), float("nan"))}, "W_enc"),
+           ({"hook": "mlp_mid"}, "hook"), ({"W_enc": torch.full((8, 16), float("nan"))}, "W_enc"),
            ({"b_dec": np.zeros(8, dtype=np.int64)}, "b_dec"), ({"threshold": torch.zeros(16)}, "threshold"),
            ({"rescale_acts_by_decoder_norm": True}, "rescale_acts_by_decoder_norm")]
     for change, field in bad:
@@ -239,7 +239,7 @@ def test_bad_files_are_refused_naming_file_and_field(sae_files, tmp_path):
 
     no_hook = _copy(lens, tmp_path, "no_hook")
     (no_hook / "cfg.json").write_text(json.dumps({**cfg, "metadata": {"hook_name": "blocks.2.attn.hook_z"}}))
-    with pytest.raises(InvalidRequestError, match=r"hook_name 'blocks.2.attn.hook_z' is not a residual"):
+    with pytest.raises(InvalidRequestError, match=r"hook_name 'blocks.2.attn.hook_z' is not a residual-stream or MLP point"):
         SAE.load(str(no_hook))
     assert SAE.load(str(no_hook), layer=2, hook="post_attn").layer == 2
 

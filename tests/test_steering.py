@@ -294,7 +294,8 @@ def test_bad_steering_input(model_dirs, steering, field):
 
 def test_list_layers_and_status(model_dirs):
     llm = LLM(model_dirs["llama"], device="cpu", kv_cache_tokens=2048)
-    assert llm.list_steerable_layers() == {p: [0, 1, 2] for p in ("pre_attn", "post_attn", "post_mlp")}
+    assert llm.list_steerable_layers() == {p: [0, 1, 2] for p in ("pre_attn", "post_attn", "post_mlp", "mlp_in",
+                                                                  "mlp_out")}
     llm.set_steering_vectors({1: vec(1)})
     status = llm.get_steering_status()
     assert status["global"]["adds"] == 1 and status["global"]["sites"] == ["post_mlp:1"]

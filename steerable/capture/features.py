@@ -1,11 +1,16 @@
-"""The driver half of SAE feature capture (the component ``sae_features``).
+"""The driver half of SAE feature capture (the component ``sae_features``) and of a transcoder's
+error node (``transcoder_error``).
 
-Each registered SAE is shipped to the worker once (``take_update``), under a key of its name and
-registration, and each capture of it is a destination of its own: the rows at the SAE's point, in
-a group the worker encodes (``CaptureGroup.sae``), so prefix caching, chunked prefill, preemption
-and delivery treat feature rows exactly as hidden-state rows. A stream per SAE
-(``start_capture("sae_features", saes=[...])``) keeps its rows in a ``StreamStore`` of the SAE's
-layer; callers get ``SparseFeatures`` keyed by SAE name.
+Each registered SAE or transcoder is shipped to the worker once (``take_update``), under a key of
+its name and registration, and each capture of it is a destination of its own: the rows at the
+dictionary's point (a transcoder: at each of its layers), in a group the worker encodes
+(``CaptureGroup.sae``), so prefix caching, chunked prefill, preemption and delivery treat feature
+rows exactly as hidden-state rows. A stream per SAE (``start_capture("sae_features", saes=[...])``)
+keeps its rows in a ``StreamStore`` of the SAE's layers; callers get ``SparseFeatures`` keyed by SAE
+name, a multi-layer transcoder's rows merged into each row's highest features over its layers.
+A transcoder's error node is captured per request (``CaptureSpec(stream="transcoder_error",
+saes=[...])``): its decoders go to the worker with the first such request, and the rows come back
+keyed by name, ``[rows, d_model]`` (``[rows, layers, d_model]`` for a transcoder of several layers).
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import torch
 from steerable.capture.planner import Destination
 from steerable.capture.serialization import CaptureMeta
 from steerable.capture.sparse import SparseFeatures
-from steerable.capture.store import StreamConfig, StreamStore
+from steerable.capture.store import StreamConfig, StreamStore, reduce_rows
 from steerable.checks import is_int
 from steerable.errors import InvalidRequestError
-from steerable.step import SaeUpdate, SaeWeights
+from steerable.hook_points import TRANSCODER_ERROR
+from steerable.sae.transcoder import Transcoder
+from steerable.step import SaeUpdate, SaeWeights, TranscoderDecoders, TranscoderWeights
 
 SAE_FEATURES = "sae_features"
 
@@ -35,6 +42,25 @@ def sae_weights(sae: Any, dtype: torch.dtype) -> SaeWeights:
                       sae.b_enc.detach().to("cpu", torch.float32).contiguous(),
                       None if sae.threshold is None else sae.threshold.detach().to("cpu", torch.float32).contiguous(),
                       sae.b_dec.detach().to("cpu", torch.float32).contiguous() if sae.apply_b_dec_to_input else None)
+
+
+def transcoder_weights(transcoder: Transcoder, dtype: torch.dtype) -> TranscoderWeights:
+    """What the worker needs of ``transcoder`` to encode rows: an encoder per source layer."""
+    def encoder(s: int) -> SaeWeights:
+        threshold = transcoder.threshold
+        return SaeWeights(transcoder.layer + s, transcoder.hook, transcoder.architecture, transcoder.k or 0,
+                          transcoder.W_enc[s].to("cpu", dtype).contiguous(),
+                          transcoder.b_enc[s].to("cpu", torch.float32).contiguous(),
+                          None if threshold is None else threshold[s].to("cpu", torch.float32).contiguous())
+
+    return TranscoderWeights(transcoder.layer, transcoder.hook, [encoder(s) for s in range(transcoder.n_sources)])
+
+
+def transcoder_decoders(transcoder: Transcoder, dtype: torch.dtype) -> TranscoderDecoders:
+    skip = transcoder.W_skip
+    return TranscoderDecoders([w.to("cpu", dtype).contiguous() for w in transcoder.W_dec],
+                              transcoder.b_dec.to("cpu", torch.float32).contiguous(),
+                              None if skip is None else skip.to("cpu", dtype).contiguous())
 
 
 class FeatureCapture:
@@ -50,6 +76,7 @@ class FeatureCapture:
         self.stopped: dict[str, StreamStore] = {}
         self.stream_top_k: int | None = None
         self.users: Counter[str] = Counter()  # live requests capturing each SAE
+        self._decoders_sent: set[str] = set()  # transcoders whose decoders the worker holds
 
     # ------------------------------------------------------------ registration (worker tables)
 
@@ -60,12 +87,17 @@ class FeatureCapture:
         self._registrations += 1
         key = f"{name}#{self._registrations}"
         self.saes[name] = (key, sae)
-        self._pending.add[key] = sae_weights(sae, self.dtype)
+        if isinstance(sae, Transcoder):
+            self._pending.transcoders[key] = transcoder_weights(sae, self.dtype)
+        else:
+            self._pending.add[key] = sae_weights(sae, self.dtype)
 
     def unregister(self, name: str) -> None:
         key, _ = self.saes.pop(name)
         self.stopped.pop(name, None)
-        if self._pending.add.pop(key, None) is None:
+        self._decoders_sent.discard(name)
+        self._pending.decoders.pop(key, None)
+        if self._pending.add.pop(key, None) is None and self._pending.transcoders.pop(key, None) is None:
             self._pending.remove.append(key)
 
     def in_use(self, name: str) -> str | None:
@@ -78,7 +110,7 @@ class FeatureCapture:
 
     def take_update(self) -> SaeUpdate | None:
         update, self._pending = self._pending, SaeUpdate()
-        return update if update.add or update.remove else None
+        return update if update.add or update.remove or update.transcoders or update.decoders else None
 
     # ------------------------------------------------------------ destinations
 
@@ -106,9 +138,25 @@ class FeatureCapture:
         if reduce != "all":
             raise InvalidRequestError(f"{prefix}reduce: sae_features keeps every selected row (reduce='all'), "
                                       f"got {reduce!r}")
-        return [Destination((*key, name), SAE_FEATURES, sae.hook, [sae.layer], torch.float32, select, None,
-                            reduce, budget_rows, sae=worker_key, top_k=top_k, name=name)
+        return [Destination((*key, name), SAE_FEATURES, sae.hook, list(getattr(sae, "layers", [sae.layer])),
+                            torch.float32, select, None, reduce, budget_rows, sae=worker_key, top_k=top_k, name=name)
                 for name, worker_key, sae in self.resolve(saes, top_k, prefix)]
+
+    def error_destinations(self, saes: Any, select: Any, key: tuple, reduce: str, budget_rows: int | None,
+                           prefix: str) -> list[Destination]:
+        """A request's ``transcoder_error`` captures, one per transcoder named; the decoders of each
+        go to the worker with the next step if they have not yet."""
+        resolved = self.resolve(saes, 1, prefix)
+        for name, _, sae in resolved:
+            if not isinstance(sae, Transcoder):
+                raise InvalidRequestError(f"{prefix}saes: {name!r} is an SAE; {TRANSCODER_ERROR} needs transcoders")
+        for name, worker_key, sae in resolved:
+            if name not in self._decoders_sent:
+                self._decoders_sent.add(name)
+                self._pending.decoders[worker_key] = transcoder_decoders(sae, self.dtype)
+        return [Destination((*key, name), TRANSCODER_ERROR, TRANSCODER_ERROR, list(sae.layers), torch.float32,
+                            select, None, reduce, budget_rows, sae=worker_key, name=name)
+                for name, worker_key, sae in resolved]
 
     # ------------------------------------------------------------ streams
 
@@ -148,8 +196,8 @@ class FeatureCapture:
         for name in names if names is not None else sorted(stores):
             store = stores[name]
             rows, labels = store.fetch(None, list(req_ids) if req_ids is not None else None, clear_selected=clear)
-            for packed in rows.values():
-                tensors[name] = SparseFeatures.unpack(packed)
+            if rows:  # one packed block per layer, merged over a transcoder's layers
+                tensors[name] = SparseFeatures.unpack_layers(torch.stack([rows[layer] for layer in sorted(rows)]))
             for meta in labels.values():
                 metas[name] = meta
         return tensors, metas
@@ -174,14 +222,16 @@ class FeatureCapture:
 
     # ------------------------------------------------------------ a request's rows
 
-    @staticmethod
-    def assemble(destination: Destination, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 request_id: str) -> tuple[SparseFeatures, CaptureMeta]:
-        """A finished request's feature rows (position order) and labels, at most ``budget_rows``."""
+    def assemble(self, destination: Destination, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 request_id: str) -> tuple[SparseFeatures | torch.Tensor, CaptureMeta]:
+        """A finished request's feature (or error node) rows, position order, and labels, at most
+        ``budget_rows``."""
+        if destination.component == TRANSCODER_ERROR:
+            return self._assemble_error(destination, parts, request_id)
         if parts:
-            packed = torch.from_numpy(np.concatenate([p[0][0] for p in parts]))
+            packed = torch.from_numpy(np.concatenate([p[0] for p in parts], axis=1))
             positions, token_ids = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
-            features = SparseFeatures.unpack(packed)
+            features = SparseFeatures.unpack_layers(packed)
         else:
             features = SparseFeatures.empty(destination.top_k)
             positions = token_ids = np.empty(0, np.int32)
@@ -190,3 +240,20 @@ class FeatureCapture:
             features, positions, token_ids = features.select(slice(0, keep)), positions[:keep], token_ids[:keep]
         return features, CaptureMeta([request_id] * len(positions), torch.from_numpy(positions),
                                      torch.from_numpy(token_ids))
+
+    def _assemble_error(self, destination: Destination, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                        request_id: str) -> tuple[torch.Tensor, CaptureMeta]:
+        """Error rows ``[rows, layers, d_model]``, ``[rows, d_model]`` for one layer, reduced as asked."""
+        layers = len(destination.layers)
+        if parts:
+            rows = torch.from_numpy(np.concatenate([p[0] for p in parts], axis=1)).transpose(0, 1)
+            positions, token_ids = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+        else:
+            rows = torch.empty(0, layers, self.saes[destination.name][1].d_out, dtype=torch.float32)
+            positions = token_ids = np.empty(0, np.int32)
+        rows, positions, token_ids = reduce_rows(rows, positions, token_ids, destination.reduce,
+                                                 destination.budget_rows, torch.float32)
+        if layers == 1:
+            rows = rows[:, 0]
+        return rows.contiguous(), CaptureMeta([request_id] * len(positions), torch.from_numpy(positions),
+                                              torch.from_numpy(token_ids))

@@ -12,9 +12,13 @@ Under tensor parallelism every rank holds the same plan. Replicated activations 
 stream, router logits) are recorded by tensor-parallel rank 0 alone; a component split over the
 ranks (per-head attention outputs) is gathered from all of them into rank 0's block, in the layout
 one rank would have; attention patterns likewise, each rank computing its own heads. A group with
-an SAE encodes its gathered rows there and then (``SaeTables``) and stages each row's top features
-instead of the row. Under pipeline parallelism a stage fills only its own layers of a block (a
-group with none there has no block); the driver merges the stages' blocks.
+an SAE (or a transcoder) encodes its gathered rows there and then (``SaeTables``) and stages each
+row's top features instead of the row, per layer. A transcoder error group reads at two points
+of each layer: where the transcoder reads, whose rows add their reconstruction to the group's
+float32 block (at every output layer they decode to), and ``mlp_out``, where the block's layer
+becomes the MLP's output minus that reconstruction. Under pipeline parallelism a stage fills only
+its own layers of a block (a group with none there has no block); the driver merges the stages'
+blocks.
 
 On CUDA the copy to the host must neither stall the next step nor race it: the blocks are copied
 (device to device, a few microseconds) into an outbox, and a side stream moves the outbox to pinned
@@ -36,7 +40,7 @@ from steerable.capture.pattern_pass import PatternRows, layer_patterns
 from steerable.capture.patterns import padded_width
 from steerable.checks import FLOAT_DTYPES
 from steerable.distributed.groups import TPGroup
-from steerable.hook_points import ATTENTION_PATTERNS
+from steerable.hook_points import ATTENTION_PATTERNS, MLP_OUT, TRANSCODER_ERROR
 from steerable.sae.worker_tables import SaeTables
 from steerable.step import CapturePlan, Site, StepInput, to_device
 
@@ -163,8 +167,16 @@ class StepCapture:
         self.dtypes = [FLOAT_DTYPES[g.dtype] if g.dtype is not None else None for g in plan.groups]
         self.sites: dict[Site, list[tuple[int, int]]] = {}  # site -> (group, position among its layers)
         for g, group in enumerate(plan.groups):
+            if group.hook == TRANSCODER_ERROR:
+                transcoder = saes.transcoders.get(group.sae)
+                if transcoder is None:  # none of its layers on this pipeline stage
+                    continue
+                points = (transcoder.hook, MLP_OUT)  # where it reads, then where the MLP's output is
+            else:
+                points = (group.hook,)
             for i, layer in enumerate(group.layers):
-                self.sites.setdefault((group.hook, layer), []).append((g, i))
+                for point in points:
+                    self.sites.setdefault((point, layer), []).append((g, i))
         self.blocks: list[torch.Tensor | None] = [None] * len(plan.groups)
 
     def wants(self, site: Site) -> bool:
@@ -178,8 +190,11 @@ class StepCapture:
             return
         for g, i in self.sites.get(site, ()):
             group = self.plan.groups[g]
+            if group.hook == TRANSCODER_ERROR:
+                self._record_error(g, i, site, value)
+                continue
             if group.sae is not None:
-                self._record_features(g, value)
+                self._record_features(g, i, site[1], value)
                 continue
             index, rows = self.index[g], value
             if sharded:  # every rank's slice of the rows, side by side on rank 0 (None elsewhere)
@@ -218,13 +233,30 @@ class StepCapture:
         else:
             block[i].copy_(rows.index_select(0, index))
 
-    def _record_features(self, g: int, value: torch.Tensor) -> None:
-        """An SAE group's block ``[1, rows, 2 * top_k]``: the planned rows' top features."""
+    def _record_features(self, g: int, i: int, layer: int, value: torch.Tensor) -> None:
+        """Layer ``i`` of an SAE (or transcoder) group's block ``[layers, rows, 2 * top_k]``: the
+        planned rows' top features."""
         group = self.plan.groups[g]
         rows = value.index_select(0, self.index[g])
-        block = self.blocks[g] = torch.empty(1, len(self.index[g]), 2 * group.top_k, dtype=torch.float32,
-                                             device=value.device)
-        self.saes.top_features(group.sae, rows, group.top_k, block[0])
+        block = self.blocks[g]
+        if block is None:
+            block = self.blocks[g] = torch.empty(len(group.layers), len(self.index[g]), 2 * group.top_k,
+                                                 dtype=torch.float32, device=value.device)
+        self.saes.top_features(group.sae, layer, rows, group.top_k, block[i])
+
+    def _record_error(self, g: int, i: int, site: Site, value: torch.Tensor) -> None:
+        """A transcoder error group at ``site``: what the transcoder reads adds to the reconstruction
+        its block accumulates; at ``mlp_out`` the layer's rows become the output minus it."""
+        group = self.plan.groups[g]
+        rows = value.index_select(0, self.index[g])
+        block = self.blocks[g]
+        if block is None:  # zeros: the reconstruction of every layer starts empty
+            block = self.blocks[g] = torch.zeros(len(group.layers), len(self.index[g]), value.shape[-1],
+                                                 dtype=torch.float32, device=value.device)
+        if site[0] == MLP_OUT:
+            torch.sub(rows.float(), block[i], out=block[i])
+        else:
+            self.saes.transcoders[group.sae].reconstruct_from(site[1], rows, block, i)
 
     def staged(self) -> list[torch.Tensor | None]:
         """The step's blocks, one per group; None for a group this rank records nothing of (another

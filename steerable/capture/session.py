@@ -44,6 +44,7 @@ from steerable.hook_points import (
     ATTENTION_PATTERNS,
     HIDDEN_STATES,
     POST_MLP,
+    TRANSCODER_ERROR,
     HookLayout,
 )
 from steerable.request import Request, ScheduledRequest
@@ -58,8 +59,10 @@ class CaptureSpec:
     hidden states read at ``hook``. When the request finishes, ``reduce="last"`` keeps its last
     selected row and ``"mean"`` their float32 mean (as a stream's reductions), and ``budget_rows``
     keeps at most that many rows. ``heads``: the query heads attention patterns keep (None: all).
-    ``stream="sae_features"`` reads each registered SAE of ``saes`` at its own point and keeps each
-    row's ``top_k`` highest features (``layers``, ``dtype`` and ``hook`` do not apply)."""
+    ``stream="sae_features"`` reads each registered SAE (or transcoder) of ``saes`` at its own point
+    and keeps each row's ``top_k`` highest features (``layers``, ``dtype`` and ``hook`` do not apply);
+    ``stream="transcoder_error"`` keeps each transcoder's error node, the MLP's output minus its
+    reconstruction, float32, at each of its layers. ``hook`` may also be ``mlp_in`` or ``mlp_out``."""
 
     stream: str = HIDDEN_STATES
     layers: Sequence[int] | None = None
@@ -97,10 +100,12 @@ class CaptureSession(CaptureStreams):
             raise InvalidRequestError("capture: expected a CaptureSpec or a list of them")
         destinations = []
         for spec in specs:
-            if spec.stream == SAE_FEATURES and not any(d.component == SAE_FEATURES for d in destinations):
+            if spec.stream in (SAE_FEATURES, TRANSCODER_ERROR) and not any(d.component == spec.stream
+                                                                           for d in destinations):
                 destinations += self._feature_destinations(request, spec)
                 continue
-            component = self._component(spec.stream, "capture.stream") if spec.stream != SAE_FEATURES else SAE_FEATURES
+            named = spec.stream in (SAE_FEATURES, TRANSCODER_ERROR)
+            component = spec.stream if named else self._component(spec.stream, "capture.stream")
             if any(d.component == component for d in destinations):
                 raise InvalidRequestError(f"capture.stream: {component!r} requested twice")
             hook = self._hook(component, spec.hook, "capture.hook")
@@ -135,8 +140,11 @@ class CaptureSession(CaptureStreams):
         except ValueError as err:
             raise InvalidRequestError(f"capture.{err}") from None
         check_reduction(spec.reduce, spec.budget_rows, "capture.")
-        return self.features.destinations(spec.saes, spec.top_k, select, ("request", request.request_id, SAE_FEATURES),
-                                          spec.reduce, spec.budget_rows, "capture.")
+        key = ("request", request.request_id, spec.stream)
+        if spec.stream == TRANSCODER_ERROR:
+            return self.features.error_destinations(spec.saes, select, key, spec.reduce, spec.budget_rows, "capture.")
+        return self.features.destinations(spec.saes, spec.top_k, select, key, spec.reduce, spec.budget_rows,
+                                          "capture.")
 
     def prompt_extended(self, request: Request) -> None:
         """A streaming-input request resumed with a longer prompt: selections are resolved on it
@@ -263,7 +271,7 @@ class CaptureSession(CaptureStreams):
             component = destination.component
             parts = state.rows.get(destination.key, [])
             dtype = state.dtypes.get(destination.key)
-            if destination.name is not None:  # sae_features, keyed by SAE name
+            if destination.name is not None:  # sae_features and transcoder_error, keyed by SAE name
                 features, meta = self.features.assemble(destination, parts, request.request_id)
                 tensors.setdefault(component, {})[destination.name] = features
                 metas.setdefault(component, {})[destination.name] = meta
@@ -287,7 +295,7 @@ class CaptureSession(CaptureStreams):
                                                       torch.from_numpy(kept_positions), torch.from_numpy(kept_tokens))
         for consumer in self.consumers:
             for component in tensors:
-                if component != ATTENTION_PATTERNS:  # consumers write [rows, width] tensors
+                if component not in (ATTENTION_PATTERNS, TRANSCODER_ERROR):  # consumers write [rows, width] tensors
                     consumer.on_capture(request.request_id, component, tensors[component], metas[component])
         return tensors, metas
 

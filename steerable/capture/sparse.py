@@ -69,6 +69,20 @@ class SparseFeatures:
         return SparseFeatures(packed[:, :k].contiguous().view(torch.int32), packed[:, k:].contiguous())
 
     @staticmethod
+    def unpack_layers(packed: torch.Tensor) -> "SparseFeatures":
+        """From staged rows of several layers ``[layers, rows, 2 * top_k]`` (a multi-layer transcoder,
+        whose feature indices are flat over its layers): each row's ``top_k`` highest over all of
+        them, highest first (ties to the earlier layer)."""
+        if packed.shape[0] == 1:
+            return SparseFeatures.unpack(packed[0])
+        k = packed.shape[-1] // 2
+        indices = packed[..., :k].contiguous().view(torch.int32).permute(1, 0, 2).reshape(packed.shape[1], -1)
+        values = packed[..., k:].permute(1, 0, 2).reshape(packed.shape[1], -1)
+        order = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+        top, kept = values.gather(-1, order), indices.gather(-1, order)
+        return SparseFeatures(torch.where(top > 0, kept, -1).contiguous(), torch.where(top > 0, top, 0.0).contiguous())
+
+    @staticmethod
     def empty(top_k: int) -> "SparseFeatures":
         return SparseFeatures(torch.empty(0, top_k, dtype=torch.int32), torch.empty(0, top_k, dtype=torch.float32))
 

@@ -23,8 +23,9 @@ from steerable.hook_points import (
     HIDDEN_STATES,
     POST_MLP,
     ROUTER_LOGITS,
+    TRANSCODER_ERROR,
     HookLayout,
-    check_residual_point,
+    check_hook_point,
 )
 from steerable.selection import SelectSpec
 
@@ -57,9 +58,13 @@ class CaptureStreams:
     # ------------------------------------------------------------ validation helpers
 
     def _component(self, stream: str, field_name: str = "stream") -> str:
+        if stream == TRANSCODER_ERROR:  # needs each request's rows of every layer together
+            raise InvalidRequestError(f"{field_name}: {TRANSCODER_ERROR!r} is captured per request "
+                                      "(SamplingParams(capture=CaptureSpec(stream='transcoder_error', saes=[...]))), "
+                                      "not as a stream")
         if stream not in COMPONENTS:
             raise InvalidRequestError(f"{field_name}: unknown capture stream {stream!r}; expected one of "
-                                      f"{[*COMPONENTS, SAE_FEATURES]}")
+                                      f"{[*COMPONENTS, SAE_FEATURES, TRANSCODER_ERROR]}")
         if not self.available.get(stream):  # a dense model has no router, every model has heads
             what = "a mixture-of-experts model" if stream == ROUTER_LOGITS else "attention heads"
             raise InvalidRequestError(f"{field_name}: {stream!r} needs {what}; this model has no such layers")
@@ -79,7 +84,7 @@ class CaptureStreams:
         return sorted(set(layers))
 
     def _hook(self, component: str, hook: str, field_name: str) -> str:
-        return component if component != HIDDEN_STATES else check_residual_point(hook, field_name)
+        return component if component != HIDDEN_STATES else check_hook_point(hook, field_name)
 
     def _heads(self, component: str, heads: Any, field_name: str) -> tuple[int, ...] | None:
         """The query heads an attention-pattern capture keeps, sorted (None: all of them)."""

@@ -31,11 +31,14 @@ from steerable.step import (
     StepInput,
     StepOutput,
     TableWrite,
+    TranscoderDecoders,
+    TranscoderWeights,
 )
 
 _CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput,
                                           PromptLogprobsInput, SaeUpdate, SaeWeights, SamplingInput, SharedPrefix,
-                                          StepInput, StepOutput, SteeringPlan, SteeringUpdate, TableWrite)}
+                                          StepInput, StepOutput, SteeringPlan, SteeringUpdate, TableWrite,
+                                          TranscoderDecoders, TranscoderWeights)}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,
                                                              torch.int64, torch.int32)}
 _NUMPY_DTYPES = {"float32", "float64", "int64", "int32", "bool"}

@@ -9,7 +9,9 @@ global one with its scaling (linear x8 from 4B up). Embeddings are scaled by ``s
 rounded to the weight dtype, as HF does (25.25 in bfloat16 for the 270M).
 
 Hook points mean what they mean for every model: ``post_attn`` is the residual after the attention
-add, which here adds the post-attention-normed output.
+add, which here adds the post-attention-normed output; ``mlp_in`` is the pre-feed-forward norm's
+output and ``mlp_out`` the post-feed-forward norm's (what the residual adds), where Gemma Scope's
+transcoders read and write.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
         attn_out = self.post_attention_layernorm(self.self_attn(positions, x, ctx))
         h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn_out, self.pre_feedforward_layernorm, ctx)
-        return h, self.post_feedforward_layernorm(self.mlp(x, ctx))
+        x = self.hooks.mlp_in(self.layer, x, ctx)
+        return h, self.hooks.mlp_out(self.layer, self.post_feedforward_layernorm(self.mlp(x, ctx)), ctx)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

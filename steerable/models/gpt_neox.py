@@ -6,8 +6,8 @@ With ``use_parallel_residual`` (Pythia's default) attention and MLP both read th
 ``out = x + attn(ln1(x)) + mlp(ln2(x))``. Hook points keep their meaning: ``pre_attn`` is ``x``,
 ``post_mlp`` the layer output, and ``post_attn`` is defined as ``x + attn(ln1(x))``, the residual
 after the attention add and before the MLP's output is added. Steering there changes the residual
-(and so the layer output) but not this layer's MLP input, which is ``ln2(x)``. Without the flag the
-layer is the sequential pre-norm layer of Llama and GPT-2.
+(and so the layer output) but not this layer's MLP input, which is ``ln2(x)`` (``mlp_in``). Without
+the flag the layer is the sequential pre-norm layer of Llama and GPT-2.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ class GPTNeoXLayer(LlamaDecoderLayer):
             return super().forward(positions, h, mlp_out, ctx)
         h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
         attn_out = self.self_attn(positions, x, ctx)
-        mlp_out = self.mlp(self.post_attention_layernorm(h), ctx)
+        x = self.hooks.mlp_in(self.layer, self.post_attention_layernorm(h), ctx)
+        mlp_out = self.hooks.mlp_out(self.layer, self.mlp(x, ctx), ctx)
         site = (POST_ATTN, self.layer)
         if not self.hooks.in_use(site, ctx):  # HF's sum, (mlp + attn) + x; the next norm adds x
             return h, mlp_out + attn_out

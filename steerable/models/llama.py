@@ -129,7 +129,8 @@ class LlamaDecoderLayer(nn.Module):
         h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
         attn_out = self.self_attn(positions, x, ctx)
         h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn_out, self.post_attention_layernorm, ctx)
-        return h, self.mlp(x, ctx)
+        x = self.hooks.mlp_in(self.layer, x, ctx)
+        return h, self.hooks.mlp_out(self.layer, self.mlp(x, ctx), ctx)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -9,7 +9,9 @@ tensor parallelism a rank holds some heads' columns: the sum of squares is all-r
 ranks before the division, so every rank normalises by the full projection's RMS.
 
 Hook points mean what they mean for every model: ``pre_attn`` is the layer input, which here is
-also what attention reads; ``post_attn`` the residual after the (post-normed) attention add.
+also what attention reads; ``post_attn`` the residual after the (post-normed) attention add;
+``mlp_in`` what the MLP reads, the raw stream at ``post_attn`` (a write there changes only the
+MLP's input); ``mlp_out`` the post-feed-forward norm's output.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class Olmo2DecoderLayer(nn.Module):
         h, _ = self.hooks.residual_norm(self.entry_sites, h, mlp_out, _RAW, ctx)
         attn_out = self.post_attention_layernorm(self.self_attn(positions, h, ctx))
         h, _ = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn_out, _RAW, ctx)
-        return h, self.post_feedforward_layernorm(self.mlp(h, ctx))
+        x = self.hooks.mlp_in(self.layer, h, ctx)  # the raw stream; a write here reaches only the MLP
+        return h, self.hooks.mlp_out(self.layer, self.post_feedforward_layernorm(self.mlp(x, ctx)), ctx)
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

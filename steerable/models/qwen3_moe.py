@@ -3,7 +3,8 @@
 Everything but the MLP is the Llama-family implementation. A layer is sparse unless it is listed
 in ``mlp_only_layers`` or ``(layer + 1) % decoder_sparse_step != 0`` (HF's rule); dense layers use
 the ordinary ``LlamaMLP`` with ``intermediate_size``. The sparse block places the
-``router_logits`` hook point on the gate output, before softmax and top-k.
+``router_logits`` hook point on the gate output, before softmax and top-k; the layer's ``mlp_out``
+is the block's output, the weighted sum of the chosen experts' outputs.
 
 Checkpoints: per-expert tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what HF writes,
 transformers 4.x and 5.x alike) and the fused 3-D ``mlp.experts.gate_up_proj`` /

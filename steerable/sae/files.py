@@ -16,17 +16,19 @@ import torch
 from safetensors import safe_open
 
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import POST_ATTN, POST_MLP, PRE_ATTN
+from steerable.hook_points import MLP_IN, MLP_OUT, POST_ATTN, POST_MLP, PRE_ATTN
 from steerable.sae.model import SAE
 
 SAELENS_WEIGHTS = "sae_weights.safetensors"
 SPARSIFY_WEIGHTS = "sae.safetensors"
 GEMMA_SCOPE_PARAMS = "params.npz"
 _PICKLE_SUFFIXES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt"}
-# TransformerLens names of the residual stream: resid_pre L enters block L, resid_mid follows its
-# attention, resid_post leaves it.
-_TL_HOOK = re.compile(r"^blocks\.(\d+)\.hook_resid_(pre|mid|post)$")
-_TL_POINTS = {"pre": PRE_ATTN, "mid": POST_ATTN, "post": POST_MLP}
+# TransformerLens names of the points an SAE may read: resid_pre L enters block L, resid_mid follows
+# its attention, resid_post leaves it; the MLP's normalised input and its output.
+_TL_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|ln2\.hook_normalized|"
+                      r"hook_mlp_in|hook_mlp_out)$")
+_TL_POINTS = {"hook_resid_pre": PRE_ATTN, "hook_resid_mid": POST_ATTN, "hook_resid_post": POST_MLP,
+              "ln2.hook_normalized": MLP_IN, "hook_mlp_in": MLP_IN, "hook_mlp_out": MLP_OUT}
 _SAELENS_ARCHITECTURES = {"standard", "jumprelu", "topk"}
 
 
@@ -56,7 +58,8 @@ def load_sae(path: str | Path, layer: int | None = None, hook: str | None = None
     if pickles:
         raise _pickle_refused(pickles[0])
     raise InvalidRequestError(f"path: {str(path)!r} holds no SAE files (expected cfg.json with {SAELENS_WEIGHTS} "
-                              f"(SAELens) or {SPARSIFY_WEIGHTS} (sparsify), or {GEMMA_SCOPE_PARAMS} (Gemma Scope))")
+                              f"(SAELens) or {SPARSIFY_WEIGHTS} (sparsify), or {GEMMA_SCOPE_PARAMS} (Gemma Scope); "
+                              "transcoders load with steerable.Transcoder.load)")
 
 
 def _pickle_refused(path: Path) -> InvalidRequestError:
@@ -72,6 +75,9 @@ def _load_saelens(path: Path, layer: int | None, hook: str | None) -> SAE:
     cfg = _read_json(cfg_file)
     _require(cfg, ("d_in", "d_sae", "architecture", "apply_b_dec_to_input"), cfg_file)
     architecture = cfg["architecture"]
+    if isinstance(architecture, str) and architecture.endswith("transcoder"):
+        raise InvalidRequestError(f"{cfg_file}: architecture {architecture!r} is a transcoder; load it with "
+                                  "steerable.Transcoder.load")
     if architecture not in _SAELENS_ARCHITECTURES:
         raise InvalidRequestError(f"{cfg_file}: architecture {architecture!r} is not supported; expected one of "
                                   f"{sorted(_SAELENS_ARCHITECTURES)}")
@@ -165,9 +171,9 @@ def _site(hook_name: Any, layer: int | None, hook: str | None, where: Path) -> t
         return layer, hook
     match = _TL_HOOK.match(hook_name) if isinstance(hook_name, str) else None
     if match is None:
-        said = f"hook_name {hook_name!r} is not a residual-stream point" if hook_name else "no hook_name"
-        raise InvalidRequestError(f"{where}: {said} (expected 'blocks.L.hook_resid_pre|mid|post'); "
-                                  "pass layer= and hook=")
+        said = f"hook_name {hook_name!r} is not a residual-stream or MLP point" if hook_name else "no hook_name"
+        raise InvalidRequestError(f"{where}: {said} (expected 'blocks.L.hook_resid_pre|mid|post', "
+                                  "'blocks.L.ln2.hook_normalized' or 'blocks.L.hook_mlp_out'); pass layer= and hook=")
     return (int(match.group(1)) if layer is None else layer), (_TL_POINTS[match.group(2)] if hook is None else hook)
 
 

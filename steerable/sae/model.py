@@ -17,7 +17,7 @@ import torch
 
 from steerable.checks import is_int
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import POST_MLP, check_residual_point
+from steerable.hook_points import POST_MLP, check_hook_point
 
 ARCHITECTURES = ("relu", "standard", "jumprelu", "topk")
 
@@ -60,7 +60,7 @@ class SAE:
             raise InvalidRequestError("rescale_acts_by_decoder_norm: only topk SAEs take it")
         if not is_int(layer) or layer < 0:
             raise InvalidRequestError(f"layer: expected a layer index >= 0, got {layer!r}")
-        check_residual_point(hook, "hook")
+        check_hook_point(hook, "hook")
         if rescale_acts_by_decoder_norm:
             norms = W_dec.float().norm(dim=1).clamp_min(1e-8)
             W_enc = (W_enc.float() * norms).to(W_enc.dtype)

@@ -1,5 +1,5 @@
-"""The driver's named SAEs: what ``LLM.register_sae`` adds, what feature steering resolves names
-against at admission, and what the capture plane ships to the workers.
+"""The driver's named SAEs and transcoders: what ``LLM.register_sae`` adds, what feature steering
+resolves names against at admission, and what the capture plane ships to the workers.
 
 Each SAE is kept in the model dtype (steering rows and captured features are computed from the
 same rounded weights on every path) on the host: the driver holds no device, and reading a row
@@ -16,6 +16,7 @@ import torch
 
 from steerable.errors import InvalidRequestError
 from steerable.sae.model import SAE
+from steerable.sae.transcoder import Transcoder
 
 
 class SaeRegistry:
@@ -25,14 +26,17 @@ class SaeRegistry:
         self.dtype = dtype
         self._saes: dict[str, SAE] = {}
 
-    def register(self, name: str, sae: SAE) -> SAE:
-        """Checks ``sae`` against the model and keeps a model-dtype host copy; returns it."""
+    def register(self, name: str, sae: SAE | Transcoder) -> SAE | Transcoder:
+        """Checks ``sae`` (an SAE or a transcoder) against the model and keeps a model-dtype host
+        copy; returns it."""
         if not isinstance(name, str) or not name:
             raise InvalidRequestError(f"name: SAE names must be non-empty strings, got {name!r}")
         if name in self._saes:
             raise InvalidRequestError(f"name: an SAE named {name!r} is registered already; unregister it first")
-        if not isinstance(sae, SAE):
-            raise InvalidRequestError(f"sae: expected a steerable.SAE, got {type(sae).__name__}")
+        if isinstance(sae, Transcoder):
+            self._check_transcoder(sae)
+        elif not isinstance(sae, SAE):
+            raise InvalidRequestError(f"sae: expected a steerable.SAE or steerable.Transcoder, got {type(sae).__name__}")
         if sae.d_in != self.hidden_size:
             raise InvalidRequestError(f"sae.d_in: {sae.d_in} does not match the model's hidden size {self.hidden_size}")
         if sae.layer >= self.num_layers:
@@ -41,11 +45,21 @@ class SaeRegistry:
         self._saes[name] = stored
         return stored
 
+    def _check_transcoder(self, transcoder: Transcoder) -> None:
+        """A transcoder's layers must all be the model's and its output the hidden size."""
+        last = transcoder.layers[-1]
+        if last >= self.num_layers:
+            raise InvalidRequestError(f"transcoder.layers: {list(transcoder.layers)} reach layer {last}; the model "
+                                      f"has layers [0, {self.num_layers})")
+        if transcoder.d_out != self.hidden_size:
+            raise InvalidRequestError(f"transcoder.d_out: {transcoder.d_out} does not match the model's hidden size "
+                                      f"{self.hidden_size}")
+
     def remove(self, name: str) -> None:
         self.get(name, "name")
         del self._saes[name]
 
-    def get(self, name: Any, where: str = "sae") -> SAE:
+    def get(self, name: Any, where: str = "sae") -> SAE | Transcoder:
         """The SAE registered as ``name``, or ``InvalidRequestError`` naming ``where``."""
         sae = self._saes.get(name) if isinstance(name, str) else None
         if sae is None:

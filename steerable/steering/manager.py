@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import RESIDUAL_POINTS
+from steerable.hook_points import HOOK_POINTS
 from steerable.request import Request, ScheduledRequest
 from steerable.sae.features import FeatureClamp
 from steerable.sae.registry import SaeRegistry
@@ -132,12 +132,12 @@ class SteeringManager:
         return users + ([f"{live} live request(s)"] if live else [])
 
     def steerable_layers(self) -> dict[str, list[int]]:
-        return {point: list(range(self.num_layers)) for point in RESIDUAL_POINTS}
+        return {point: list(range(self.num_layers)) for point in HOOK_POINTS}
 
     def status(self) -> dict[str, Any]:
         def summary(items: list[Intervention]) -> dict[str, Any]:
             return {"interventions": len(items), "adds": sum(i.kind == "add" for i in items),
-                    "clamps": sum(i.kind == "clamp" for i in items),
+                    "clamps": sum(i.kind != "add" for i in items),
                     "sites": sorted({f"{i.point}:{i.layer}" for i in items})}
 
         return {
@@ -289,7 +289,7 @@ class SteeringManager:
                     index[lo:hi] = self._rows_for(s.request, state, positions[lo:hi], token_ids[lo:hi])
         if not index.any():
             return None
-        return SteeringPlan(index, *self.tables.plan_sites(), self.tables.version)
+        return SteeringPlan(index, *self.tables.plan_sites(), self.tables.version, self.tables.plan_tclamp_sites())
 
     def _decode_index(self, scheduled: Sequence[ScheduledRequest], keys: np.ndarray, positions: np.ndarray,
                       token_ids: np.ndarray) -> np.ndarray:
@@ -381,7 +381,7 @@ class SteeringManager:
 
 def _as_item(item: Intervention) -> Add | Clamp | FeatureClamp:
     """A feature add comes back as the ``Add`` of its scaled decoder row (the same effect)."""
-    if item.kind == "clamp" and item.feature is not None:
+    if item.kind != "add" and item.feature is not None:
         return FeatureClamp(*item.feature, value=item.lo, select=item.select, strength=item.strength)
     if item.kind == "add":
         return Add(item.layer, item.vector.clone(), item.point, select=item.select)

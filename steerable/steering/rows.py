@@ -17,9 +17,10 @@ import numpy as np
 from steerable.steering.spec import Intervention
 from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringUpdate, TableWrite
 
-# read direction, min, max, strength, write direction (None: the read one), bias, threshold
+# read direction, min, max, strength, write direction (None: the read one), bias, threshold; a
+# transcoder clamp's write directions are [span, H], one per output layer from its source on.
 ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float]
-RowSites = tuple[list[Site], list[Site]]  # (sites of a row's adds, sites of its clamps)
+RowSites = tuple[list[Site], list[Site], list[Site]]  # (sites of a row's adds, clamps, transcoder clamps)
 
 
 class RowTables:
@@ -31,6 +32,14 @@ class RowTables:
         self.clamp_rows: dict[Site, set[int]] = {}
         self.clamp_slots: dict[Site, int] = {}
         self.split_sites: set[Site] = set()  # sites whose clamp tables hold write directions and gates
+        # Transcoder clamps by the site where they read (the transcoder's input at the source layer):
+        # rows, slots, and the span of output layers their write tables cover.
+        self.tclamp_rows: dict[Site, set[int]] = {}
+        self.tclamp_slots: dict[Site, int] = {}
+        self.tclamp_span: dict[Site, int] = {}
+        self._tclamps: dict[Site, dict[int, list[ClampSlot]]] = {}
+        self._used_tclamp: set[Site] = set()
+        self._tplan: frozenset[Site] | None = None
         self._adds: dict[Site, dict[int, np.ndarray | None]] = {}  # None: back to zeros
         self._clamps: dict[Site, dict[int, list[ClampSlot]]] = {}  # []: every slot cleared
         self._row_sites: dict[int, RowSites] = {}  # every live row's sites
@@ -61,6 +70,12 @@ class RowTables:
             self._plan = (frozenset(self._used_add), frozenset(self._used_clamp))
         return self._plan
 
+    def plan_tclamp_sites(self) -> frozenset[Site]:
+        """As ``plan_sites``, for transcoder clamps (by the site where they read)."""
+        if self._tplan is None:
+            self._tplan = frozenset(self._used_tclamp)
+        return self._tplan
+
     def grow(self, min_capacity: int) -> None:
         capacity = self.capacity
         while capacity < min_capacity:
@@ -77,6 +92,7 @@ class RowTables:
         self._live = None
         adds: dict[Site, np.ndarray] = {}
         clamps: dict[Site, list[ClampSlot]] = {}
+        tclamps: dict[Site, list[ClampSlot]] = {}
         arrays: dict[int, np.ndarray] = {}
         for item in items:
             site = item.point, item.layer
@@ -86,17 +102,23 @@ class RowTables:
             if item.kind == "add":
                 have = adds.get(site)
                 adds[site] = vector if have is None else have + vector
+            elif item.kind == "tclamp":
+                tclamps.setdefault(site, []).append((vector, item.lo, item.hi, item.strength, item.write.numpy(),
+                                                     item.bias, item.threshold))
             else:
                 write = None if item.write is None else item.write.numpy()
                 clamps.setdefault(site, []).append((vector, item.lo, item.hi, item.strength, write, item.bias,
                                                     item.threshold))
-        stale_adds, stale_clamps = self._stale.pop(row, ((), ()))
+        stale_adds, stale_clamps, stale_tclamps = self._stale.pop(row, ((), (), ()))
         for site in stale_adds:
             if site not in adds:
                 self._adds.setdefault(site, {})[row] = None
         for site in stale_clamps:
             if site not in clamps:
                 self._clamps.setdefault(site, {})[row] = []
+        for site in stale_tclamps:
+            if site not in tclamps:
+                self._tclamps.setdefault(site, {})[row] = []
         for site in adds.keys() - self.add_rows.keys():
             self.add_rows[site] = set()
             self.version += 1  # a new table
@@ -124,7 +146,21 @@ class RowTables:
         if not self._used_clamp.issuperset(clamps):
             self._used_clamp.update(clamps)
             self._plan = None
-        self._row_sites[row] = (list(adds), list(clamps))
+        self._write_tclamps(row, tclamps)
+        self._row_sites[row] = (list(adds), list(clamps), list(tclamps))
+
+    def _write_tclamps(self, row: int, tclamps: dict[Site, list[ClampSlot]]) -> None:
+        for site, slots in tclamps.items():
+            span = max(len(slot[4]) for slot in slots)
+            if len(slots) > self.tclamp_slots.get(site, 0) or span > self.tclamp_span.get(site, 0):
+                self.tclamp_slots[site] = max(len(slots), self.tclamp_slots.get(site, 0))
+                self.tclamp_span[site] = max(span, self.tclamp_span.get(site, 0))
+                self.version += 1  # the site's tables are reallocated wider
+            self._tclamps.setdefault(site, {})[row] = slots
+            self.tclamp_rows.setdefault(site, set()).add(row)
+        if not self._used_tclamp.issuperset(tclamps):
+            self._used_tclamp.update(tclamps)
+            self._tplan = None
 
     def clear(self, row: int) -> None:
         """``row`` is free: nothing is sent now (see the module docstring), its sites are noted."""
@@ -136,17 +172,20 @@ class RowTables:
             self.add_rows[site].discard(row)
         for site in sites[1]:
             self.clamp_rows[site].discard(row)
+        for site in sites[2]:
+            self.tclamp_rows[site].discard(row)
         self._stale[row] = sites
         if not self._row_sites:
             self._used_add.clear()
             self._used_clamp.clear()
-            self._plan = None
+            self._used_tclamp.clear()
+            self._plan = self._tplan = None
 
     def take_update(self) -> SteeringUpdate | None:
         """Everything changed since the last call (None when nothing did), packed in one buffer with
         one numpy op per part (row indices, vector indices, params, vectors) rather than one per
         site; each vector array once (``write`` keeps one per tensor of a row, whatever its layers)."""
-        if not self._adds and not self._clamps and self.capacity == self._sent_capacity:
+        if not self._adds and not self._clamps and not self._tclamps and self.capacity == self._sent_capacity:
             return None
         hidden = self.hidden_size
         zeros = np.zeros(hidden, dtype=np.float32)
@@ -160,6 +199,12 @@ class RowTables:
             writes.append(TableWrite("clamp", *site, len(row_ids), len(rows), len(pieces), len(params), slots, split))
             row_ids += rows
             _pack_clamps(list(rows.values()), slots, split, pieces, params, zeros)
+        for site, rows in self._tclamps.items():
+            slots, span = self.tclamp_slots[site], self.tclamp_span[site]
+            writes.append(TableWrite("tclamp", *site, len(row_ids), len(rows), len(pieces), len(params), slots,
+                                     True, span))
+            row_ids += rows
+            _pack_tclamps(list(rows.values()), slots, span, pieces, params, zeros)
         distinct: dict[int, int] = {}  # id of an array -> its index among the vectors sent
         piece_ids = [distinct.setdefault(id(piece), len(distinct)) for piece in pieces]
         vectors = list({id(piece): piece for piece in pieces}.values())  # first seen first, as numbered
@@ -171,7 +216,7 @@ class RowTables:
         data[params_at:params_at + num_params] = params
         if vectors:
             np.stack(vectors, out=data[params_at + num_params:].reshape(len(vectors), hidden))
-        self._adds, self._clamps = {}, {}
+        self._adds, self._clamps, self._tclamps = {}, {}, {}
         self._sent_capacity = self.capacity
         return SteeringUpdate(self.capacity, hidden, data, writes, num_rows, num_pieces, num_params)
 
@@ -189,3 +234,18 @@ def _pack_clamps(rows: list[list[ClampSlot]], width: int, split: bool, pieces: l
         pieces += [zeros if s is None else s[0] if s[4] is None else s[4] for s in slots]
         for s in slots:
             params += NO_GATE if s is None else s[5:7]
+
+
+def _pack_tclamps(rows: list[list[ClampSlot]], width: int, span: int, pieces: list[np.ndarray],
+                  params: list[float], zeros: np.ndarray) -> None:
+    """As ``_pack_clamps`` with write directions and gates, each slot's writes as ``span`` vectors
+    (one per output layer from the source on; zeros past the slot's own span)."""
+    slots = [row[k] if k < len(row) else None for row in rows for k in range(width)]
+    pieces += [zeros if s is None else s[0] for s in slots]
+    for s in slots:
+        params += NO_CLAMP if s is None else s[1:4]
+    for s in slots:
+        written = () if s is None else list(s[4])
+        pieces += written + [zeros] * (span - len(written))
+    for s in slots:
+        params += NO_GATE if s is None else s[5:7]

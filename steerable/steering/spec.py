@@ -15,9 +15,10 @@ import torch
 
 from steerable.checks import finite_number, is_int
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import POST_MLP, check_residual_point
+from steerable.hook_points import MLP_OUT, POST_MLP, check_hook_point
 from steerable.sae.features import Feature, FeatureClamp
 from steerable.sae.registry import SaeRegistry
+from steerable.sae.transcoder import Transcoder
 from steerable.selection import SelectSpec
 
 PREFILL = SelectSpec(prompt="all")
@@ -107,9 +108,11 @@ class Intervention:
     A clamp reads ``p = h·vector + bias``, gated to ``a = p if p > threshold else 0``, and writes
     ``h += strength * (clip(a, lo, hi) - a) * write``. A projection clamp has ``write = None`` (it
     writes along ``vector``), bias 0 and threshold -inf (``a = p``); a feature clamp reads the
-    encoder column and writes the decoder row."""
+    encoder column and writes the decoder row. A transcoder feature clamp (``"tclamp"``) reads the
+    same way at its site (the transcoder's input at its source layer) and writes ``write[t]`` [span,
+    H] at ``mlp_out`` of layer ``layer + t``: the read and the writes are at different points."""
 
-    kind: str  # "add" | "clamp"
+    kind: str  # "add" | "clamp" | "tclamp"
     point: str
     layer: int
     vector: torch.Tensor  # add: the vector to add; clamp: the direction read (a projection clamp's unit direction)
@@ -247,7 +250,7 @@ class SpecParser:
             if not isinstance(feature, (Feature, FeatureClamp)):
                 raise InvalidRequestError(f"{where}.features[{i}]: expected a Feature or FeatureClamp, got "
                                           f"{type(feature).__name__}")
-            items.append(self._feature(feature, f"{where}.features[{i}]", seen))
+            items += self._feature(feature, f"{where}.features[{i}]", seen)
         return [item.scaled(scale, f"{where}.scale") for item in items] if scale != 1.0 else items
 
     def _parse_vectors(self, vectors: Any, select: SelectSpec | None, where: str, seen: Seen) -> list[Intervention]:
@@ -283,16 +286,19 @@ class SpecParser:
         items = []
         for i, item in enumerate(given):
             repeated = self._repeated(item, seen)
-            items.append(repeated if repeated is not None else self._parse_item(item, f"{where}[{i}]", seen))
+            if repeated is not None:
+                items.append(repeated)
+            elif isinstance(item, (Feature, FeatureClamp)):
+                items += self._feature(item, f"{where}[{i}]", seen)
+            else:
+                items.append(self._parse_item(item, f"{where}[{i}]", seen))
         return items
 
-    def _parse_item(self, item: Add | Clamp | Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
-        if isinstance(item, (Feature, FeatureClamp)):
-            return self._feature(item, where, seen)
+    def _parse_item(self, item: Add | Clamp, where: str, seen: Seen) -> Intervention:
         key = _item_key(item, seen)
         known = seen.items.get(key)
         if known is None:
-            check_residual_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
+            check_hook_point(item.hook, f"{where}.hook")  # before the layer, as for any other item
             layer = self._layer(item.layer, where)
             known = seen.items[key] = item, self._check_item(item, layer, where, seen)
             return known[1]
@@ -331,7 +337,7 @@ class SpecParser:
         strength = _strength(item.strength, where)
         return Intervention("clamp", item.hook, layer, *unit, select, lo, hi, strength)
 
-    def _feature(self, item: Feature | FeatureClamp, where: str, seen: Seen) -> Intervention:
+    def _feature(self, item: Feature | FeatureClamp, where: str, seen: Seen) -> list[Intervention]:
         """A feature item resolved against the registry: its SAE's point, decoder row and (for a
         clamp) how the SAE reads the feature. Its identity is the SAE's content hash and the index
         (plus scale, or value and strength), never the name the SAE is registered under."""
@@ -340,6 +346,8 @@ class SpecParser:
         sae = self.saes.get(item.sae, f"{where}.sae")
         if not is_int(item.index) or not 0 <= item.index < sae.d_sae:
             raise InvalidRequestError(f"{where}.index: {item.index!r} is not a feature index in [0, {sae.d_sae})")
+        if isinstance(sae, Transcoder):
+            return self._transcoder_feature(item, sae, where, seen)
         layer, select = self._site(sae.hook, sae.layer, item.select, where, seen)
         index = item.index
         head = sae.content_hash + f"|{index}|".encode()
@@ -347,13 +355,35 @@ class SpecParser:
             scale = finite_number(item.scale, f"{where}.scale")
             vector = sae.decoder_row(index) * scale
             vector_hash = _hash(b"feature-add|" + head + repr(scale).encode()) if vector.any() else _ZERO_HASH
-            return Intervention("add", sae.hook, layer, vector, vector_hash, select, feature=(item.sae, index))
+            return [Intervention("add", sae.hook, layer, vector, vector_hash, select, feature=(item.sae, index))]
         value = finite_number(item.value, f"{where}.value")
         strength = _strength(item.strength, where)
         read, bias, threshold = sae.feature_read(index)
-        return Intervention("clamp", sae.hook, layer, read, _hash(b"feature-clamp|" + head), select, value, value,
-                            strength, write=sae.decoder_row(index), bias=bias, threshold=threshold,
-                            feature=(item.sae, index))
+        return [Intervention("clamp", sae.hook, layer, read, _hash(b"feature-clamp|" + head), select, value, value,
+                             strength, write=sae.decoder_row(index), bias=bias, threshold=threshold,
+                             feature=(item.sae, index))]
+
+    def _transcoder_feature(self, item: Feature | FeatureClamp, transcoder: Transcoder, where: str,
+                            seen: Seen) -> list[Intervention]:
+        """A transcoder's feature: an add of its (scaled) decoder row at ``mlp_out`` of each layer it
+        decodes to; a clamp reads it where the transcoder reads (its source layer) and writes along
+        those rows (``"tclamp"``)."""
+        select = self._select(MLP_OUT, item.select, where, seen)
+        index = item.index
+        head = transcoder.content_hash + f"|{index}|".encode()
+        rows = transcoder.decoder_rows(index)
+        if isinstance(item, Feature):
+            scale = finite_number(item.scale, f"{where}.scale")
+            vector_hash = _hash(b"feature-add|" + head + repr(scale).encode())
+            return [Intervention("add", MLP_OUT, layer, row * scale, vector_hash, select, feature=(item.sae, index))
+                    for layer, row in rows if scale != 0.0 and row.any()]
+        value = finite_number(item.value, f"{where}.value")
+        strength = _strength(item.strength, where)
+        read, bias, threshold = transcoder.feature_read(index)
+        source, _ = transcoder.locate(index)
+        return [Intervention("tclamp", transcoder.hook, source, read, _hash(b"feature-clamp|" + head), select, value,
+                             value, strength, write=torch.stack([row for _, row in rows]), bias=bias,
+                             threshold=threshold, feature=(item.sae, index))]
 
     def _add(self, hook: str, layer: Any, vector: Any, select: Any, where: str, seen: Seen) -> Intervention:
         """The unscaled ``Add``: the dict shorthand comes here directly, without building one."""
@@ -368,7 +398,7 @@ class SpecParser:
 
     def _select(self, hook: str, select: Any, where: str, seen: Seen) -> SelectSpec | None:
         """Checks the hook and parses the selection (equal ones become one object)."""
-        check_residual_point(hook, f"{where}.hook")
+        check_hook_point(hook, f"{where}.hook")
         if select is None:
             return None
         try:

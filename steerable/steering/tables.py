@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from steerable.hook_points import SiteWrite
+from steerable.hook_points import MLP_OUT, SiteWrite
 from steerable.layers import fused
 from steerable.steering.ops import add_rows, clamp_rows
 from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite, to_device
@@ -34,6 +34,12 @@ class SteeringTables:
         # direction) and the read's gate, float32 [capacity, slots, 2]: bias, threshold.
         self.clamp_write: dict[Site, torch.Tensor] = {}  # [capacity, slots, H]
         self.clamp_gate: dict[Site, torch.Tensor] = {}
+        # Transcoder clamps, by the site where they read: read directions, bounds and gates as a
+        # feature clamp's, and the directions written at mlp_out of each layer from the source on.
+        self.tclamp_dir: dict[Site, torch.Tensor] = {}  # [capacity, slots, H]
+        self.tclamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 3]
+        self.tclamp_gate: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 2]
+        self.tclamp_write: dict[Site, torch.Tensor] = {}  # [capacity, slots, span, H]
 
     # ------------------------------------------------------------ updates from the driver
 
@@ -55,6 +61,8 @@ class SteeringTables:
                     table = self.add[write.site] = torch.zeros(self.capacity, self.hidden_size, dtype=self.dtype,
                                                                device=self.device)
                 table.index_copy_(0, index, vectors[write.vector_span()])
+            elif write.table == "tclamp":
+                self._write_tclamps(write, index, vectors, params)
             else:
                 self._write_clamps(write, index, vectors, params)
 
@@ -75,11 +83,37 @@ class SteeringTables:
                 n, slots, self.hidden_size))
             self.clamp_gate[site].index_copy_(0, index, params[write.gate_span].view(n, slots, 2))
 
+    def _write_tclamps(self, write: TableWrite, index: torch.Tensor, vectors: torch.Tensor,
+                       params: torch.Tensor) -> None:
+        """A transcoder clamp site's tables (reallocated, when the driver says they are wider, at the
+        new slot count and span: every row is rewritten then, since the version changed)."""
+        site, n, slots, span, hidden = write.site, write.n, write.slots, write.span, self.hidden_size
+        have = self.tclamp_write.get(site)
+        if have is None or have.shape[1] < slots or have.shape[2] < span:
+            old = (self.tclamp_dir.get(site), self.tclamp_bounds.get(site), self.tclamp_gate.get(site), have)
+            self.tclamp_dir[site] = torch.zeros(self.capacity, slots, hidden, dtype=self.dtype, device=self.device)
+            self.tclamp_bounds[site] = torch.tensor(NO_CLAMP, device=self.device).repeat(self.capacity, slots, 1)
+            self.tclamp_gate[site] = torch.tensor(NO_GATE, device=self.device).repeat(self.capacity, slots, 1)
+            self.tclamp_write[site] = torch.zeros(self.capacity, slots, span, hidden, dtype=self.dtype,
+                                                  device=self.device)
+            if have is not None:  # rows written earlier keep their contents
+                k, t = have.shape[1], have.shape[2]
+                self.tclamp_dir[site][:, :k] = old[0]
+                self.tclamp_bounds[site][:, :k] = old[1]
+                self.tclamp_gate[site][:, :k] = old[2]
+                self.tclamp_write[site][:, :k, :t] = have
+        self.tclamp_dir[site][index, :write.slots] = vectors[write.vector_span()].view(n, write.slots, hidden)
+        self.tclamp_bounds[site][index, :write.slots] = params[write.bound_span].view(n, write.slots, 3)
+        self.tclamp_gate[site][index, :write.slots] = params[write.gate_span].view(n, write.slots, 2)
+        self.tclamp_write[site][index, :write.slots, :write.span] = vectors[write.vector_span(written=True)].view(
+            n, write.slots, write.span, hidden)
+
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
         for tables, fill in ((self.add, 0.0), (self.clamp_dir, 0.0), (self.clamp_bounds, NO_CLAMP),
-                             (self.clamp_write, 0.0), (self.clamp_gate, NO_GATE)):
+                             (self.clamp_write, 0.0), (self.clamp_gate, NO_GATE), (self.tclamp_dir, 0.0),
+                             (self.tclamp_bounds, NO_CLAMP), (self.tclamp_gate, NO_GATE), (self.tclamp_write, 0.0)):
             for site, old in tables.items():
                 tables[site] = _grown(old, capacity, fill)
         self.capacity = capacity
@@ -117,16 +151,44 @@ def _grown(old: torch.Tensor, capacity: int, fill: float | tuple[float, ...]) ->
 
 class StepSteering:
     """What the hook points ask of steering in one step: does anything act at a site, its writes as
-    table lookups (what the fused norm applies), and apply them on their own."""
+    table lookups (what the fused norm applies), and apply them on their own.
+
+    A transcoder clamp reads at one site (``reads_at``/``read``: each row's coefficient ``strength *
+    (clip(a, lo, hi) - a)`` per slot, kept for the step) and writes at ``mlp_out`` of its source layer
+    and of each later layer it decodes to (``coefficient * write``, before that site's own writes)."""
 
     def __init__(self, tables: SteeringTables, plan: SteeringPlan, index: torch.Tensor):
         self.tables = tables
         self.add_sites = plan.add_sites
         self.clamp_sites = plan.clamp_sites
         self.index = index  # int64 [T_padded] on the device
+        self.read_sites = plan.tclamp_sites
+        self._sources: dict[int, list[Site]] = {}  # output layer -> the read sites whose clamps write there
+        for site in plan.tclamp_sites:
+            if site in tables.tclamp_write:  # another pipeline stage's layers are not this worker's
+                for t in range(tables.tclamp_write[site].shape[2]):
+                    self._sources.setdefault(site[1] + t, []).append(site)
+        self._coefficients: dict[Site, torch.Tensor] = {}  # read site -> float32 [T, slots]
 
     def acts_at(self, site: Site) -> bool:
-        return site in self.add_sites or site in self.clamp_sites
+        return (site in self.add_sites or site in self.clamp_sites
+                or (site[0] == MLP_OUT and site[1] in self._sources))
+
+    def reads_at(self, site: Site) -> bool:
+        """Whether transcoder clamps read their feature at ``site`` (after the site's writes)."""
+        return site in self.read_sites
+
+    def read(self, site: Site, hidden: torch.Tensor) -> None:
+        """Each row's coefficients of the transcoder clamps reading at ``site``: ``a = p if p >
+        threshold else 0`` for ``p = h·e + bias``, then ``strength * (clip(a, lo, hi) - a)``."""
+        tables, index = self.tables, self.index[:hidden.shape[0]]
+        e = tables.tclamp_dir[site].index_select(0, index).float()  # [T, slots, H]
+        bounds = tables.tclamp_bounds[site].index_select(0, index)
+        gate = tables.tclamp_gate[site].index_select(0, index)
+        p = torch.bmm(e, hidden.float().unsqueeze(-1)).squeeze(-1) + gate[..., 0]
+        p = torch.where(p > gate[..., 1], p, torch.zeros_like(p))
+        target = torch.minimum(torch.maximum(p, bounds[..., 0]), bounds[..., 1])
+        self._coefficients[site] = bounds[..., 2] * (target - p)
 
     def site_write(self, site: Site) -> SiteWrite:
         tables = self.tables
@@ -137,8 +199,13 @@ class StepSteering:
                          tables.clamp_gate.get(site) if clamped else None)
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
-        """The writes at ``site`` alone: one kernel on the fused path (the same arithmetic the fused
-        norm does), else the PyTorch ops."""
+        """The writes at ``site`` alone: transcoder clamps' writes first (at ``mlp_out``), then the
+        site's adds and clamps, in one kernel on the fused path (the same arithmetic the fused norm
+        does), else the PyTorch ops."""
+        if site[0] == MLP_OUT and site[1] in self._sources:
+            hidden = self._transcoder_writes(site[1], hidden)
+            if site not in self.add_sites and site not in self.clamp_sites:
+                return hidden
         write = self.site_write(site)
         if fused.enabled(hidden):
             return fused.steer(hidden, write)
@@ -149,3 +216,13 @@ class StepSteering:
             hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], self.index,
                                 write.clamp_write, write.clamp_gate)
         return hidden
+
+    def _transcoder_writes(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``h += sum_k c_k * write_k`` (float32) for the transcoder clamps that write at ``mlp_out`` of
+        ``layer``, with the coefficients their reads left. A row without one adds exact zeros."""
+        index = self.index[:hidden.shape[0]]
+        out = hidden.float()
+        for site in self._sources[layer]:
+            write = self.tables.tclamp_write[site][:, :, layer - site[1]].index_select(0, index).float()
+            out = out + torch.bmm(self._coefficients[site].unsqueeze(1), write).squeeze(1)
+        return out.to(hidden.dtype)
