@@ -10,6 +10,8 @@ server (tests/parallel_harness.py), so the module stays short on two cores.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import PROMPTS, hf_greedy, hf_model
@@ -276,6 +278,62 @@ def test_feature_steering_and_capture_match_one_rank(parallel, single):
         _assert_features_equal(stream["t"].select(torch.tensor(mine)), ref_stream["t"].select(torch.tensor(theirs)),
                                metas["t"].select(torch.tensor(mine)), ref_metas["t"].select(torch.tensor(theirs)))
     assert (ref_stream["t"].indices >= 0).any()  # features fire: a no-op would not pass
+
+
+def _transcoder_run(llm: LLM, num_layers: int, crosses: bool):
+    """A set of per-layer transcoders (capture, error node, feature clamps), a cross-layer one
+    (feature adds; clamps and the error node too unless its decoders cross a pipeline stage, which
+    is refused), in a batch with unsteered requests."""
+    from transcoder_helpers import random_transcoder
+
+    from steerable import Feature, FeatureClamp
+
+    transcoders = {"set": random_transcoder(layers=num_layers, layer=0, architecture="relu", seed=1),
+                   "clt": random_transcoder(layers=num_layers, layer=0, cross_layer=True, hook="post_attn", seed=2)}
+    for name, tc in transcoders.items():
+        llm.register_sae(name, tc)
+    try:
+        if llm.engine.config.pipeline_parallel_size > 1:  # the one-rank reference runs the same batch
+            for params, field in [(_greedy(steering_vectors=SteeringSpec(features=[FeatureClamp("clt", 1)])),
+                                   "steering_vectors.features[0].sae"),
+                                  (_greedy(capture=CaptureSpec(stream="transcoder_error", saes=["clt"])), "capture.saes")]:
+                with pytest.raises(ValueError, match=rf"^{re.escape(field)}: 'clt' decodes from one pipeline stage"):
+                    llm.generate(PROMPTS[0], params, use_tqdm=False)
+        errors = ["set"] + ([] if crosses else ["clt"])
+        capture = [CaptureSpec(stream="sae_features", saes=["set", "clt"], top_k=8, select="all"),
+                   CaptureSpec(stream="transcoder_error", saes=errors, select="all")]
+        params = []
+        for i in range(8):
+            features = [Feature("clt", i, scale=2.0), FeatureClamp("set", 48 * (i % num_layers) + i, value=3.0)]
+            if not crosses:
+                features.append(FeatureClamp("clt", i + 3, value=2.0))
+            params.append(_greedy(steering_vectors=SteeringSpec(features=features) if i % 3 else None,
+                                  capture=capture if i % 2 else None))
+        return llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(8)], params, use_tqdm=False)
+    finally:
+        for name in transcoders:
+            llm.unregister_sae(name)
+
+
+def test_transcoders_match_one_rank(parallel, single):
+    family, llm = parallel
+    if family not in ("qwen3", "qwen3_moe"):
+        pytest.skip("transcoders run on two families here, for CI time")
+    ref_llm = single[family]
+    num_layers = ref_llm.engine.model_config.num_layers
+    crosses = llm.engine.config.pipeline_parallel_size > 1
+    outs, refs = _transcoder_run(llm, num_layers, crosses), _transcoder_run(ref_llm, num_layers, crosses)
+    assert _same_outputs(outs, refs) <= LOGPROB_TOL
+    for out, ref in zip(outs, refs):  # features of order ten here: values to a relative 1e-5
+        assert out.captures.keys() == ref.captures.keys()
+        for name, features in ref.captures.get("sae_features", {}).items():
+            ours = out.capture_meta["sae_features"][name]
+            assert ours.positions.tolist() == ref.capture_meta["sae_features"][name].positions.tolist()
+            assert torch.equal(out.captures["sae_features"][name].indices, features.indices)
+            torch.testing.assert_close(out.captures["sae_features"][name].values, features.values, rtol=1e-5, atol=1e-5)
+        for name, error in ref.captures.get("transcoder_error", {}).items():
+            torch.testing.assert_close(out.captures["transcoder_error"][name], error, rtol=1e-5, atol=1e-4)
+    assert sum("transcoder_error" in ref.captures for ref in refs) == 4
 
 
 # ---------------------------------------------------------------- capture

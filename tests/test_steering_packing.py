@@ -127,3 +127,34 @@ def test_a_vector_given_at_every_layer_is_sent_once():
     for layer in range(LAYERS):
         assert torch.equal(tables.add[("post_mlp", layer)][1], vector)
         assert torch.equal(tables.clamp_dir[("post_mlp", layer)][1, 0], direction / direction.norm())
+
+
+def _transcoder_clamp(layer: int, read: torch.Tensor, writes: torch.Tensor, value: float) -> Intervention:
+    return Intervention("tclamp", "mlp_in", layer, read, _vector_hash(read), None, value, value, 1.0, write=writes,
+                        bias=0.5, threshold=0.0)
+
+
+def test_transcoder_clamps_pack_their_writes_per_output_layer():
+    """Rows with different slot counts and spans at one read site: the tables take the widest, and
+    each row's slots hold their read, bounds, gate and a write per output layer (zeros past its span)."""
+    ledger = RowTables(4, H)
+    tables = SteeringTables(H, torch.device("cpu"), torch.float64)
+    a, b, c = _vec(1), _vec(2), _vec(3)
+    wide, narrow = torch.stack([_vec(4), _vec(5), _vec(6)]), _vec(7)[None]
+    ledger.write(1, [_transcoder_clamp(0, a, wide, 2.0), _transcoder_clamp(0, b, narrow, 0.0)])
+    ledger.write(2, [_transcoder_clamp(0, c, narrow, 1.0)])
+    version = ledger.version
+    tables.apply(decode(encode(ledger.take_update())))
+    site = ("mlp_in", 0)
+    assert ledger.plan_tclamp_sites() == frozenset({site}) and tables.tclamp_write[site].shape[1:] == (2, 3, H)
+    assert torch.equal(tables.tclamp_dir[site][1], torch.stack([a, b]).double())
+    assert torch.equal(tables.tclamp_write[site][1, 0], wide.double())
+    assert torch.equal(tables.tclamp_write[site][1, 1], torch.cat([narrow, torch.zeros(2, H)]).double())
+    assert torch.equal(tables.tclamp_write[site][2, 1], torch.zeros(3, H).double())  # an unused slot
+    assert tables.tclamp_bounds[site][2].tolist() == [[1.0, 1.0, 1.0], list(NO_CLAMP)]
+    assert tables.tclamp_gate[site][1].tolist() == [[0.5, 0.0], [0.5, 0.0]]
+    assert tables.tclamp_gate[site][2, 1].tolist() == list(NO_GATE)
+    ledger.clear(2)
+    ledger.write(2, [_transcoder_clamp(0, a, narrow, 3.0)])  # a reused row: no new table, the same version
+    tables.apply(decode(encode(ledger.take_update())))
+    assert ledger.version == version and torch.equal(tables.tclamp_dir[site][2, 0], a.double())

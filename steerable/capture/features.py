@@ -66,8 +66,11 @@ def transcoder_decoders(transcoder: Transcoder, dtype: torch.dtype) -> Transcode
 class FeatureCapture:
     """SAEs known to the worker, feature streams, and the checks of a feature capture request."""
 
-    def __init__(self, dtype: torch.dtype, pin_memory: bool = False):
+    def __init__(self, dtype: torch.dtype, pin_memory: bool = False,
+                 pipeline_stages: Sequence[tuple[int, int]] | None = None):
+        """``pipeline_stages``: each pipeline stage's ``[start, end)`` layers (None: one stage)."""
         self.dtype = dtype
+        self.pipeline_stages = pipeline_stages
         self.pin_memory = pin_memory
         self.saes: dict[str, tuple[str, Any]] = {}  # name -> (worker key, SAE)
         self._registrations = 0
@@ -150,6 +153,9 @@ class FeatureCapture:
         for name, _, sae in resolved:
             if not isinstance(sae, Transcoder):
                 raise InvalidRequestError(f"{prefix}saes: {name!r} is an SAE; {TRANSCODER_ERROR} needs transcoders")
+            if sae.decodes_across(self.pipeline_stages):
+                raise InvalidRequestError(f"{prefix}saes: {name!r} decodes from one pipeline stage's layers into "
+                                          f"another's; its {TRANSCODER_ERROR} needs every layer it spans on one stage")
         for name, worker_key, sae in resolved:
             if name not in self._decoders_sent:
                 self._decoders_sent.add(name)

@@ -78,9 +78,10 @@ class CaptureSpec:
 
 class CaptureSession(CaptureStreams):
     def __init__(self, layout: HookLayout, dtype: torch.dtype, pin_memory: bool = False,
-                 host_block_lifetime: int | None = None):
-        """Streams as ``CaptureStreams`` takes them, and no request capturing yet."""
-        super().__init__(layout, dtype, pin_memory, host_block_lifetime)
+                 host_block_lifetime: int | None = None, pipeline_stages: Sequence[tuple[int, int]] | None = None):
+        """Streams as ``CaptureStreams`` takes them (``pipeline_stages``: each pipeline stage's
+        ``[start, end)`` layers, None: one stage), and no request capturing yet."""
+        super().__init__(layout, dtype, pin_memory, host_block_lifetime, pipeline_stages)
         self._copying_steps = 0  # steps planned with rows to record
         self.consumers: list[Any] = []
         self._token_readers = 0  # live requests whose own selection reads generated token ids

@@ -32,12 +32,13 @@ from steerable.selection import SelectSpec
 
 class CaptureStreams:
     def __init__(self, layout: HookLayout, dtype: torch.dtype, pin_memory: bool = False,
-                 host_block_lifetime: int | None = None):
+                 host_block_lifetime: int | None = None, pipeline_stages: Sequence[tuple[int, int]] | None = None):
         """``layout``: the components the model offers and where; ``dtype``: the model's, for rows
         stored without a dtype of their own; ``pin_memory``: streams keep rows in pinned host memory
         (a CUDA machine: resident pages, no first-touch faults while a step's rows are stored);
         ``host_block_lifetime``: how many later copying launches a step's host rows survive (the
-        worker's ``host_block_lifetime``; None: threaded sinks are fed on the engine's thread)."""
+        worker's ``host_block_lifetime``; None: threaded sinks are fed on the engine's thread);
+        ``pipeline_stages``: each pipeline stage's ``[start, end)`` layers (None: one stage)."""
         self.pin_memory = pin_memory
         self.host_block_lifetime = host_block_lifetime
         self.sink_thread: SinkThread | None = None  # while a threaded sink is running
@@ -48,7 +49,7 @@ class CaptureStreams:
         self.windows = {layer: info["sliding_window"] for layer, info in patterns.items()}
         self.num_heads = next(iter(patterns.values()))["num_heads"] if patterns else 0
         self.dtype = dtype
-        self.features = FeatureCapture(dtype, pin_memory)
+        self.features = FeatureCapture(dtype, pin_memory, pipeline_stages)
         self.streams: dict[str, Destination] = {}
         self.stopped: dict[str, StreamStore] = {}
         self._serial = 0  # bumps when a stream starts or stops: cached per-request plans go stale

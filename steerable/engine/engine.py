@@ -21,7 +21,7 @@ from steerable.capture.planner import Delivery
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
 from steerable.executor.executor import create_worker
-from steerable.distributed.placement import pipeline_micro_batches
+from steerable.distributed.placement import layer_partition, pipeline_micro_batches
 from steerable.engine.kv_cache import KVCacheManager
 from steerable.engine.lock import EngineLock
 from steerable.engine import prompt_logprobs
@@ -91,10 +91,11 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_groups.windows)
         cfg = self.model_config
-        self.saes = SaeRegistry(cfg.hidden_size, cfg.num_layers, self.dtype)
+        stages = layer_partition(cfg.num_layers, config.pipeline_parallel_size)
+        self.saes = SaeRegistry(cfg.hidden_size, cfg.num_layers, self.dtype, stages)
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs, self.saes)
         self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda",
-                                      host_block_lifetime=self.worker.host_block_lifetime)
+                                      host_block_lifetime=self.worker.host_block_lifetime, pipeline_stages=stages)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self.capture.cache_limit,
                                    micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))

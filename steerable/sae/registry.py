@@ -9,7 +9,7 @@ of a device copy would wait for the step in flight. Whether a name may go is dec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,10 +20,13 @@ from steerable.sae.transcoder import Transcoder
 
 
 class SaeRegistry:
-    def __init__(self, hidden_size: int, num_layers: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, num_layers: int, dtype: torch.dtype,
+                 pipeline_stages: Sequence[tuple[int, int]] | None = None):
+        """``pipeline_stages``: each pipeline stage's ``[start, end)`` layers (None: one stage)."""
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.dtype = dtype
+        self.pipeline_stages = pipeline_stages
         self._saes: dict[str, SAE] = {}
 
     def register(self, name: str, sae: SAE | Transcoder) -> SAE | Transcoder:
@@ -33,12 +36,12 @@ class SaeRegistry:
             raise InvalidRequestError(f"name: SAE names must be non-empty strings, got {name!r}")
         if name in self._saes:
             raise InvalidRequestError(f"name: an SAE named {name!r} is registered already; unregister it first")
-        if isinstance(sae, Transcoder):
-            self._check_transcoder(sae)
-        elif not isinstance(sae, SAE):
+        if not isinstance(sae, (SAE, Transcoder)):
             raise InvalidRequestError(f"sae: expected a steerable.SAE or steerable.Transcoder, got {type(sae).__name__}")
         if sae.d_in != self.hidden_size:
             raise InvalidRequestError(f"sae.d_in: {sae.d_in} does not match the model's hidden size {self.hidden_size}")
+        if isinstance(sae, Transcoder):
+            self._check_transcoder(sae)
         if sae.layer >= self.num_layers:
             raise InvalidRequestError(f"sae.layer: {sae.layer} is not a layer index in [0, {self.num_layers})")
         stored = sae.to("cpu", self.dtype)

@@ -199,6 +199,15 @@ class Transcoder:
         block = self.W_dec[layer - self.layer][feature]  # [span, d_out]
         return [(layer + t, block[t].to("cpu", torch.float32)) for t in range(block.shape[0])]
 
+    def decodes_across(self, stages: Sequence[tuple[int, int]] | None) -> bool:
+        """Whether a decoder reaches from a layer of one pipeline stage (``[start, end)`` ranges) into
+        another's: a clamp's read and writes, or an error node's terms, would then be on different ranks."""
+        if not stages or len(stages) == 1:
+            return False
+        stage_of = {layer: i for i, (start, end) in enumerate(stages) for layer in range(start, end)}
+        return any(stage_of.get(self.layer + s) != stage_of.get(self.layer + s + span - 1)
+                   for s, span in enumerate(self.spans))
+
     def feature_read(self, index: int) -> tuple[torch.Tensor, float, float]:
         """How a row reads feature ``index`` at its source layer: ``(e, bias, threshold)`` with ``a =
         p if p > threshold else 0`` for ``p = x·e + bias`` (``SAE.feature_read``'s convention)."""

@@ -219,9 +219,7 @@ def _set_files(path: Path, cfg: dict[str, Any], cfg_file: Path) -> dict[int, Pat
     files = {}
     for i, entry in enumerate(listed):
         name = entry.rsplit("/", 1)[-1]
-        candidates = [path / entry, path / name, path / f"layer_{i}.safetensors"]
-        if not entry.startswith("hf://"):
-            candidates.insert(0, Path(entry))
+        candidates = [path / name] if entry.startswith("hf://") else [path / entry, path / name]
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
             raise InvalidRequestError(f"{cfg_file}: transcoders[{i}] {entry!r} is not a local file (download the "

@@ -245,7 +245,7 @@ def _pack_tclamps(rows: list[list[ClampSlot]], width: int, span: int, pieces: li
     for s in slots:
         params += NO_CLAMP if s is None else s[1:4]
     for s in slots:
-        written = () if s is None else list(s[4])
+        written = [] if s is None else list(s[4])
         pieces += written + [zeros] * (span - len(written))
     for s in slots:
         params += NO_GATE if s is None else s[5:7]

@@ -377,6 +377,9 @@ class SpecParser:
             vector_hash = _hash(b"feature-add|" + head + repr(scale).encode())
             return [Intervention("add", MLP_OUT, layer, row * scale, vector_hash, select, feature=(item.sae, index))
                     for layer, row in rows if scale != 0.0 and row.any()]
+        if transcoder.decodes_across(self.saes.pipeline_stages):
+            raise InvalidRequestError(f"{where}.sae: {item.sae!r} decodes from one pipeline stage's layers into "
+                                      "another's; its feature clamps need every layer it spans on one stage")
         value = finite_number(item.value, f"{where}.value")
         strength = _strength(item.strength, where)
         read, bias, threshold = transcoder.feature_read(index)
