@@ -79,9 +79,9 @@ def readout_features(page, row: str) -> list[list[tuple[int, float]]]:
     return out
 
 
-def api_features(choice: dict) -> list[list[tuple[int, float]]]:
+def api_features(choice: dict, name: str = SAE_NAME) -> list[list[tuple[int, float]]]:
     tensors, _ = deserialize_captured(choice["captures"]["sae_features"])
-    feats = tensors[SAE_NAME]
+    feats = tensors[name]
     return [[(int(i), float(v)) for i, v in zip(idx, val) if i >= 0]
             for idx, val in zip(feats.indices.tolist(), feats.values.tolist())]
 
@@ -147,6 +147,49 @@ def test_feature_heatmap_hover_list_and_feature_steering_equal_the_api(page, htt
     bad = http.post("/v1/completions", headers=ADMIN, json={**base, "steering_vectors": {"features": [
         {"sae": SAE_NAME, "index": sae.d_sae, "scale": 15.0}]}})
     assert bad.status_code == 400 and page.text_content("#sae-error") == bad.json()["error"]["message"]
+
+
+def test_a_cross_layer_transcoder_shows_like_an_sae(page, http, sae, tmp_path):
+    """A cross-layer transcoder registered from circuit-tracer files: the page names what it is,
+    colours the heatmap by one of its layer-1 features (flat index) and lists each token's top
+    features over all its layers, as the API captures them; its feature steers the steered run."""
+    from transcoder_helpers import WIDTH, random_transcoder, write_circuit_tracer_clt
+
+    name = "pg-clt"
+    path = write_circuit_tracer_clt(random_transcoder(layers=3, layer=0, cross_layer=True, seed=41), str(tmp_path / "clt"))
+    assert http.post("/v1/saes", json={name: {"path": path}}, headers=ADMIN).status_code == 200
+    try:
+        base = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.7, "seed": 3,
+                "capture": [{"stream": "sae_features", "saes": [name], "top_k": TOP_K, "select": "all"}]}
+        plain = api_run(http, "/v1/completions", base)
+        counts = np.bincount([i for row in api_features(plain, name) for i, _ in row], minlength=3 * WIDTH)
+        shown = WIDTH + int(counts[WIDTH:2 * WIDTH].argmax())  # a layer-1 feature, often among the top
+        steer = {"steering_vectors": {"features": [{"sae": name, "index": 3, "scale": 10.0}]}}
+        steered = api_run(http, "/v1/completions", {**base, **steer})
+        assert steered["text"] != plain["text"]
+        enter_key(page, USER_KEY)
+        page.select_option("#sae", name)
+        expect(page.locator("#sae-info")).to_have_text(
+            f"Cross-layer transcoder: reads layers 0-2, post_attn; writes mlp_out: {3 * WIDTH} features (jumprelu), "
+            f"{WIDTH} a layer (feature i reads layer 0 + floor(i / {WIDTH})).")
+        page.select_option("#module", "")
+        fill_run(page, PROMPT, 8, 0.7, 3)
+        page.fill("#sae-top-k", str(TOP_K))
+        page.fill("#steer-feature", "3")
+        page.check("input[name=heat-by][value=feature]")
+        page.fill("#heat-feature", str(shown))
+        press_run(page)
+        assert page.text_content("#pane-base") == plain["text"] and page.text_content("#pane-steered") == steered["text"]
+        assert f"Transcoder {name}, feature {shown} (layer 1, post_attn)" in page.text_content("#heat-legend")
+        expected = api_features(plain, name)
+        check_features(page, "base", expected)
+        hits = [[v for i, v in top if i == shown] for top in expected]
+        assert sum(bool(hit) for hit in hits) >= 2
+        for cell, hit in zip(cell_values(page, "base"), hits):
+            if hit:
+                assert float(cell) == pytest.approx(hit[0], abs=1e-3)
+    finally:
+        assert http.delete(f"/v1/saes/{name}", headers=ADMIN).status_code == 200
 
 
 def test_module_and_feature_steer_together_and_the_projection_map_lists_features(page, http, sae):

@@ -18,6 +18,7 @@ import uuid
 import httpx
 import openai
 import pytest
+import torch
 from conftest import PROMPTS
 from server_harness import ADMIN, SERVED_NAME, USER, USER_KEY, assert_nothing_held, serve_test_model, wait_idle
 from test_sae_registry import random_sae, save_saelens
@@ -277,3 +278,65 @@ def test_an_sae_of_another_width_fails_at_start_naming_it(model_dirs, files, cap
     err = capsys.readouterr().err
     assert "error: --sae narrow: sae.d_in: 32 does not match the model's hidden size 64" in err, err
     assert len(started) == 1 and not started[0]._thread.is_alive()  # and it was shut down
+
+
+def test_transcoders_over_http(api, client, ref, tmp_path):
+    """``POST /v1/saes`` loads circuit-tracer transcoders (a set, one layer of it, a cross-layer one);
+    a request steering with their features and capturing their features and error nodes decodes to
+    the offline engine's, bit for bit; bad transcoder input is a 400 naming it."""
+    from transcoder_helpers import random_transcoder, write_circuit_tracer_clt, write_circuit_tracer_set
+
+    from steerable import Transcoder
+
+    paths = {"set": write_circuit_tracer_set(random_transcoder(layers=3, layer=0, architecture="relu", seed=21),
+                                             str(tmp_path / "set")),
+             "clt": write_circuit_tracer_clt(random_transcoder(layers=3, layer=0, cross_layer=True, seed=22),
+                                             str(tmp_path / "clt"))}
+    body = {"set": {"path": paths["set"]}, "clt": {"path": paths["clt"]}, "one": {"path": paths["set"], "layer": 1}}
+    r = api.post("/v1/saes", headers=ADMIN, json=body)
+    assert r.status_code == 200, r.text
+    for name, entry in body.items():
+        ref.register_sae(name, Transcoder.load(entry["path"], entry.get("layer")))
+    try:
+        kinds = {name: info.get("kind") for name, info in r.json()["saes"].items()}
+        assert kinds == {"res1": None, "pre2": None, "set": "transcoder_set", "clt": "cross_layer_transcoder",
+                         "one": "transcoder"}
+        steering = {"features": [{"sae": "clt", "index": 5, "scale": 2.0},
+                                 {"sae": "set", "index": 60, "value": 3.0, "clamp": True}]}
+        capture = [{"stream": "sae_features", "saes": ["clt", "set"], "top_k": TOP_K, "select": "all"},
+                   {"stream": "transcoder_error", "saes": ["clt", "one"], "select": "all"}]
+        cache_salt = salt()
+        choice = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                           extra_body={"capture": capture, "steering_vectors": steering,
+                                                       "cache_salt": cache_salt}).choices[0]
+        specs = [CaptureSpec(stream="sae_features", saes=["clt", "set"], top_k=TOP_K, select="all"),
+                 CaptureSpec(stream="transcoder_error", saes=["clt", "one"], select="all")]
+        out = ref.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, cache_salt=cache_salt, capture=specs,
+                                                      steering_vectors=steering_from_json(steering)),
+                           use_tqdm=False)[0]
+        for component in ("sae_features", "transcoder_error"):
+            tensors, metas = deserialize_captured(json.loads(json.dumps(choice.captures[component])))
+            assert set(tensors) == set(out.captures[component])
+            for name, rows in tensors.items():
+                offline = out.captures[component][name]
+                assert rows == offline if component == "sae_features" else torch.equal(rows, offline)
+                assert metas[name].positions.tolist() == out.capture_meta[component][name].positions.tolist()
+        assert out.captures["transcoder_error"]["clt"].shape[1:] == (3, 64)
+        assert out.captures["transcoder_error"]["one"].shape[1:] == (64,)
+        four = write_circuit_tracer_set(random_transcoder(layers=4, layer=0, seed=23), str(tmp_path / "four"))
+        for entry, says in [({"path": paths["set"], "hook": "mlp_in"}, "holds a transcoder"),
+                            ({"path": paths["set"], "layer": 7}, "has no transcoder for layer 7"),
+                            ({"path": four}, "transcoder.layers: [0, 1, 2, 3] reach layer 3")]:
+            r = api.post("/v1/saes", headers=ADMIN, json={"x": entry})
+            assert r.status_code == 400 and "saes['x']" in r.json()["error"]["message"], r.text
+            assert says in r.json()["error"]["message"], r.text
+        r = api.post("/v1/completions", headers=USER, json={
+            "model": SERVED_NAME, "prompt": "Hello", "max_tokens": 2,
+            "capture": {"stream": "transcoder_error", "saes": ["res1"]}})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("capture.saes"), r.text
+        assert_nothing_held(api)
+    finally:
+        for name in body:
+            api.delete(f"/v1/saes/{name}", headers=ADMIN)
+            ref.unregister_sae(name)
+    assert listed(api) == AT_START

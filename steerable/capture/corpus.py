@@ -40,9 +40,10 @@ from tqdm.auto import tqdm
 from steerable.capture.features import SAE_FEATURES
 from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import ShardFile
+from steerable.capture.sparse import SparseFeatures
 from steerable.capture.store import StreamRows, resolve_storage_dtype
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS
+from steerable.hook_points import HIDDEN_STATES, POST_MLP, check_hook_point
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
@@ -73,7 +74,7 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
     cfg = engine.model_config
     if sae is not None:
         (_, _, found), = engine.capture.features.resolve([sae], top_k, "")
-        layers, hook, dtype = [found.layer], found.hook, None
+        layers, hook, dtype = list(getattr(found, "layers", [found.layer])), found.hook, None
     settings = _settings(texts, cfg.num_layers, layers, hook, select, dtype, shard_size, batch_size,
                          model or engine.config.model)
     if sae is not None:
@@ -109,8 +110,7 @@ def _settings(texts: Sequence[Any], num_layers: int, layers: Sequence[int] | Non
     bad = [layer for layer in layer_list if not isinstance(layer, int) or not 0 <= layer < num_layers]
     if bad or not layer_list:
         raise InvalidRequestError(f"layers: {bad or 'none'} not layer indices in [0, {num_layers})")
-    if hook not in RESIDUAL_POINTS:
-        raise InvalidRequestError(f"hook: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
+    check_hook_point(hook, "hook")
     resolve_storage_dtype(dtype, "dtype")
     for name, value in (("shard_size", shard_size), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -257,7 +257,8 @@ class _CorpusRun:
 
 class _SplitFeatures:
     """A sink that hands the router a step's feature rows ``[1, rows, 2 * top_k]`` as the two
-    tensors of a shard, ``[indices bits, values]`` (``[2, rows, top_k]``, a view)."""
+    tensors of a shard, ``[indices bits, values]`` (``[2, rows, top_k]``, a view). A transcoder of
+    several layers stages ``[layers, rows, 2 * top_k]``: each row's highest over all of them."""
 
     threaded = True
 
@@ -266,6 +267,9 @@ class _SplitFeatures:
 
     def append(self, rows: StreamRows) -> None:
         block = rows.block[0]
+        if rows.block.shape[0] > 1:
+            merged = SparseFeatures.unpack_layers(rows.block)
+            block = torch.cat([merged.indices.view(torch.float32), merged.values], dim=1)
         split = block.view(block.shape[0], 2, block.shape[1] // 2).permute(1, 0, 2)
         self.router.append(StreamRows(split, rows.where, rows.request_ids, rows.counts, rows.positions,
                                       rows.token_ids))

@@ -21,7 +21,9 @@ Attention patterns (``AttentionPatterns``) are ragged: ``"shape": [rows, heads]`
 rows' ``[heads, key_len]`` values one after another, and a ``"ragged"`` entry with the kept
 ``heads`` and the int32 ``key_starts`` / ``key_lens`` columns (base64 in JSON too).
 SAE features are keyed by SAE name instead of layer and travel as ``SparseFeatures``
-(``steerable.capture.sparse``: ``"encoding": "sparse"``) with the same labels.
+(``steerable.capture.sparse``: ``"encoding": "sparse"``) with the same labels. A transcoder's error
+node is keyed by its name too: a raw payload with ``"sae": name`` whose shape is ``[rows, width]``,
+or ``[rows, layers, width]`` for a transcoder of several layers.
 """
 
 from __future__ import annotations
@@ -206,6 +208,9 @@ def serialize_captured(tensors: Mapping[Any, torch.Tensor | SparseFeatures], met
             wire["data"] = _raw_bytes(torch.cat([r.reshape(-1) for r in ragged.rows])) if len(ragged) else b""
             wire["ragged"] = {"heads": list(ragged.heads), "key_starts": _i32_bytes(ragged.key_starts),
                               "key_lens": _i32_bytes(ragged.key_lens)}
+        elif isinstance(layer, str) and not layer.isdecimal():  # a dictionary's dense rows (transcoder_error)
+            wire = serialize_capture_layer(tensor.reshape(tensor.shape[0], -1), labels, table, layout)
+            wire["shape"], wire["sae"] = [int(s) for s in tensor.shape], layer
         else:
             wire = serialize_capture_layer(tensor, labels, table, layout)
         if text:
@@ -253,6 +258,11 @@ def _is_sparse(info: Any) -> bool:
     return isinstance(info, Mapping) and info.get("encoding") == SPARSE_ENCODING
 
 
+def _is_named(info: Any) -> bool:
+    """A dense payload keyed by a dictionary's name (its ``"sae"``), not by a layer."""
+    return isinstance(info, Mapping) and isinstance(info.get("sae"), str) and bool(info["sae"])
+
+
 def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
                          ) -> tuple[dict[Any, torch.Tensor | SparseFeatures], dict[Any, CaptureMeta]]:
     """Rebuild per-layer tensors (bit-exact) and their row labels, keyed by int layer id; SAE
@@ -262,7 +272,7 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
     """
     tensors: dict[Any, torch.Tensor | SparseFeatures] = {}
     metas: dict[Any, CaptureMeta] = {}
-    items = [(str(k) if _is_sparse(v) else _layer_key(k), v) for k, v in serialized.items()]
+    items = [(str(k) if _is_sparse(v) or _is_named(v) else _layer_key(k), v) for k, v in serialized.items()]
     for layer, info in sorted(items, key=lambda kv: (isinstance(kv[0], str), kv[0])):
         if layer in tensors:
             raise InvalidRequestError(f"capture layer {layer} appears twice")
@@ -279,10 +289,11 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
         if dtype is None:
             raise InvalidRequestError(f"unknown capture wire dtype {info.get('dtype')!r} for layer {layer}")
         shape = info.get("shape")
-        if (not isinstance(shape, (list, tuple)) or len(shape) != 2
+        named = _is_named(info) and isinstance(shape, (list, tuple)) and len(shape) == 3  # [rows, layers, width]
+        if (not isinstance(shape, (list, tuple)) or len(shape) != 2 + named
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
             raise InvalidRequestError(f"capture layer {layer} has invalid shape {shape!r}; expected [rows, width]")
-        rows, width = shape
+        rows, width = shape[0], int(np.prod(shape[1:]))
         data = _as_bytes(info.get("data"), f"capture layer {layer} data")
         raw = _RAW[dtype]
         ragged = _ragged(info.get("ragged"), layer, rows, width) if "ragged" in info else None
@@ -296,7 +307,7 @@ def deserialize_captured(serialized: Mapping[Any, Mapping[str, Any]]
         if dtype == torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)
         if ragged is None:
-            tensor = tensor.reshape(rows, width)
+            tensor = tensor.reshape(*shape)
         else:
             heads, starts, lens = ragged
             pieces = torch.split(tensor, (lens.astype(np.int64) * width).tolist()) if rows else []

@@ -27,7 +27,8 @@ import torch
 
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import MLP_IN, POST_ATTN
-from steerable.sae.files import SAELENS_WEIGHTS, _pickle_refused, _read_json, _read_safetensors, _require
+from steerable.sae.files import SAELENS_WEIGHTS, _pickle_refused, _read_json, _read_safetensors, _require, load_sae
+from steerable.sae.model import SAE
 from steerable.sae.transcoder import Transcoder
 
 GEMMA_SCOPE_2_PARAMS = "params.safetensors"
@@ -64,6 +65,17 @@ def looks_like_transcoder(path: str | Path) -> bool:
         except InvalidRequestError:
             return False
     return False
+
+
+def load_dictionary(path: str | Path, layer: int | None = None, hook: str | None = None) -> SAE | Transcoder:
+    """An SAE or a transcoder, whichever the files at ``path`` hold (what a server or the command
+    line registers by path). A transcoder reads where its files say: it takes no ``hook``."""
+    if looks_like_transcoder(path):
+        if hook is not None:
+            raise InvalidRequestError(f"hook: {str(path)!r} holds a transcoder, which reads where its files say; "
+                                      "give no hook")
+        return load_transcoder(path, layer)
+    return load_sae(path, layer, hook)
 
 
 def load_transcoder(path: str | Path, layer: int | None = None) -> Transcoder:

@@ -15,7 +15,7 @@ from steerable.entrypoints.cli.common import (
     run_checked,
     sae_file,
 )
-from steerable.hook_points import POST_MLP, RESIDUAL_POINTS
+from steerable.hook_points import HOOK_POINTS, POST_MLP
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,15 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--input", required=True, help="JSON-lines file, one object per text")
     parser.add_argument("--field", default="text", help="the key holding the text (default: text)")
     parser.add_argument("--layers", type=layer_list, default=None, help="e.g. 4,8,12 or 8-20 (default: all)")
-    parser.add_argument("--hook", choices=RESIDUAL_POINTS, default=POST_MLP)
+    parser.add_argument("--hook", choices=HOOK_POINTS, default=POST_MLP)
     parser.add_argument("--select", default="last_prompt",
                         help="all | all_prompt | last_prompt | all_generated, or a SelectSpec wire dict as JSON "
                              "(default: last_prompt)")
     parser.add_argument("--dtype", dest="capture_dtype", default=None,
                         help="stored dtype: float32 | bfloat16 | float16 (default: the model's)")
     parser.add_argument("--sae", type=sae_file, default=None, metavar="PATH[:LAYER[:HOOK]]",
-                        help="store this SAE's top features of each row (shards of 'indices' and 'values') instead "
-                             "of hidden states; --layers, --hook and --dtype then do not apply")
+                        help="store this SAE's (or transcoder's) top features of each row (shards of 'indices' and "
+                             "'values') instead of hidden states; --layers, --hook and --dtype then do not apply")
     parser.add_argument("--top-k", type=int, default=64, help="features kept per row with --sae (default: 64)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT")

@@ -125,10 +125,10 @@ def control_vector(args: argparse.Namespace) -> Any:
 
 def sae_file(text: str) -> tuple[str, int | None, str | None]:
     """``PATH[:LAYER[:HOOK]]`` -> (path, layer, hook): the arguments of ``SAE.load``."""
-    from steerable.hook_points import RESIDUAL_POINTS
+    from steerable.hook_points import HOOK_POINTS
 
     parts = text.split(":")
-    hook = parts.pop() if len(parts) > 1 and parts[-1] in RESIDUAL_POINTS else None
+    hook = parts.pop() if len(parts) > 1 and parts[-1] in HOOK_POINTS else None
     layer = int(parts.pop()) if len(parts) > 1 and parts[-1].isdecimal() else None
     if hook is not None and layer is None:
         raise argparse.ArgumentTypeError(f"expected PATH[:LAYER[:HOOK]], got {text!r} (a hook needs its layer)")
@@ -147,10 +147,10 @@ def named_sae_file(text: str) -> tuple[str, tuple[str, int | None, str | None]]:
 
 
 def load_sae(spec: tuple[str, int | None, str | None], flag: str) -> Any:
-    """``SAE.load`` of a parsed ``sae_file``; a bad file is a ``CliError`` naming ``flag``."""
-    from steerable.sae.model import SAE
+    """The SAE or transcoder of a parsed ``sae_file``; a bad file is a ``CliError`` naming ``flag``."""
+    from steerable.sae.transcoder_files import load_dictionary
 
     try:
-        return SAE.load(*spec)
+        return load_dictionary(*spec)
     except (ValueError, OSError) as err:
         raise CliError(f"{flag}: {err}") from None

@@ -6,7 +6,8 @@ and the captures of a response: JSON in, engine objects out, and back.
 - ``steering_module_ref``: ``"name"`` or ``{"name": ..., "scale": ...}``.
 - ``capture``: a ``CaptureSpec`` as a dict (``component`` or ``stream`` names the stream), or a list
   of them; ``{"stream": "sae_features", "saes": [...], "top_k": 32, "select": ...}`` captures SAE
-  features of registered SAEs.
+  features of registered SAEs (and transcoders), ``{"stream": "transcoder_error", "saes": [...]}``
+  transcoders' error nodes.
 Unknown keys are a 400 naming the key, and so is an unknown top-level key that begins with
 ``steer`` or ``capture``: a typo must not silently run unsteered.
 """
@@ -24,7 +25,7 @@ from steerable.capture.serialization import serialize_captured
 from steerable.capture.session import CaptureSpec
 from steerable.capture.store import resolve_storage_dtype
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import ATTENTION_PATTERNS, COMPONENTS, HIDDEN_STATES, POST_MLP
+from steerable.hook_points import ATTENTION_PATTERNS, COMPONENTS, HIDDEN_STATES, POST_MLP, TRANSCODER_ERROR
 from steerable.outputs import CompletionOutput
 from steerable.selection import SelectSpec
 
@@ -71,9 +72,9 @@ def capture_from_json(value: Any) -> list[CaptureSpec] | None:
             raise InvalidRequestError(f"{where}.stream: give 'stream' or its alias 'component', not both")
         key = "stream" if "stream" in spec else "component"
         component = spec.get(key, HIDDEN_STATES)
-        if component not in (*COMPONENTS, SAE_FEATURES):
+        if component not in (*COMPONENTS, SAE_FEATURES, TRANSCODER_ERROR):
             raise InvalidRequestError(f"{where}.{key}: unknown component {component!r}; expected one of "
-                                      f"{[*COMPONENTS, SAE_FEATURES]}")
+                                      f"{[*COMPONENTS, SAE_FEATURES, TRANSCODER_ERROR]}")
         out.append(CaptureSpec(stream=component, layers=spec.get("layers"), select=spec.get("select"),
                                dtype=spec.get("dtype"), hook=spec.get("hook", POST_MLP),
                                reduce=spec.get("reduce", "all"), budget_rows=spec.get("budget_rows"),
@@ -129,6 +130,9 @@ class CaptureInfo:
         """Bytes of one captured row over every layer (every SAE) the spec reads."""
         if spec.stream == SAE_FEATURES:  # per SAE: top_k int32 indices and float32 values
             return len([spec.saes] if isinstance(spec.saes, str) else spec.saes) * 2 * int(spec.top_k) * 4
+        if spec.stream == TRANSCODER_ERROR:  # per transcoder: float32 rows at (at most) every layer
+            hidden = self.widths.get(HIDDEN_STATES, 0) * len(self.layers.get(HIDDEN_STATES, []))
+            return len([spec.saes] if isinstance(spec.saes, str) else spec.saes) * hidden * 4
         count = self._layer_count(spec)
         dtype = resolve_storage_dtype(spec.dtype) or (torch.float32 if spec.reduce == "mean" else self.dtype)
         return count * self.widths.get(spec.stream, 0) * dtype.itemsize

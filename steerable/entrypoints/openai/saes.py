@@ -1,5 +1,5 @@
-"""SAEs over HTTP: ``POST /v1/saes`` (admin) loads SAEs from files on the server and registers
-them, ``GET /v1/saes`` lists them, ``DELETE /v1/saes/{name}`` (admin) unregisters one. Loading
+"""SAEs over HTTP: ``POST /v1/saes`` (admin) loads SAEs and transcoders from files on the server
+and registers them, ``GET /v1/saes`` lists them, ``DELETE /v1/saes/{name}`` (admin) unregisters one. Loading
 reads server-side paths, so only the admin key may ask for it; a user steers and captures with
 the registered names."""
 
@@ -39,13 +39,13 @@ def parse_sae_entries(body: Any) -> dict[str, dict[str, Any]]:
 
 
 def load_saes(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Every SAE loaded before any is registered, so a bad file registers nothing."""
-    from steerable.sae.model import SAE
+    """Every SAE (or transcoder) loaded before any is registered, so a bad file registers nothing."""
+    from steerable.sae.transcoder_files import load_dictionary
 
     saes = {}
     for name, entry in entries.items():
         with _naming(name):
-            saes[name] = SAE.load(entry["path"], entry.get("layer"), entry.get("hook"))
+            saes[name] = load_dictionary(entry["path"], entry.get("layer"), entry.get("hook"))
     return saes
 
 

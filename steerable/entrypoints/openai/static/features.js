@@ -1,11 +1,13 @@
-// SAE features (issue 27): the server's SAEs (GET /v1/saes), each token's top features captured in
-// both runs (`capture: {"stream": "sae_features", ...}`), the heatmap coloured by one feature's
-// activation, and one feature steered in the steered run with its own slider.
+// SAE features (issue 27): the server's SAEs and transcoders (GET /v1/saes), each token's top
+// features captured in both runs (`capture: {"stream": "sae_features", ...}`), the heatmap coloured
+// by one feature's activation, and one feature steered in the steered run with its own slider. A
+// transcoder's features read the MLP's input and write its output; a cross-layer transcoder's (or a
+// set's) indices run over its layers, `d_transcoder` each.
 
 import { $, apiJson, clearErrors, littleEndian, showError } from "./api.js";
 import { labels } from "./heatmap.js";
 
-const saes = new Map();  // name -> {layer, hook, d_sae, architecture}
+const saes = new Map();  // name -> {layer, hook, d_sae, architecture} (+ kind, layers, d_transcoder: a transcoder)
 
 export async function loadSaes() {
   clearErrors("sae-error");
@@ -29,9 +31,26 @@ export function chooseSae() {
   const sae = saes.get($("sae").value);
   $("sae-controls").disabled = !sae;
   if (!sae) document.querySelector("input[name=heat-by][value=projection]").checked = true;
-  $("sae-info").textContent = sae ? `Reads layer ${sae.layer}, ${sae.hook}: ${sae.d_sae} features (${sae.architecture}).`
+  $("sae-info").textContent = sae ? describe(sae)
     : saes.size ? "No SAE chosen: the runs capture no features."
       : "This server has no SAE: start it with --sae NAME=PATH, or register one with POST /v1/saes (admin).";
+}
+
+const KINDS = { transcoder: "Transcoder", transcoder_set: "Per-layer transcoders", cross_layer_transcoder: "Cross-layer transcoder" };
+
+function describe(sae) {
+  if (!sae.kind) return `Reads layer ${sae.layer}, ${sae.hook}: ${sae.d_sae} features (${sae.architecture}).`;
+  const layers = sae.layers.length > 1 ? `layers ${sae.layers[0]}-${sae.layers.at(-1)}` : `layer ${sae.layer}`;
+  const per = sae.layers.length > 1 ? `, ${sae.d_transcoder} a layer (feature i reads layer ${sae.layer} + floor(i / `
+    + `${sae.d_transcoder}))` : "";
+  return `${KINDS[sae.kind]}: reads ${layers}, ${sae.hook}; writes ${sae.hook_out}: ${sae.d_sae} features `
+    + `(${sae.architecture}${sae.skip ? ", skip term" : ""})${per}.`;
+}
+
+// Where feature `index` of `sae` reads: an SAE's own point; a transcoder's source layer.
+function readsAt(sae, index) {
+  const layer = sae.kind ? sae.layer + Math.floor(index / sae.d_transcoder) : sae.layer;
+  return `layer ${layer}, ${sae.hook}`;
 }
 
 function chosen() {
@@ -111,7 +130,8 @@ export function featureRows(finals, feature) {
   const later = Math.max(0, ...cells.filter((cell) => cell.position > 0).map((cell) => cell.value));
   const spread = Math.max(1e-12, later || Math.max(...cells.map((cell) => cell.value)));
   const first = Math.max(...cells.filter((cell) => cell.position === 0).map((cell) => cell.value));
-  const legend = `SAE ${feature.name}, feature ${feature.index} (layer ${feature.layer}, ${feature.hook}). White: 0; `
+  const legend = `${feature.kind ? "Transcoder" : "SAE"} ${feature.name}, feature ${feature.index} `
+    + `(${readsAt(feature, feature.index)}). White: 0; `
     + `full red: ${spread.toFixed(3)}, its largest activation in both runs after the first token.`
     + (first > spread ? ` The first token's ${first.toFixed(3)} is capped at full red.` : "");
   return { rows, centre: 0, spread, legend };
