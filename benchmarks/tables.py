@@ -198,6 +198,8 @@ TARGETS = Table("targets", (
            {**STEERING, "mode": "capture_top_k_every_token"}, against("none"), at_most(20, "≤ 20 %")),
     Figure("256 feature-steering configs", "sae_cost", "run", "cost_pct", cost,
            {**STEERING, "mode": "feature_steering_distinct"}, against("none"), at_most(10, "≤ 10 %")),
+    Figure("transcoder (16,384 features) top-32 capture of every token", "sae_cost", "run", "cost_pct", cost,
+           {**STEERING, "mode": "transcoder_capture_top_k_every_token"}, against("none"), at_most(20, "≤ 20 %")),
     Figure("chat workload, last-prompt capture at every layer, below plain", "chat", "mode", "cost_pct_vs_plain",
            cost, {"mode": "capture_last_prompt"}, goal=at_most(5, "≤ 5 %")),
     Figure("… at one layer", "chat", "mode", "cost_pct_vs_plain", cost, {"mode": "capture_last_prompt_one_layer"},
@@ -263,6 +265,8 @@ CAPTURE_COST = Table("capture_cost", _modes("capture_cost", {
 SAE_COST = Table("sae_cost", _modes("sae_cost", {
     "capture_top_k_every_token": "top-32 features of every token (65,536-feature SAE)",
     "feature_steering_distinct": "256 distinct configs of feature adds and clamps",
+    "transcoder_capture_top_k_every_token": "top-32 features of every token (16,384-feature transcoder at mlp_in)",
+    "transcoder_steering_distinct": "256 distinct configs of transcoder feature adds and clamps",
 }) + (Figure("sparse corpus capture, top 32 of every prompt row", "sae_cost", "run", "prompt_tok_s", tok_s,
              {**STEERING, "mode": "corpus_sparse"}),))
 

@@ -80,13 +80,17 @@ def test_sae_cost(cache_dir):
     r = run("sae_cost", cache_dir, "--repeats", "2")
     runs = {x["mode"]: x for x in r["run"]}
     corpus = runs.pop("corpus_sparse")
-    assert list(runs) == ["none", "capture_top_k_every_token", "feature_steering_distinct"]
+    assert list(runs) == ["none", "capture_top_k_every_token", "feature_steering_distinct",
+                          "transcoder_capture_top_k_every_token", "transcoder_steering_distinct"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
     positive(corpus, "prompt_tok_s")
     assert corpus["rows"] == corpus["prompt_tokens"] and len(corpus["seconds_all"]) == 2
     assert r["sae"][0]["d_sae"] == 256 and r["steering_status"][0]["ok"]
+    assert r["transcoder"][0]["d_transcoder"] == 128 and r["transcoder"][0]["hook"] == "mlp_in"
+    subset = run("sae_cost", cache_dir, "--modes", "none,transcoder_capture_top_k_every_token", "--no-corpus")
+    assert [x["mode"] for x in subset["run"]] == ["none", "transcoder_capture_top_k_every_token"]
 
 
 def test_pattern_cost(cache_dir):
