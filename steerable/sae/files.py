@@ -72,7 +72,7 @@ def _pickle_refused(path: Path) -> InvalidRequestError:
 
 def _load_saelens(path: Path, layer: int | None, hook: str | None) -> SAE:
     cfg_file = path / "cfg.json"
-    cfg = _read_json(cfg_file)
+    cfg = _read_config(cfg_file)
     _require(cfg, ("d_in", "d_sae", "architecture", "apply_b_dec_to_input"), cfg_file)
     architecture = cfg["architecture"]
     if isinstance(architecture, str) and architecture.endswith("transcoder"):
@@ -110,7 +110,7 @@ def _load_saelens(path: Path, layer: int | None, hook: str | None) -> SAE:
 
 def _load_sparsify(path: Path, layer: int | None, hook: str | None) -> SAE:
     cfg_file = path / "cfg.json"
-    cfg = _read_json(cfg_file)
+    cfg = _read_config(cfg_file)
     _require(cfg, ("d_in", "k"), cfg_file)
     if cfg.get("activation", "topk") != "topk":
         raise InvalidRequestError(f"{cfg_file}: activation {cfg['activation']!r} is not supported (only 'topk')")
@@ -190,13 +190,21 @@ def _build(weights_file: Path, d_in: Any, d_sae: Any, where_cfg: Path, **kwargs:
     return sae
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_config(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object (a ``.yaml`` one: a YAML mapping), or an error naming it."""
+    if path.suffix == ".yaml":
+        import yaml  # only circuit-tracer's configs are YAML
+
+        parse, errors, kind = yaml.safe_load, (yaml.YAMLError,), "YAML"
+    else:
+        parse, errors, kind = json.loads, (json.JSONDecodeError,), "JSON"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidRequestError(f"{path}: not a readable JSON file ({err})") from None
+        data = parse(path.read_text())
+    except (OSError, UnicodeDecodeError, *errors) as err:
+        raise InvalidRequestError(f"{path}: not a readable {kind} file ({err})") from None
     if not isinstance(data, dict):
-        raise InvalidRequestError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise InvalidRequestError(f"{path}: expected a {kind} {'mapping' if kind == 'YAML' else 'object'}, got "
+                                  f"{type(data).__name__}")
     return data
 
 

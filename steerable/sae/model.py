@@ -35,22 +35,12 @@ class SAE:
                  layer: int = 12, hook: str = POST_MLP, rescale_acts_by_decoder_norm: bool = False):
         if architecture not in ARCHITECTURES:
             raise InvalidRequestError(f"architecture: expected one of {list(ARCHITECTURES)}, got {architecture!r}")
-        W_enc = _weight(W_enc, "W_enc", 2)
+        W_enc = checked_weight(W_enc, "W_enc", 2)
         d_in, d_sae = W_enc.shape
-        W_dec = _weight(W_dec, "W_dec", 2, (d_sae, d_in))
-        b_enc = _weight(b_enc, "b_enc", 1, (d_sae,))
-        b_dec = _weight(b_dec, "b_dec", 1, (d_in,))
-        if architecture == "jumprelu":
-            if threshold is None:
-                raise InvalidRequestError("threshold: a jumprelu SAE needs one value per feature")
-            threshold = _weight(threshold, "threshold", 1, (d_sae,))
-        elif threshold is not None:
-            raise InvalidRequestError(f"threshold: only jumprelu SAEs take one, not {architecture!r}")
-        if architecture == "topk":
-            if not is_int(k) or not 1 <= k <= d_sae:
-                raise InvalidRequestError(f"k: a topk SAE needs an integer in [1, {d_sae}], got {k!r}")
-        elif k is not None:
-            raise InvalidRequestError(f"k: only topk SAEs take one, not {architecture!r}")
+        W_dec = checked_weight(W_dec, "W_dec", 2, (d_sae, d_in))
+        b_enc = checked_weight(b_enc, "b_enc", 1, (d_sae,))
+        b_dec = checked_weight(b_dec, "b_dec", 1, (d_in,))
+        threshold = checked_activation(architecture, threshold, k, (d_sae,), "SAE")
         if not isinstance(apply_b_dec_to_input, bool):
             raise InvalidRequestError(f"apply_b_dec_to_input: expected a bool, got {apply_b_dec_to_input!r}")
         if not isinstance(rescale_acts_by_decoder_norm, bool):
@@ -132,12 +122,7 @@ class SAE:
         if self.architecture == "jumprelu":
             return (pre * (pre > self.threshold.float())).relu()
         acts = pre.relu()
-        if self.architecture == "topk" and self.k < self.d_sae:
-            # A stable descending sort ranks equal values by index: ties go to the lower one.
-            order = torch.sort(acts, dim=-1, descending=True, stable=True).indices[..., :self.k]
-            kept = torch.zeros_like(acts)
-            acts = kept.scatter(-1, order, acts.gather(-1, order))
-        return acts
+        return keep_top_k(acts, self.k) if self.architecture == "topk" and self.k < self.d_sae else acts
 
     def decode(self, f: torch.Tensor) -> torch.Tensor:
         """``f @ W_dec + b_dec`` [..., d_in] in float32."""
@@ -170,13 +155,8 @@ class SAE:
         """Hash of the weights and settings (computed once): equal SAEs steer alike, so prefix-cache
         keys and steering identities name an SAE by it, never by its registered name."""
         if self._hash is None:
-            digest = hashlib.blake2b(digest_size=16)
-            digest.update(json.dumps([self.architecture, self.k, self.apply_b_dec_to_input, self.layer, self.hook,
-                                      str(self.dtype)]).encode())
-            for name, tensor in self._tensors().items():
-                digest.update(name.encode())
-                digest.update(_bytes(tensor))
-            self._hash = digest.digest()
+            self._hash = tensors_hash([self.architecture, self.k, self.apply_b_dec_to_input, self.layer, self.hook,
+                                       str(self.dtype)], self._tensors())
         return self._hash
 
     def describe(self) -> dict[str, Any]:
@@ -188,7 +168,41 @@ class SAE:
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
-def _weight(value: Any, name: str, ndim: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def checked_activation(architecture: str, threshold: Any, k: Any, shape: tuple[int, ...], kind: str) -> torch.Tensor | None:
+    """The threshold of a ``kind`` (an SAE, a transcoder) of ``architecture``, checked: jumprelu
+    needs one per feature (``shape``), topk an integer ``k`` in ``[1, width]``, others neither."""
+    if architecture == "jumprelu":
+        if threshold is None:
+            raise InvalidRequestError(f"threshold: a jumprelu {kind} needs one value per feature")
+        threshold = checked_weight(threshold, "threshold", len(shape), shape)
+    elif threshold is not None:
+        raise InvalidRequestError(f"threshold: only jumprelu {kind}s take one, not {architecture!r}")
+    if architecture == "topk":
+        if not is_int(k) or not 1 <= k <= shape[-1]:
+            raise InvalidRequestError(f"k: a topk {kind} needs an integer in [1, {shape[-1]}], got {k!r}")
+    elif k is not None:
+        raise InvalidRequestError(f"k: only topk {kind}s take one, not {architecture!r}")
+    return threshold
+
+
+def keep_top_k(acts: torch.Tensor, k: int) -> torch.Tensor:
+    """``acts`` with all but each row's ``k`` largest zeroed; a stable descending sort ranks equal
+    values by index, so ties go to the lower one."""
+    order = torch.sort(acts, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.zeros_like(acts).scatter(-1, order, acts.gather(-1, order))
+
+
+def tensors_hash(settings: list[Any], tensors: dict[str, torch.Tensor]) -> bytes:
+    """A content hash of a dictionary's settings (JSON-able) and named tensors."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps(settings).encode())
+    for name, tensor in tensors.items():
+        digest.update(name.encode())
+        digest.update(_bytes(tensor))
+    return digest.digest()
+
+
+def checked_weight(value: Any, name: str, ndim: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """A float tensor of the expected rank and shape with finite values, or an error naming it."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind != "f":

@@ -21,8 +21,6 @@ circuit-tracer's ``hook_resid_mid`` transcoders).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +29,7 @@ import torch
 from steerable.checks import is_int
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import MLP_IN, MLP_OUT, POST_ATTN
-from steerable.sae.model import _bytes, _weight
+from steerable.sae.model import checked_activation, checked_weight, keep_top_k, tensors_hash
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 INPUT_POINTS = (MLP_IN, POST_ATTN)  # where a transcoder may read: the MLP's input, or the residual before its norm
@@ -63,16 +61,16 @@ class Transcoder:
         if not is_int(layer) or layer < 0:
             raise InvalidRequestError(f"layer: expected a layer index >= 0, got {layer!r}")
         single = getattr(W_enc, "ndim", None) == 2
-        W_enc = _weight(W_enc, "W_enc", 2 if single else 3)
+        W_enc = checked_weight(W_enc, "W_enc", 2 if single else 3)
         if single:
             W_enc = W_enc.unsqueeze(0)
         n, d_in, d_tc = W_enc.shape
         lead = () if single else (n,)
-        b_enc = _weight(b_enc, "b_enc", 1 if single else 2, (*lead, d_tc)).reshape(n, d_tc)
+        b_enc = checked_weight(b_enc, "b_enc", 1 if single else 2, (*lead, d_tc)).reshape(n, d_tc)
         if single:
-            W_dec = [_weight(W_dec, "W_dec", 2).unsqueeze(1)]
+            W_dec = [checked_weight(W_dec, "W_dec", 2).unsqueeze(1)]
         elif isinstance(W_dec, Sequence) and not isinstance(W_dec, (str, bytes)) and len(W_dec) == n:
-            W_dec = [_weight(w, f"W_dec[{s}]", 3) for s, w in enumerate(W_dec)]
+            W_dec = [checked_weight(w, f"W_dec[{s}]", 3) for s, w in enumerate(W_dec)]
         else:
             raise InvalidRequestError(f"W_dec: expected {n} tensors [d_tc, span, d_out] (one per source layer)")
         d_out = W_dec[0].shape[-1]
@@ -83,20 +81,12 @@ class Transcoder:
                                               f"{[w.shape[0], w.shape[2]]}")
                 raise InvalidRequestError(f"W_dec[{s}]: expected shape [{d_tc}, span in [1, {n - s}], {d_out}], "
                                           f"got {list(w.shape)}")
-        b_dec = _weight(b_dec, "b_dec", 1 if single else 2, (*lead, d_out)).reshape(n, d_out)
-        if architecture == "jumprelu":
-            if threshold is None:
-                raise InvalidRequestError("threshold: a jumprelu transcoder needs one value per feature")
-            threshold = _weight(threshold, "threshold", 1 if single else 2, (*lead, d_tc)).reshape(n, d_tc)
-        elif threshold is not None:
-            raise InvalidRequestError(f"threshold: only jumprelu transcoders take one, not {architecture!r}")
-        if architecture == "topk":
-            if not is_int(k) or not 1 <= k <= d_tc:
-                raise InvalidRequestError(f"k: a topk transcoder needs an integer in [1, {d_tc}], got {k!r}")
-        elif k is not None:
-            raise InvalidRequestError(f"k: only topk transcoders take one, not {architecture!r}")
+        b_dec = checked_weight(b_dec, "b_dec", 1 if single else 2, (*lead, d_out)).reshape(n, d_out)
+        threshold = checked_activation(architecture, threshold, k, (*lead, d_tc), "transcoder")
+        if threshold is not None:
+            threshold = threshold.reshape(n, d_tc)
         if W_skip is not None:
-            W_skip = _weight(W_skip, "W_skip", 2 if single else 3, (*lead, d_in, d_out)).reshape(n, d_in, d_out)
+            W_skip = checked_weight(W_skip, "W_skip", 2 if single else 3, (*lead, d_in, d_out)).reshape(n, d_in, d_out)
         self.W_enc, self.b_enc, self.W_dec, self.b_dec = W_enc, b_enc, W_dec, b_dec
         self.threshold, self.W_skip = threshold, W_skip
         self.architecture = architecture
@@ -232,10 +222,7 @@ class Transcoder:
         acts = pre.relu()
         if self.architecture == "jumprelu":
             return acts * (pre > self.threshold[source].float())
-        if self.architecture == "topk" and self.k < self.d_transcoder:
-            order = torch.sort(acts, dim=-1, descending=True, stable=True).indices[..., :self.k]
-            acts = torch.zeros_like(acts).scatter(-1, order, acts.gather(-1, order))
-        return acts
+        return keep_top_k(acts, self.k) if self.architecture == "topk" and self.k < self.d_transcoder else acts
 
     def reconstruct(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The output at each of its layers, float32 ``[..., d_out]``, from the input it reads at each
@@ -272,13 +259,8 @@ class Transcoder:
     def content_hash(self) -> bytes:
         """Hash of the weights and settings (computed once), as ``SAE.content_hash``."""
         if self._hash is None:
-            digest = hashlib.blake2b(digest_size=16)
-            digest.update(json.dumps(["transcoder", self.architecture, self.k, self.layer, self.hook,
-                                      self.spans, str(self.dtype)]).encode())
-            for name, tensor in self._tensors().items():
-                digest.update(name.encode())
-                digest.update(_bytes(tensor))
-            self._hash = digest.digest()
+            self._hash = tensors_hash(["transcoder", self.architecture, self.k, self.layer, self.hook, self.spans,
+                                       str(self.dtype)], self._tensors())
         return self._hash
 
     def describe(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import MLP_IN, POST_ATTN
-from steerable.sae.files import SAELENS_WEIGHTS, _pickle_refused, _read_json, _read_safetensors, _require, load_sae
+from steerable.sae.files import SAELENS_WEIGHTS, _pickle_refused, _read_config, _read_safetensors, _require, load_sae
 from steerable.sae.model import SAE
 from steerable.sae.transcoder import Transcoder
 
@@ -61,7 +61,7 @@ def looks_like_transcoder(path: str | Path) -> bool:
     cfg = path / "cfg.json"
     if cfg.is_file() and (path / SAELENS_WEIGHTS).is_file():
         try:
-            return _read_json(cfg).get("architecture") in SAELENS_TRANSCODERS
+            return _read_config(cfg).get("architecture") in SAELENS_TRANSCODERS
         except InvalidRequestError:
             return False
     return False
@@ -113,7 +113,7 @@ def _load_gemma_scope_2(path: Path, layer: int | None) -> Transcoder:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise InvalidRequestError(f"{path}: {GEMMA_SCOPE_2_PARAMS} without config.json (Gemma Scope 2 ships both)")
-    cfg = _read_json(cfg_file)
+    cfg = _read_config(cfg_file)
     _require(cfg, ("architecture", "hf_hook_point_in", "hf_hook_point_out"), cfg_file)
     if cfg.get("type", "transcoder") != "transcoder":
         raise InvalidRequestError(f"{cfg_file}: type {cfg['type']!r} is not a transcoder (load it as an SAE)")
@@ -156,7 +156,7 @@ def _hf_point(name: Any, known: dict[str, Any], where: Path, field: str) -> tupl
 
 def _load_circuit_tracer(path: Path, layer: int | None) -> Transcoder:
     cfg_file = path / CIRCUIT_TRACER_CONFIG
-    cfg = _read_yaml(cfg_file)
+    cfg = _read_config(cfg_file)
     _require(cfg, ("model_kind",), cfg_file)
     kind = cfg["model_kind"]
     if kind == "transcoder_set":
@@ -189,7 +189,7 @@ def _load_circuit_tracer_set(path: Path, layer: int | None, cfg: dict[str, Any] 
     """A set of per-layer transcoders (all of them, or the one at ``layer``) as one ``Transcoder``."""
     cfg_file = path / CIRCUIT_TRACER_CONFIG
     if cfg is None:
-        cfg = _read_yaml(cfg_file) if cfg_file.is_file() else {}
+        cfg = _read_config(cfg_file) if cfg_file.is_file() else {}
     where = cfg_file if cfg else None
     hook = _circuit_tracer_hooks(cfg, where)
     files = files if files is not None else _set_files(path, cfg, cfg_file)
@@ -300,23 +300,11 @@ def _load_circuit_tracer_clt(path: Path, cfg: dict[str, Any]) -> Transcoder:
                   threshold=torch.stack(thresholds) if jumprelu else None, layer=0, hook=hook)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise InvalidRequestError(f"{path}: not a readable YAML file ({err})") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError(f"{path}: expected a YAML mapping, got {type(data).__name__}")
-    return data
-
-
 # ---------------------------------------------------------------- SAELens
 
 def _load_saelens(path: Path, layer: int | None) -> Transcoder:
     cfg_file = path / "cfg.json"
-    cfg = _read_json(cfg_file)
+    cfg = _read_config(cfg_file)
     _require(cfg, ("architecture", "d_in", "d_sae"), cfg_file)
     architecture = cfg["architecture"]
     if architecture not in SAELENS_TRANSCODERS:
