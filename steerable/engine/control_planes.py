@@ -9,6 +9,7 @@ from typing import Any
 
 from steerable.errors import InvalidRequestError
 from steerable.sae.model import SAE
+from steerable.sae.transcoder import Transcoder
 from steerable.steering.spec import SteeringSpec
 
 
@@ -43,7 +44,7 @@ class ControlPlanes:
         with self.lock.hold():
             return self.steering.status()
 
-    def register_sae(self, name: str, sae: SAE) -> None:
+    def register_sae(self, name: str, sae: SAE | Transcoder) -> None:
         with self.lock.hold():
             self.capture.features.register(name, self.saes.register(name, sae))  # shipped with the next step
 

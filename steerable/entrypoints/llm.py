@@ -16,6 +16,7 @@ from steerable.inputs import Prompt, as_prompt_list
 from steerable.models.loader import DEFAULT_MODEL
 from steerable.outputs import RequestOutput
 from steerable.sae.model import SAE
+from steerable.sae.transcoder import Transcoder
 from steerable.sampling_params import SamplingParams
 from steerable.steering.spec import SteeringSpec
 
@@ -88,13 +89,14 @@ class LLM:
 
     # ------------------------------------------------------------ SAEs
 
-    def register_sae(self, name: str, sae: SAE) -> None:
-        """Name an SAE (``SAE.load`` or in memory) for feature steering and capture; its ``d_in``
-        must be the hidden size and its layer one of the model's."""
+    def register_sae(self, name: str, sae: SAE | Transcoder) -> None:
+        """Name an SAE or a transcoder (``SAE.load``, ``Transcoder.load`` or in memory) for feature
+        steering and capture; its ``d_in`` must be the hidden size and its layers the model's."""
         self.engine.register_sae(name, sae)
 
     def list_saes(self) -> dict[str, dict[str, Any]]:
-        """``{name: {"layer", "hook", "d_sae", "architecture"}}``."""
+        """``{name: {"layer", "hook", "d_sae", "architecture"}}``; a transcoder adds ``kind``,
+        ``layers``, ``hook_out``, ``d_transcoder`` and ``skip``."""
         return self.engine.list_saes()
 
     def unregister_sae(self, name: str) -> None:
