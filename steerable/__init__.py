@@ -19,7 +19,7 @@ _EXPORTS = {
     "Feature": "steerable.sae",
     "FeatureClamp": "steerable.sae", "StructuredOutputsParams": "steerable.structured",
     "GuidedDecodingParams": "steerable.structured", "TextPrompt": "steerable.inputs",
-    "TokensPrompt": "steerable.inputs",
+    "TokensPrompt": "steerable.inputs", "ActivationStream": "steerable.entrypoints.activation_stream",
 }
 
 
@@ -38,4 +38,4 @@ def __getattr__(name: str):
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Transcoder", "Feature", "FeatureClamp", "CaptureSpec",
            "capture", "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt",
-           "__version__"]
+           "ActivationStream", "__version__"]

@@ -28,6 +28,9 @@ MLP_IN = "mlp_in"  # the MLP's input, after its norm
 MLP_OUT = "mlp_out"  # what the MLP block adds to the residual (after a post-MLP norm; MoE: the experts' sum)
 MLP_POINTS = (MLP_IN, MLP_OUT)
 HOOK_POINTS = RESIDUAL_POINTS + MLP_POINTS  # the hidden-size points steering writes and capture reads
+# TransformerLens' names of the same points (SAELens names its activation columns and SAEs by them).
+_TRANSFORMER_LENS = {PRE_ATTN: "hook_resid_pre", POST_ATTN: "hook_resid_mid", POST_MLP: "hook_resid_post",
+                     MLP_IN: "ln2.hook_normalized", MLP_OUT: "hook_mlp_out"}
 
 HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated
@@ -39,6 +42,13 @@ COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS, ATTENTION_PATTERNS)
 TRANSCODER_ERROR = "transcoder_error"
 
 Site = tuple[str, int]
+
+
+def transformer_lens_name(layer: int, hook: str) -> str:
+    """TransformerLens' name of a point at layer L: ``blocks.L.hook_resid_pre|mid|post`` for
+    ``pre_attn|post_attn|post_mlp``, ``blocks.L.ln2.hook_normalized`` / ``blocks.L.hook_mlp_out`` for
+    ``mlp_in`` / ``mlp_out``."""
+    return f"blocks.{layer}.{_TRANSFORMER_LENS[hook]}"
 
 
 def check_residual_point(hook: Any, where: str) -> str:
