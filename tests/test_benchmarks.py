@@ -389,3 +389,15 @@ def test_shared_prefix(cache_dir):
     assert runs["cache_off"]["prefix_cache_hit_tokens"] == 0 < runs["cache_on"]["prefix_cache_hit_tokens"]
     assert runs["cache_on"]["output_tokens"] == runs["shared"]["output_tokens"] == runs["cache_off"]["output_tokens"]
     positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")
+
+
+def test_activation_stream(cache_dir):
+    """SAELens' trainer from a cache it reads against the same trainer fed by ActivationStream."""
+    r = run("activation_stream", cache_dir)
+    assert r["cache_write"][0]["windows"] > 0 and r["cache_write"][0]["bytes"] > 0
+    assert {x["mode"] for x in r["run"]} == {"cache", "stream"}
+    for x in (*r["run"], r["capture_only"][0], r["train_only"][0]):
+        positive(x, "seconds", "tok_s")
+    ratio = r["ratio"][0]
+    positive(ratio, "cache_tok_s", "stream_tok_s", "stream_over_cache")
+    assert ratio["target"] == 0.70 and isinstance(ratio["meets"], bool)

@@ -41,9 +41,17 @@ def path(capture_dirs):
 
 
 @pytest.fixture(scope="module")
-def offline(path):
+def sae_dir(tmp_path_factory):
+    from test_sae_registry import random_sae, save_saelens
+
+    return save_saelens(random_sae(architecture="topk", layer=1), tmp_path_factory.mktemp("sae") / "res1")
+
+
+@pytest.fixture(scope="module")
+def offline(path, sae_dir):
     llm = LLM(path, **ENGINE)
     llm.register_steering_modules({"loud": {1: LOUD}})
+    llm.register_sae("res1", steerable.SAE.load(sae_dir))
     return llm
 
 
@@ -151,11 +159,38 @@ def test_capture_rows_equal_steerable_capture(cluster, path, offline):
 
 
 @pytest.fixture(scope="module")
-def local_generate(path):
-    """The transform called in this process (no Ray): row parsing and its errors."""
+def local_generate(path, sae_dir):
+    """The transform called in this process (no Ray): row parsing, SAE features and errors."""
     from steerable.ray import Generate
 
-    return Generate(path, engine_kwargs=ENGINE, sampling_params=GREEDY)
+    return Generate(path, engine_kwargs=ENGINE, sampling_params=GREEDY, saes={"res1": sae_dir})
+
+
+def test_sae_features_and_feature_steering(local_generate, offline, path, sae_dir):
+    from steerable import Feature
+    from steerable.ray import Capture
+
+    capture = {"stream": "sae_features", "saes": ["res1"], "top_k": 4, "select": "all"}
+    steering = {"features": [{"sae": "res1", "index": 5, "scale": 3.0}]}
+    out = local_generate({"prompt": np.array([PROMPTS[1]], dtype=object),
+                          "capture": np.array([capture], dtype=object), "steering": np.array([steering], dtype=object)})
+    ref = reference(offline, PROMPTS[1], SamplingParams(**GREEDY, steering_vectors=SteeringSpec(features=[
+        Feature("res1", 5, scale=3.0)]), capture=CaptureSpec(stream="sae_features", saes=["res1"], top_k=4,
+                                                              select="all")))
+    features = ref.captures["sae_features"]["res1"]
+    assert list(out["token_ids"][0]) == list(ref.outputs[0].token_ids)
+    assert np.array_equal(out["sae_features.res1.indices"][0], features.indices.numpy())
+    assert np.allclose(out["sae_features.res1.values"][0], features.values.numpy(), atol=1e-5)
+    assert list(out["sae_features.res1.positions"][0]) == ref.capture_meta["sae_features"]["res1"].positions.tolist()
+    # Capture with an SAE: one row per token with its top-k features, as sparse corpus shards hold them.
+    rows = Capture(path, sae="res1", saes={"res1": sae_dir}, top_k=4, select="all_prompt", engine_kwargs=ENGINE)(
+        {"text": np.array(TEXTS[:3], dtype=object), "id": np.arange(3)})
+    want = steerable.capture(offline, TEXTS[:3], stream="sae_features", saes=["res1"], top_k=4, select="all_prompt")
+    assert set(rows) == {"id", "position", "token_id", "indices", "values"}
+    assert np.array_equal(rows["indices"], want.rows("res1").indices.numpy())
+    assert np.allclose(rows["values"], want.rows("res1").values.numpy(), atol=1e-5)
+    assert rows["id"].tolist() == [i for i, out in enumerate(want.outputs)
+                                   for _ in range(len(out.capture_meta["sae_features"]["res1"]))]
 
 
 def test_batches_in_every_format_and_json_cells(local_generate, offline):
