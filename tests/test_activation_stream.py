@@ -116,6 +116,12 @@ def test_stopping_early_frees_the_engine(llm):
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and not engine.capture_status("hidden_states")["enabled"]
     assert sum(len(b["blocks.0.hook_resid_post"]) for b in s) > 48  # the engine serves a new pass
+    open_pass = iter(s)
+    next(open_pass)
+    with pytest.raises(RuntimeError, match="a pass is open"):
+        iter(s)
+    open_pass.close()
+    assert not engine.has_unfinished_requests() and next(iter(s)) is not None
 
 
 def test_sae_lens_trains_from_the_stream(llm):
@@ -131,6 +137,21 @@ def test_sae_lens_trains_from_the_stream(llm):
     trained = trainer.fit()
     assert trainer.n_training_steps == 5
     assert torch.isfinite(trained.W_enc).all() and (trained.W_enc - before).abs().max() > 1e-5
+    with pytest.raises(InvalidRequestError, match="end the pass of another ActivationStream"):
+        next(iter(stream(llm)))  # the trainer still holds its pass, paused in mid-epoch
+    s.close()  # ends it: the engine is free for the next
+    assert not llm.llm_engine.has_unfinished_requests()
+    # Several layers: the dict of hook names MultiSAETrainer routes to one SAE per hook.
+    from sae_lens.training.multi_sae_trainer import MultiSAETrainer
+
+    two = stream(llm)
+    saes = {f"l{i}": TopKTrainingSAE(TopKTrainingSAEConfig(d_in=64, d_sae=96, k=4, dtype="float32", device="cpu"))
+            for i in (0, 1)}
+    before = {name: sae.W_enc.detach().clone() for name, sae in saes.items()}
+    multi = MultiSAETrainer(cfg, saes, dict(zip(saes, two.hook_names)), iter(two))
+    for name, sae in multi.fit().items():
+        assert (sae.W_enc - before[name]).abs().max() > 1e-5
+    assert multi.n_training_steps == 5
 
 
 def test_bad_arguments(llm, path):

@@ -87,10 +87,14 @@ class ActivationStream(torch.utils.data.IterableDataset):
         # steps full while the finished one is handed over.
         self._chunk_windows = max(1, engine.config.max_num_batched_tokens // context_size)
         self._epoch = 0
-        self._iterating = False
+        self._feed: WindowFeed | None = None  # the open pass
 
     def close(self) -> None:
-        """Shut the engine down if this stream built it (an ``LLM`` passed in stays open)."""
+        """End a pass still open (a trainer that stopped before the epoch's end holds one until
+        its iterator is closed or collected), freeing what it holds in the engine; shut the engine
+        down if this stream built it (an ``LLM`` passed in stays open)."""
+        if self._feed is not None:
+            self._feed.close()
         if self._owned:
             self.llm.shutdown()
 
@@ -104,28 +108,28 @@ class ActivationStream(torch.utils.data.IterableDataset):
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError("ActivationStream runs its engine in the process that iterates it: use it directly "
                                "or through DataLoader(stream, batch_size=None) with num_workers=0")
-        if self._iterating:
-            raise RuntimeError("ActivationStream: already being iterated (one engine serves one pass at a time)")
+        if self._feed is not None:
+            raise RuntimeError("ActivationStream: a pass is open (one engine serves one pass at a time): finish it, "
+                               "close its iterator or call close()")
         epoch, self._epoch = self._epoch, self._epoch + 1
         return self._epoch_batches(epoch)
 
     def _epoch_batches(self, epoch: int) -> Iterator[torch.Tensor | dict[str, torch.Tensor]]:
-        self._iterating = True
         engine = self.llm.llm_engine
         if engine.capture_status(HIDDEN_STATES)["enabled"]:
-            self._iterating = False
-            raise InvalidRequestError("ActivationStream: the hidden_states capture stream is running; stop it first "
-                                      "(the stream records through it)")
+            raise InvalidRequestError("ActivationStream: the hidden_states capture stream is running (the stream "
+                                      "records through it): stop it, or end the pass of another ActivationStream "
+                                      "on this LLM (close its iterator or call its close())")
         windows = token_windows(self._documents(), self.context_size, self.bos_token_id)
-        feed = WindowFeed(engine, windows, self.layers, self.hook, self.dtype, self._chunk_windows,
-                          2 * self._chunk_windows).start()
+        feed = self._feed = WindowFeed(engine, windows, self.layers, self.hook, self.dtype, self._chunk_windows,
+                                       2 * self._chunk_windows).start()
         seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0])
         try:
             for batch in _MixingBuffer(self, torch.Generator().manual_seed(seed)).batches(feed):
                 yield self._split(batch)
         finally:
             feed.close()
-            self._iterating = False
+            self._feed = None
 
     def _documents(self) -> Iterator[Sequence[int]]:
         tokenizer = self.llm.llm_engine.tokenizer
