@@ -80,7 +80,7 @@ def test_epoch_is_the_windows_hidden_states(llm, reference):
 
 
 def test_no_shuffle_keeps_window_order_and_builds_its_own_engine(path, reference):
-    windows, hidden = reference
+    _, hidden = reference
     with ActivationStream(path, TEXTS, layers=[2], hook="pre_attn", context_size=CONTEXT, batch_size=40,
                           shuffle_buffer=0, device="cpu", engine_kwargs={"kv_cache_tokens": 4096}) as s:
         batches = list(s)
@@ -159,7 +159,7 @@ def test_bad_arguments(llm, path):
                           (dict(hook="post_norm"), "hook"), (dict(context_size=1), "context_size"),
                           (dict(context_size=10**6), "context_size"), (dict(shuffle_buffer=5), "shuffle_buffer"),
                           (dict(batch_size=0), "batch_size"), (dict(dtype="int8"), "dtype"),
-                          (dict(bos_token_id="bos"), "bos_token_id")]:
+                          (dict(bos_token_id="bos"), "bos_token_id"), (dict(seed=-1), "seed")]:
         with pytest.raises(InvalidRequestError, match=field):
             stream(llm, **kwargs)
     bad = ActivationStream(llm, ["fine", 3.5], layers=[0], context_size=4, batch_size=2, shuffle_buffer=0, device="cpu")

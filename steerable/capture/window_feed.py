@@ -65,7 +65,7 @@ class WindowFeed:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="steerable-window-feed", daemon=True)
 
-    def start(self) -> "WindowFeed":
+    def start(self) -> WindowFeed:
         self.thread.start()
         return self
 
@@ -106,8 +106,8 @@ class WindowFeed:
 
     def _capture(self) -> None:
         engine = self.engine
-        engine.start_capture(HIDDEN_STATES, self.layers, str(self.dtype).removeprefix("torch."), "all",
-                             _EVERY_PROMPT_ROW, None, self.hook, sink=self.router)
+        engine.start_capture(HIDDEN_STATES, self.layers, self.dtype, "all", _EVERY_PROMPT_ROW, None, self.hook,
+                             sink=self.router)
         try:
             try:
                 feed = self._feed()

@@ -66,14 +66,14 @@ class ActivationStream(torch.utils.data.IterableDataset):
         if not is_int(context_size) or not 2 <= context_size < engine.max_model_len:
             raise InvalidRequestError(f"context_size: must be an integer in [2, {engine.max_model_len - 1}] (the "
                                       f"model's context, less the token a request generates), got {context_size!r}")
-        for name, value, low in (("batch_size", batch_size, 1), ("shuffle_buffer", shuffle_buffer, 0)):
+        for name, value, low in (("batch_size", batch_size, 1), ("shuffle_buffer", shuffle_buffer, 0), ("seed", seed, 0)):
             if not is_int(value) or value < low:
                 raise InvalidRequestError(f"{name}: must be an integer >= {low}, got {value!r}")
         if 0 < shuffle_buffer < batch_size:
             raise InvalidRequestError(f"shuffle_buffer: must be 0 (no shuffle) or at least batch_size "
                                       f"({batch_size}), got {shuffle_buffer}")
         self.context_size, self.batch_size, self.shuffle_buffer = context_size, batch_size, shuffle_buffer
-        self.seed, self.drop_last, self.texts = int(seed), drop_last, texts
+        self.seed, self.drop_last, self.texts = seed, drop_last, texts
         self.dtype = engine.dtype if dtype is None else float_dtype(dtype, "dtype")
         tokenizer = engine.tokenizer
         if bos_token_id == _AUTO:
@@ -98,7 +98,7 @@ class ActivationStream(torch.utils.data.IterableDataset):
         if self._owned:
             self.llm.shutdown()
 
-    def __enter__(self) -> "ActivationStream":
+    def __enter__(self) -> ActivationStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -19,4 +19,4 @@ if tuple(int(part) for part in ray.__version__.split(".")[:2] if part.isdigit())
 
 from steerable.ray.data import Capture, Generate  # noqa: E402
 
-__all__ = ["Generate", "Capture"]
+__all__ = ["Capture", "Generate"]
