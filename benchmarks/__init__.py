@@ -45,6 +45,7 @@ BENCHMARKS = (
     "kv_fidelity",
     "output_codec",
     "host_step_cost",
+    "activation_stream",
 )
 
 # Probes still in use: modules of ``benchmarks.probes``.

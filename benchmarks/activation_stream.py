@@ -1,15 +1,16 @@
-"""SAE training fed by ``ActivationStream`` against the same trainer reading a finished cache
-(issue 46): SAELens' ``SAETrainer`` trains a top-k SAE on one layer's activations (context
-``--context-size`` windows of a random-token corpus, Qwen3-0.6B shape in bf16 by default), (a)
-from SAELens' own ``ActivationsStore`` over a SAELens activation cache of the same windows on local
-disk (written first, float16, with ``datasets``; page cache warm: the baseline's best case), (b)
+"""SAE training fed by ActivationStream against the same trainer reading a finished SAELens cache.
+
+Issue 46: SAELens' ``SAETrainer`` trains a top-k SAE on one layer's activations (windows of
+``--context-size`` tokens of a random-token corpus; Qwen3-0.6B shape in bf16 by default), (a) from
+SAELens' own ``ActivationsStore`` over a SAELens activation cache of the same windows on local disk
+(written first, float16, with ``datasets``; its pages still cached: the baseline's best case), (b)
 from an ``ActivationStream`` capturing the windows on the same GPU while the trainer trains, in
 one process. Same SAE initialisation, batch size, token count and shuffle-buffer size; the modes
 alternate ``--repeats`` times and the ratio of median tokens/s is reported (target >= 0.70). Also
-recorded: the stream consumed without training (capture alone) and the trainer on batches already
+recorded: the stream drained without training (capture alone) and the trainer on batches already
 on the device (training alone), which bound what (b) can reach.
 
-    PYTHONPATH=. python benchmarks/activation_stream.py [--tokens 2097152] [--d-sae 16384] [--k 32]
+    python -m benchmarks activation_stream [--tokens 2097152] [--d-sae 16384] [--k 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import os
 import shutil
 import tempfile
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 
 def documents(args: argparse.Namespace, vocab: int) -> list[list[int]]:
