@@ -32,7 +32,7 @@ from steerable.capture.api import capture
 from steerable.capture.features import SAE_FEATURES
 from steerable.entrypoints.llm import LLM, run_to_completion
 from steerable.errors import InvalidRequestError
-from steerable.hook_names import POST_MLP
+from steerable.hook_points import POST_MLP
 from steerable.ray.rows import (batch_columns, capture_arrays, carried, missing, num_rows, objects, plain, ragged_columns,
                                 row_params, row_prompt, to_numpy)
 from steerable.sae import SAE
