@@ -181,11 +181,12 @@ def test_exported_lazily():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_stream_on_the_gpu_equals_hf(path, reference):
-    """The engine on the GPU (its own CUDA stream, pinned chunks, an asynchronous copy into the
-    mixing buffer): float32 rows on the device equal HF's within GPU float32 noise."""
+    """The engine on the GPU (on its thread, pinned chunks, an asynchronous copy into the mixing
+    buffer): float32 rows on the device equal HF's within GPU float32 noise, in both epochs."""
     _, hidden = reference
     with ActivationStream(path, TEXTS, layers=[0, 1], context_size=CONTEXT, batch_size=24, shuffle_buffer=96,
-                          device="cuda", dtype="float32", engine_kwargs={"dtype": "float32"}) as s:
+                          device="cuda", dtype="float32",
+                          engine_kwargs={"dtype": "float32", "kv_cache_tokens": 4096}) as s:
         batches = list(s)
         again = list(s)
     assert all(b[n].device.type == "cuda" for b in batches for n in s.hook_names)

@@ -92,10 +92,10 @@ class WindowFeed:
     def _run(self) -> None:
         try:
             device = self.engine.device
-            on_gpu = device.type == "cuda"
-            # The engine's kernels go to a stream of their own, so they overlap the consumer's.
-            with torch.cuda.device(device) if on_gpu else contextlib.nullcontext(), \
-                    torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
+            # The engine's kernels share the consumer's stream (the engine allocates and frees on the
+            # stream current at the time; a stream of its own would let the consumer's allocations
+            # reuse memory the engine's pending kernels still read); the host work of both overlaps.
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 self._capture()
         except BaseException as err:  # raised to the consumer by next_chunk
             self.error = err
