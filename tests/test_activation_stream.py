@@ -89,6 +89,27 @@ def test_no_shuffle_keeps_window_order_and_builds_its_own_engine(path, reference
     assert torch.allclose(torch.cat(batches), hidden[2], atol=1e-5, rtol=0)  # pre_attn L = hidden_states[L]
 
 
+def test_mlp_points_for_transcoders(llm, path, reference):
+    """A transcoder's training pair, the MLP's input and its output, from two streams of one seed:
+    row i of each is the same token; both equal HF hooks on the MLP."""
+    windows, _ = reference
+    model, seen = hf_model(path), {}
+    mlp = model.model.layers[1].mlp
+    mlp.register_forward_pre_hook(lambda mod, args: seen.__setitem__("in", args[0].detach().clone()))
+    mlp.register_forward_hook(lambda mod, args, out: seen.__setitem__("out", out.detach().clone()))
+    with torch.no_grad():
+        model(windows)
+    streams = {point: stream(llm, layers=[1], hook=point, seed=5) for point in ("mlp_in", "mlp_out")}
+    assert streams["mlp_in"].hook_names == ["blocks.1.ln2.hook_normalized"]
+    assert streams["mlp_out"].hook_names == ["blocks.1.hook_mlp_out"]
+    got = {point: torch.cat(list(s)) for point, s in streams.items()}
+    want = {point: seen[key].reshape(-1, 64) for point, key in (("mlp_in", "in"), ("mlp_out", "out"))}
+    order = torch.cdist(got["mlp_in"].double(), want["mlp_in"].double(), p=float("inf")).argmin(1)
+    for point in got:  # one shuffle for both: the same token at the same row
+        assert torch.allclose(got[point], want[point][order], atol=1e-5, rtol=0)
+    assert_same_multiset(got["mlp_out"], want["mlp_out"])
+
+
 def test_seed_decides_the_batches(llm, reference):
     first, again = list(stream(llm, seed=3)), list(stream(llm, seed=3))
     other = list(stream(llm, seed=4))

@@ -27,7 +27,7 @@ from steerable.capture.window_feed import WindowFeed
 from steerable.capture.windows import token_windows
 from steerable.checks import float_dtype, is_int
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import HIDDEN_STATES, POST_MLP, RESIDUAL_POINTS, transformer_lens_name
+from steerable.hook_points import HIDDEN_STATES, POST_MLP, check_hook_point, transformer_lens_name
 
 _AUTO = "auto"
 
@@ -60,9 +60,7 @@ class ActivationStream(torch.utils.data.IterableDataset):
         engine = self.llm.llm_engine
         num_layers = engine.model_config.num_layers
         self.layers = _layers(layers, num_layers)
-        if hook not in RESIDUAL_POINTS:
-            raise InvalidRequestError(f"hook: unknown hook {hook!r}; expected one of {list(RESIDUAL_POINTS)}")
-        self.hook = hook
+        self.hook = check_hook_point(hook, "hook")
         if not is_int(context_size) or not 2 <= context_size < engine.max_model_len:
             raise InvalidRequestError(f"context_size: must be an integer in [2, {engine.max_model_len - 1}] (the "
                                       f"model's context, less the token a request generates), got {context_size!r}")
