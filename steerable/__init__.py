@@ -15,8 +15,9 @@ _EXPORTS = {
     "LLM": "steerable.entrypoints.llm", "CompletionOutput": "steerable.outputs", "Logprob": "steerable.outputs",
     "RequestOutput": "steerable.outputs", "SamplingParams": "steerable.sampling_params",
     "SelectSpec": "steerable.selection", "Add": "steerable.steering.spec", "Clamp": "steerable.steering.spec",
-    "SteeringSpec": "steerable.steering.spec", "SAE": "steerable.sae", "Transcoder": "steerable.sae",
-    "Feature": "steerable.sae",
+    "SteeringSpec": "steerable.steering.spec", "LowRank": "steerable.steering.items",
+    "Affine": "steerable.steering.items", "When": "steerable.steering.items", "RouterBias": "steerable.steering.items",
+    "SAE": "steerable.sae", "Transcoder": "steerable.sae", "Feature": "steerable.sae",
     "FeatureClamp": "steerable.sae", "StructuredOutputsParams": "steerable.structured",
     "GuidedDecodingParams": "steerable.structured", "TextPrompt": "steerable.inputs",
     "TokensPrompt": "steerable.inputs", "ActivationStream": "steerable.entrypoints.activation_stream",
@@ -36,6 +37,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "SelectSpec", "SteeringSpec", "Add", "Clamp", "SAE", "Transcoder", "Feature", "FeatureClamp", "CaptureSpec",
-           "capture", "capture_batches", "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt",
-           "ActivationStream", "__version__"]
+           "SelectSpec", "SteeringSpec", "Add", "Clamp", "LowRank", "Affine", "When", "RouterBias", "SAE", "Transcoder",
+           "Feature", "FeatureClamp", "CaptureSpec", "capture", "capture_batches", "StructuredOutputsParams",
+           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream", "__version__"]

@@ -131,8 +131,9 @@ class SiteWrite:
 class SteeringView(Protocol):
     def acts_at(self, site: Site) -> bool: ...
 
-    def site_write(self, site: Site) -> SiteWrite:
-        """The writes at a site where ``acts_at`` holds (what a fused kernel applies)."""
+    def site_write(self, site: Site) -> SiteWrite | None:
+        """The writes at a site where ``acts_at`` holds (what a fused kernel applies); None where
+        they do not fit one (low-rank edits, gates), and the site runs on its own."""
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -208,6 +209,10 @@ class HookPoints:
         return ((ctx.steering is not None and (ctx.steering.acts_at(site) or ctx.steering.reads_at(site)))
                 or (ctx.capture is not None and ctx.capture.wants(site)))
 
+    def steered(self, component: str, layer: int, value: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """A component steering may write (MoE router logits: ``RouterBias``) and capture then reads."""
+        return self.residual(component, layer, value, ctx)
+
     def observe(self, component: str, layer: int, value: torch.Tensor, ctx: Any) -> None:
         if ctx.capture is not None:
             ctx.capture.record((component, layer), value)
@@ -228,9 +233,10 @@ class HookPoints:
         read = False
         for site in sites:
             if steering is not None and steering.acts_at(site):
-                if read:
+                write = None if read else steering.site_write(site)
+                if write is None:  # a read between two writes, or writes beyond adds and clamps
                     return None
-                writes.append(steering.site_write(site))
+                writes.append(write)
             read = read or (capture is not None and capture.wants(site)) or (steering is not None
                                                                               and steering.reads_at(site))
         return writes if len(writes) <= 2 else None

@@ -172,10 +172,11 @@ class SteeringUpdate:
     num_rows: int = 0
     num_pieces: int = 0
     num_params: int = 0
+    edits: list[EditWrite] = field(default_factory=list)  # the low-rank, dense, gate and router tables'
 
     @property
     def empty(self) -> bool:
-        return not self.writes
+        return not self.writes and not self.edits
 
     @property
     def params_at(self) -> int:
@@ -210,6 +211,40 @@ class SteeringUpdate:
         return params[write.bound_span].reshape(write.n, write.slots, 3)
 
 
+@dataclass(frozen=True)
+class EditSites:
+    """Where a step runs the steering ops beyond adds and clamps: low-rank and dense edits
+    (``edit``), ``When`` gates (``gates``; ``prompt_gates``: those that decide over a prompt's rows)
+    and router biases (``router``, at ``router_logits`` sites)."""
+
+    edit: frozenset[Site] = frozenset()
+    gates: frozenset[Site] = frozenset()
+    prompt_gates: frozenset[Site] = frozenset()
+    router: frozenset[Site] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.edit or self.gates or self.router)
+
+
+@dataclass
+class EditWrite:
+    """New rows of one site's edit table (``steering.edit_rows`` says what each array holds).
+    ``table``: "edit" (rows' low-rank parts at rank ``width``, constants and dense slots), "dense"
+    (``rows`` are slots of the site's ``width`` dense matrices), "gate" (``width`` gate slots per
+    row) or "router" (``width`` experts)."""
+
+    table: str
+    point: str
+    layer: int
+    rows: np.ndarray  # int64 [n]
+    width: int
+    arrays: list[np.ndarray]
+
+    @property
+    def site(self) -> Site:
+        return self.point, self.layer
+
+
 @dataclass
 class SteeringPlan:
     """Which table row each token uses (0: none) and what a CUDA graph bakes in: the op at each
@@ -220,10 +255,11 @@ class SteeringPlan:
     clamp_sites: frozenset[Site]
     version: int
     tclamp_sites: frozenset[Site] = frozenset()  # transcoder clamps, by the site where they read
+    edits: EditSites | None = None
 
     @property
     def signature(self) -> tuple:
-        return self.add_sites, self.clamp_sites, self.tclamp_sites, self.version
+        return self.add_sites, self.clamp_sites, self.tclamp_sites, self.edits, self.version
 
 
 @dataclass

@@ -34,6 +34,7 @@ from steerable.engine.shared_prefix import SharedPrefixDetector
 from steerable.engine.step_builder import StepBuilder
 from steerable.engine.tokenizer import Tokenizer
 from steerable.errors import EngineDeadError, EngineError
+from steerable.hook_points import ROUTER_LOGITS
 from steerable.kv_groups import KVGroups
 from steerable.models.loader import load_hf_config, load_tokenizer, resolve_model
 from steerable.models.registry import resolve_model_config
@@ -93,11 +94,13 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         cfg = self.model_config
         stages = layer_partition(cfg.num_layers, config.pipeline_parallel_size)
         self.saes = SaeRegistry(cfg.hidden_size, cfg.num_layers, self.dtype, stages)
-        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs, self.saes)
+        router = self.layout.components.get(ROUTER_LOGITS)
+        self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs, self.saes,
+                                        {layer: router.width for layer in router.layers} if router else None)
         self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda",
                                       host_block_lifetime=self.worker.host_block_lifetime, pipeline_stages=stages)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                   cache_limit=self.capture.cache_limit,
+                                   cache_limit=self._cache_limit,
                                    micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))
         self.builder = StepBuilder(config.max_num_seqs, self.worker.max_blocks_per_seq, config.block_size,
                                    kv_groups.num_groups, shared_prefix)
@@ -120,6 +123,10 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         self._closed = False
 
     # ---------------------------------------------------------------- public, thread-safe
+
+    def _cache_limit(self, request: Request) -> int:
+        """How many leading tokens a prefix-cache hit may cover: what capture and steering allow."""
+        return min(self.capture.cache_limit(request), self.steering.cache_limit(request))
 
     def _shared_prefix(self, kv_groups: KVGroups) -> tuple[int, SharedPrefixDetector] | None:
         """Where the step builder looks for shared prefixes: the first full-attention KV group (a

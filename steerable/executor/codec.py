@@ -20,6 +20,8 @@ from steerable.step import (
     BlockTableUpdate,
     CaptureGroup,
     CapturePlan,
+    EditSites,
+    EditWrite,
     PenaltyInput,
     PromptLogprobsInput,
     SaeUpdate,
@@ -35,7 +37,7 @@ from steerable.step import (
     TranscoderWeights,
 )
 
-_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, PenaltyInput,
+_CLASSES = {cls.__name__: cls for cls in (BlockTableUpdate, CaptureGroup, CapturePlan, EditSites, EditWrite, PenaltyInput,
                                           PromptLogprobsInput, SaeUpdate, SaeWeights, SamplingInput, SharedPrefix,
                                           StepInput, StepOutput, SteeringPlan, SteeringUpdate, TableWrite,
                                           TranscoderDecoders, TranscoderWeights)}

@@ -122,7 +122,7 @@ class Qwen3MoeSparseBlock(nn.Module):
     def route(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, k] and their weights [T, k] (in the activation dtype, as HF)."""
         router_logits = gemv.linear(x, self.gate.weight)  # [T, E]; one row (batch-1 decode): the GEMV kernel
-        self.hooks.observe(ROUTER_LOGITS, self.layer, router_logits, ctx)
+        router_logits = self.hooks.steered(ROUTER_LOGITS, self.layer, router_logits, ctx)
         if fused.enabled(x):  # one kernel instead of 6, the weights stored in the activation dtype
             return route_topk(router_logits, self.top_k, self.norm_topk_prob, router_logits.dtype)
         experts, weights = route_topk_reference(router_logits, self.top_k, self.norm_topk_prob)

@@ -23,12 +23,14 @@ import torch
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import HOOK_POINTS
 from steerable.request import Request, ScheduledRequest
-from steerable.sae.features import FeatureClamp
 from steerable.sae.registry import SaeRegistry
 from steerable.selection import SelectSpec
+from steerable.steering.edit_rows import EditRows
+from steerable.steering.gating import ConfigGates, config_gates, gate_slots
+from steerable.steering.edits import as_user_items
 from steerable.steering.rows import RowTables
 from steerable.steering.spans import DecodeSpans
-from steerable.steering.spec import Add, Clamp, Intervention, SpecParser, SteeringSpec, config_identity
+from steerable.steering.spec import EDIT_KINDS, Intervention, SpecParser, SteeringSpec, config_identity
 from steerable.step import SteeringPlan, SteeringUpdate
 
 # Selection fields that never change which generation rows are selected: a config whose selects
@@ -48,11 +50,15 @@ class ConfigEntry:
     requires: list[int]  # per intervention: bit it needs, or -1 when unselective
     generation_uniform: bool
     reads_generated_tokens: bool
-    rows: dict[int, int] = field(default_factory=dict)  # pattern -> row
+    gating: ConfigGates | None = None  # its When gates (steering.gating)
+    rows: dict[int, int] = field(default_factory=dict)  # pattern (gate outcomes above the selection bits) -> row
     refcount: int = 0
 
-    def active(self, pattern: int) -> list[Intervention]:
-        return [item for item, bit in zip(self.interventions, self.requires) if bit < 0 or pattern >> bit & 1]
+    def active(self, pattern: int, gates: int = 0) -> list[Intervention]:
+        """The items of selection ``pattern`` under gate outcomes ``gates`` (bit g: gate g passed)."""
+        gate_of = self.gating.gate_of if self.gating is not None else None
+        return [item for i, (item, bit) in enumerate(zip(self.interventions, self.requires))
+                if (bit < 0 or pattern >> bit & 1) and (gate_of is None or gate_of[i] < 0 or gates >> gate_of[i] & 1)]
 
 
 @dataclass
@@ -66,9 +72,11 @@ class RequestSteering:
 
 
 class SteeringManager:
-    def __init__(self, hidden_size: int, num_layers: int, max_num_seqs: int = 256, saes: SaeRegistry | None = None):
-        """``saes``: the registry ``Feature``/``FeatureClamp`` names are resolved against."""
-        self.parser = SpecParser(hidden_size, num_layers, saes)
+    def __init__(self, hidden_size: int, num_layers: int, max_num_seqs: int = 256, saes: SaeRegistry | None = None,
+                 router_experts: Mapping[int, int] | None = None):
+        """``saes``: the registry ``Feature``/``FeatureClamp`` names are resolved against;
+        ``router_experts``: each MoE layer's number of experts (``RouterBias``)."""
+        self.parser = SpecParser(hidden_size, num_layers, saes, router_experts)
         self.num_layers = num_layers
         self.global_items: list[Intervention] = []
         self.modules: dict[str, list[Intervention]] = {}
@@ -77,6 +85,7 @@ class SteeringManager:
         # Room for a tiered config per running request before the first growth: growing moves the
         # tables, which retires every CUDA graph that reads them.
         self.tables = RowTables(2 * max_num_seqs + 1, hidden_size)
+        self.edits = EditRows(hidden_size)  # the low-rank, dense, gate and router tables' ledger
         self.row_refs: dict[int, int] = {}
         self.row_owner: dict[int, tuple[bytes, int]] = {}
         self._free_rows: list[int] = []
@@ -119,12 +128,13 @@ class SteeringManager:
         in), so a client can see what the module adds, e.g. to project activations on it."""
         if name not in self.modules:
             raise InvalidRequestError(f"name: unknown module {name!r}; registered: {sorted(self.modules)}")
-        return SteeringSpec(interventions=[_as_item(item) for item in self.modules[name]])
+        return SteeringSpec(interventions=as_user_items(self.modules[name]))
 
     def sae_users(self, name: str) -> list[str]:
         """Who steers with the SAE registered as ``name``: global steering, modules, live requests."""
         def uses(items: Sequence[Intervention]) -> bool:
-            return any(item.sae == name for item in items)
+            return any(item.sae == name or (item.gate is not None and item.gate.feature is not None
+                                            and item.gate.feature[0] == name) for item in items)
 
         users = ["global steering"] if uses(self.global_items) else []
         users += [f"steering module {module!r}" for module, items in self.modules.items() if uses(items)]
@@ -137,7 +147,10 @@ class SteeringManager:
     def status(self) -> dict[str, Any]:
         def summary(items: list[Intervention]) -> dict[str, Any]:
             return {"interventions": len(items), "adds": sum(i.kind == "add" for i in items),
-                    "clamps": sum(i.kind != "add" for i in items),
+                    "clamps": sum(i.kind in ("clamp", "tclamp") for i in items),
+                    "edits": sum(i.kind in ("lowrank", "dense") for i in items),
+                    "router_biases": sum(i.kind == "router" for i in items),
+                    "gated": sum(i.gate is not None for i in items),
                     "sites": sorted({f"{i.point}:{i.layer}" for i in items})}
 
         return {
@@ -195,9 +208,10 @@ class SteeringManager:
                     selects.append(select)
                 index = index_of[id(select)] = selects.index(select)
             requires.append(index)
+        gating = config_gates(items, selects)
         uniform = all(set(s.to_wire()) <= _GENERATION_UNIFORM_FIELDS for s in selects)
         return ConfigEntry(identity, items, selects, requires, uniform,
-                           any(s.reads_generated_tokens for s in selects))
+                           any(s.reads_generated_tokens for s in selects), gating)
 
     @staticmethod
     def _cache_keys(items: list[Intervention], prompt: list[int]) -> list[tuple[int, bytes]]:
@@ -208,6 +222,8 @@ class SteeringManager:
         firsts: dict[int, int | None] = {}  # per selection (by id: items share it), its first prompt row
         for item in items:
             select = item.select
+            if item.gate is not None and item.gate.scope == "prompt":
+                continue  # it acts on generated rows only
             if select is None:
                 prompt_items.append(item)
                 first = 0
@@ -232,6 +248,15 @@ class SteeringManager:
             template.steering.config.refcount += 1
             request.steering = RequestSteering(template.steering.config, self.spans.new())
 
+    @staticmethod
+    def cache_limit(request: Request) -> int:
+        """How many leading tokens a prefix-cache hit may cover: none for a request with a gate
+        that decides over the whole prompt (it must read every prompt row), else all."""
+        state = request.steering
+        if state is not None and state.config.gating is not None and state.config.gating.roles is not None:
+            return 0
+        return request.num_tokens
+
     def prompt_extended(self, request: Request) -> None:
         """A streaming-input chunk grew the prompt: what decode rows resolved to was decided from
         the old prompt's length (generation windows and positions count from the prompt's end)."""
@@ -254,6 +279,7 @@ class SteeringManager:
                 identity, pattern = self.row_owner.pop(row)
                 self.configs[identity].rows.pop(pattern, None)
                 self.tables.clear(row)
+                self.edits.clear(row)
                 self._free_rows.append(row)
         config = state.config
         config.refcount -= 1
@@ -289,7 +315,8 @@ class SteeringManager:
                     index[lo:hi] = self._rows_for(s.request, state, positions[lo:hi], token_ids[lo:hi])
         if not index.any():
             return None
-        return SteeringPlan(index, *self.tables.plan_sites(), self.tables.version, self.tables.plan_tclamp_sites())
+        return SteeringPlan(index, *self.tables.plan_sites(), self.tables.version + self.edits.version,
+                            self.tables.plan_tclamp_sites(), self.edits.plan_sites())
 
     def _decode_index(self, scheduled: Sequence[ScheduledRequest], keys: np.ndarray, positions: np.ndarray,
                       token_ids: np.ndarray) -> np.ndarray:
@@ -321,7 +348,12 @@ class SteeringManager:
 
     def take_update(self) -> SteeringUpdate | None:
         """Table changes since the last step, for the worker to apply before the next forward."""
-        return self.tables.take_update()
+        update = self.tables.take_update()
+        edits = self.edits.take_update()
+        if edits:
+            update = update if update is not None else SteeringUpdate(self.tables.capacity)
+            update.edits = edits
+        return update
 
     def _rows_for(self, request: Request, state: RequestSteering, positions: np.ndarray,
                   token_ids: np.ndarray) -> np.ndarray | int:
@@ -354,22 +386,50 @@ class SteeringManager:
         return rows[inverse]
 
     def _acquire(self, state: RequestSteering, pattern: int) -> int:
-        """The row for (config, pattern), allocated on first use; 0 when nothing applies."""
+        """The row for (config, pattern), allocated on first use; 0 when nothing applies. With
+        gates, every row the gates can move its tokens to is allocated and held with it."""
         config = state.config
+        if config.gating is not None:
+            return self._acquire_gated(state, pattern)
         row = config.rows.get(pattern)
         if row is None:
             active = config.active(pattern)
             if not active:
                 return 0
-            row = self._free_rows.pop() if self._free_rows else self._new_row()
-            self.tables.write(row, active)
-            config.rows[pattern] = row
-            self.row_owner[row] = (config.identity, pattern)
-            self.row_refs[row] = 0
+            row = self._new_row_for(config, pattern)
+            self._write(row, active)
+        self._hold(state, row)
+        return row
+
+    def _acquire_gated(self, state: RequestSteering, pattern: int) -> int:
+        config = state.config
+        shift = len(config.selects)
+        keys = [pattern | bits << shift for bits in range(1 << len(config.gating.gates))]
+        if pattern not in config.rows:
+            rows = {key: self._new_row_for(config, key) for key in keys}
+            for bits, key in enumerate(keys):
+                slots = gate_slots(config.gating, pattern, bits, lambda moved: rows[pattern | moved << shift])
+                self._write(rows[key], config.active(pattern, bits), slots)
+        for key in keys:
+            self._hold(state, config.rows[key])
+        return config.rows[pattern]
+
+    def _new_row_for(self, config: ConfigEntry, key: int) -> int:
+        row = self._free_rows.pop() if self._free_rows else self._new_row()
+        config.rows[key] = row
+        self.row_owner[row] = (config.identity, key)
+        self.row_refs[row] = 0
+        return row
+
+    def _write(self, row: int, items: list[Intervention], gates: Sequence = ()) -> None:
+        """Adds and clamps go to the row tables, edits and gate slots to the edit tables."""
+        self.tables.write(row, [item for item in items if item.kind not in EDIT_KINDS])
+        self.edits.write(row, [item for item in items if item.kind in EDIT_KINDS], gates)
+
+    def _hold(self, state: RequestSteering, row: int) -> None:
         if row not in state.rows:
             state.rows.add(row)
             self.row_refs[row] += 1
-        return row
 
     def _new_row(self) -> int:
         row = self._next_row
@@ -377,13 +437,3 @@ class SteeringManager:
         if row >= self.tables.capacity:
             self.tables.grow(row + 1)
         return row
-
-
-def _as_item(item: Intervention) -> Add | Clamp | FeatureClamp:
-    """A feature add comes back as the ``Add`` of its scaled decoder row (the same effect)."""
-    if item.kind != "add" and item.feature is not None:
-        return FeatureClamp(*item.feature, value=item.lo, select=item.select, strength=item.strength)
-    if item.kind == "add":
-        return Add(item.layer, item.vector.clone(), item.point, select=item.select)
-    return Clamp(item.layer, item.vector.clone(), item.point, min=None if item.lo == -math.inf else item.lo,
-                 max=None if item.hi == math.inf else item.hi, strength=item.strength, select=item.select)

@@ -20,6 +20,7 @@ from steerable.sae.features import Feature, FeatureClamp
 from steerable.sae.registry import SaeRegistry
 from steerable.sae.transcoder import Transcoder
 from steerable.selection import SelectSpec
+from steerable.steering.items import EDIT_ITEMS, When
 
 PREFILL = SelectSpec(prompt="all")
 DECODE = SelectSpec(generation="all")
@@ -68,7 +69,7 @@ class Clamp:
     select: Any = None
 
 
-ITEM_TYPES = (Add, Clamp, Feature, FeatureClamp)
+ITEM_TYPES = (Add, Clamp, Feature, FeatureClamp, *EDIT_ITEMS)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class SteeringSpec:
     ``features`` (``Feature`` / ``FeatureClamp`` of registered SAEs); ``scale`` multiplies every
     additive vector and every clamp strength."""
 
-    interventions: list[Add | Clamp | Feature | FeatureClamp] = field(default_factory=list)
+    interventions: list[Any] = field(default_factory=list)  # Add, Clamp, Feature, FeatureClamp, LowRank, Affine, When, RouterBias
     vectors: Any = None
     prefill_vectors: Any = None
     decode_vectors: Any = None
@@ -112,7 +113,7 @@ class Intervention:
     same way at its site (the transcoder's input at its source layer) and writes ``write[t]`` [span,
     H] at ``mlp_out`` of layer ``layer + t``: the read and the writes are at different points."""
 
-    kind: str  # "add" | "clamp" | "tclamp"
+    kind: str  # "add" | "clamp" | "tclamp" | "lowrank" | "dense" | "router" (EDIT_KINDS)
     point: str
     layer: int
     vector: torch.Tensor  # add: the vector to add; clamp: the direction read (a projection clamp's unit direction)
@@ -125,6 +126,10 @@ class Intervention:
     bias: float = 0.0
     threshold: float = -math.inf
     feature: tuple[str, int] | None = None  # (registered SAE, index) of a feature item; its content is in vector_hash
+    # "lowrank": (V [r, H], b [r], U [r, H]) for ``h += U^T (V h + b) + vector``; "dense": (A [H, H],) for
+    # ``h += A h + vector``; "router": none (``vector`` holds the bias of each expert). Their content is in vector_hash.
+    matrices: tuple[torch.Tensor, ...] = ()
+    gate: Any = None  # the ``steering.edits.Gate`` of an item inside a ``When``; its digest is in ours
     # What the content hash covers but the layer: the same at every layer an item is given for.
     unlayered: bytes = field(init=False, repr=False, compare=False)
     digest: bytes = field(init=False, repr=False, compare=False)
@@ -133,7 +138,8 @@ class Intervention:
         # The content hash, computed once per intervention (a global spec is shared by every request).
         select = self.select.key if self.select is not None else "*"
         head = f"{self.kind}|{self.point}|{self.lo}|{self.hi}|{self.strength}|{select}|".encode()
-        object.__setattr__(self, "unlayered", head + self.vector_hash)
+        gate = b"" if self.gate is None else b"|gate:" + self.gate.digest
+        object.__setattr__(self, "unlayered", head + self.vector_hash + gate)
         object.__setattr__(self, "digest", _layer_digest(self.unlayered, self.layer))
 
     def at_layer(self, layer: int) -> "Intervention":
@@ -156,13 +162,22 @@ class Intervention:
         if self.kind == "add":
             vector = self.vector * scale
             return dataclasses.replace(self, vector=vector, vector_hash=_vector_hash(vector))
+        if self.kind in EDIT_KINDS:  # what the edit writes is scaled: the constant and U, A or the router bias
+            vector = self.vector * scale
+            matrices = self.matrices
+            if self.kind == "lowrank":
+                matrices = (*matrices[:2], matrices[2] * scale)
+            elif self.kind == "dense":
+                matrices = (matrices[0] * scale,)
+            return dataclasses.replace(self, vector=vector, matrices=matrices,
+                                       vector_hash=edit_hash(self.kind, vector, matrices))
         strength = self.strength * scale
         if not 0.0 <= strength <= 1.0:
             raise InvalidRequestError(f"{where}: clamp strength {self.strength} x scale {scale} is outside [0, 1]")
         return dataclasses.replace(self, strength=strength)
 
     def is_noop(self) -> bool:
-        if self.kind == "add":
+        if self.kind == "add" or self.kind in EDIT_KINDS:
             return self.vector_hash == _ZERO_HASH
         return self.strength == 0.0
 
@@ -172,6 +187,22 @@ def _strength(value: Any, where: str) -> float:
     if not 0.0 <= strength <= 1.0:
         raise InvalidRequestError(f"{where}.strength: {strength} is outside [0, 1]")
     return strength
+
+
+EDIT_KINDS = ("lowrank", "dense", "router")
+
+
+def edit_hash(kind: str, vector: torch.Tensor, matrices: Sequence[torch.Tensor]) -> bytes:
+    """Hash of an edit's tensors; ``_ZERO_HASH`` when it writes nothing (``is_noop``): no constant
+    and a zero U (low-rank) or A (dense)."""
+    written = [vector] + ([matrices[2]] if kind == "lowrank" else list(matrices[:1]))
+    if not any(t.numpy().any() for t in written):
+        return _ZERO_HASH
+    digest = hashlib.blake2b(kind.encode(), digest_size=16)
+    for tensor in (vector, *matrices):
+        digest.update(repr(tuple(tensor.shape)).encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.digest()
 
 
 def config_identity(interventions: Sequence[Intervention]) -> bytes:
@@ -213,10 +244,13 @@ def _item_key(item: Add | Clamp, seen: Seen) -> tuple:
 class SpecParser:
     """Validates user specs against one model (hidden size, layer count) and normalises them."""
 
-    def __init__(self, hidden_size: int, num_layers: int, saes: SaeRegistry | None = None):
+    def __init__(self, hidden_size: int, num_layers: int, saes: SaeRegistry | None = None,
+                 router_experts: Mapping[int, int] | None = None):
+        """``router_experts``: each MoE layer's number of experts (``RouterBias`` is checked against it)."""
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.saes = saes
+        self.router_experts = dict(router_experts or {})
 
     def parse(self, spec: Any, where: str) -> list[Intervention]:
         """Any accepted form -> interventions; ``ValueError`` names ``where`` and the bad part."""
@@ -233,8 +267,8 @@ class SpecParser:
             return self._parse_vectors(spec, None, where, seen)
         if isinstance(spec, (list, tuple)) and all(isinstance(i, ITEM_TYPES) for i in spec):
             return self._parse_items(spec, where, seen)
-        raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp/Feature/FeatureClamp items or a dict "
-                                  f"of vectors, got {type(spec).__name__}")
+        raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp/Feature/FeatureClamp/"
+                                  f"LowRank/Affine/When/RouterBias items or a dict of vectors, got {type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
         scale = finite_number(spec.scale, f"{where}.scale")
@@ -288,11 +322,26 @@ class SpecParser:
             repeated = self._repeated(item, seen)
             if repeated is not None:
                 items.append(repeated)
-            elif isinstance(item, (Feature, FeatureClamp)):
-                items += self._feature(item, f"{where}[{i}]", seen)
+            elif isinstance(item, When):  # one intervention per gated item
+                from steerable.steering.edits import parse_when
+
+                items += parse_when(self, item, f"{where}[{i}]", seen)
             else:
-                items.append(self._parse_item(item, f"{where}[{i}]", seen))
+                items += self._parse_one(item, f"{where}[{i}]", seen)
         return items
+
+    def _parse_one(self, item: Any, where: str, seen: Seen) -> list[Intervention]:
+        """One item but a ``When`` as its interventions (a transcoder's feature add is one per layer
+        it decodes to)."""
+        if isinstance(item, (Feature, FeatureClamp)):
+            return self._feature(item, where, seen)
+        if isinstance(item, EDIT_ITEMS):
+            from steerable.steering.edits import parse_edit  # edits builds on this module
+
+            return [parse_edit(self, item, where, seen)]
+        if not isinstance(item, (Add, Clamp)):
+            raise InvalidRequestError(f"{where}: expected an intervention item, got {type(item).__name__}")
+        return [self._parse_item(item, where, seen)]
 
     def _parse_item(self, item: Add | Clamp, where: str, seen: Seen) -> Intervention:
         key = _item_key(item, seen)

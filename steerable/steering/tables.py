@@ -9,19 +9,22 @@ bumps the layout version it sends), so every rank reallocates at the same step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from steerable.hook_points import MLP_OUT, SiteWrite
 from steerable.layers import fused
+from steerable.steering.edit_tables import EditTables
 from steerable.steering.ops import add_rows, clamp_rows
 from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite, to_device
 
 
 class SteeringTables:
     def __init__(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
-                 owns: Callable[[Site], bool] = lambda site: True):
-        """``owns(site)``: whether this worker runs that site (a pipeline stage holds its own layers)."""
+                 owns: Callable[[Site], bool] = lambda site: True, max_tokens: int = 0, max_seqs: int = 0):
+        """``owns(site)``: whether this worker runs that site (a pipeline stage holds its own layers);
+        ``max_tokens`` / ``max_seqs``: a step's most rows and request slots (``EditTables``)."""
         self.hidden_size = hidden_size
         self.device = device
         self.dtype = dtype
@@ -40,6 +43,7 @@ class SteeringTables:
         self.tclamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 3]
         self.tclamp_gate: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 2]
         self.tclamp_write: dict[Site, torch.Tensor] = {}  # [capacity, slots, span, H]
+        self.edits = EditTables(hidden_size, device, dtype, owns, max_tokens, max_seqs)
 
     # ------------------------------------------------------------ updates from the driver
 
@@ -47,6 +51,8 @@ class SteeringTables:
         """One host-to-device copy of the update's buffer; each table then takes its rows from
         views of it (the distinct vectors cast to the model's dtype and gathered, one op each)."""
         self._grow(update.capacity)
+        if update.edits:
+            self.edits.apply(update.edits)
         writes = [write for write in update.writes if self.owns(write.site)]
         if not writes:
             return
@@ -116,6 +122,7 @@ class SteeringTables:
                              (self.tclamp_bounds, NO_CLAMP), (self.tclamp_gate, NO_GATE), (self.tclamp_write, 0.0)):
             for site, old in tables.items():
                 tables[site] = _grown(old, capacity, fill)
+        self.edits.grow(capacity)
         self.capacity = capacity
 
     def _ensure_clamp_slots(self, site: Site, slots: int) -> None:
@@ -137,8 +144,9 @@ class SteeringTables:
 
     # ------------------------------------------------------------ per step
 
-    def step_view(self, plan: SteeringPlan, index: torch.Tensor) -> "StepSteering":
-        return StepSteering(self, plan, index)
+    def step_view(self, plan: SteeringPlan, index: torch.Tensor, views: Any = None) -> "StepSteering":
+        """``views``: the step's staged inputs (``worker.input_buffers.StepViews``), which a prompt-scope gate reads."""
+        return StepSteering(self, plan, index, views)
 
 
 def _grown(old: torch.Tensor, capacity: int, fill: float | tuple[float, ...]) -> torch.Tensor:
@@ -155,13 +163,17 @@ class StepSteering:
 
     A transcoder clamp reads at one site (``reads_at``/``read``: each row's coefficient ``strength *
     (clip(a, lo, hi) - a)`` per slot, kept for the step) and writes at ``mlp_out`` of its source layer
-    and of each later layer it decodes to (``coefficient * write``, before that site's own writes)."""
+    and of each later layer it decodes to (``coefficient * write``, before that site's own writes).
 
-    def __init__(self, tables: SteeringTables, plan: SteeringPlan, index: torch.Tensor):
+    Edits, gates and router biases are ``steering.edit_tables``' (``edits``): a site with one runs on
+    its own; after a ``When`` gate every lookup reads each token's row from where the gate moved it."""
+
+    def __init__(self, tables: SteeringTables, plan: SteeringPlan, index: torch.Tensor, views: Any = None):
         self.tables = tables
         self.add_sites = plan.add_sites
         self.clamp_sites = plan.clamp_sites
         self.index = index  # int64 [T_padded] on the device
+        self.edits = tables.edits.step_view(plan.edits, index, views) if plan.edits else None
         self.read_sites = plan.tclamp_sites
         self._sources: dict[int, list[Site]] = {}  # output layer -> the read sites whose clamps write there
         for site in plan.tclamp_sites:
@@ -172,7 +184,23 @@ class StepSteering:
 
     def acts_at(self, site: Site) -> bool:
         return (site in self.add_sites or site in self.clamp_sites
-                or (site[0] == MLP_OUT and site[1] in self._sources))
+                or (site[0] == MLP_OUT and site[1] in self._sources)
+                or (self.edits is not None and self.edits.acts_at(site)))
+
+    @property
+    def gated(self) -> bool:
+        """Gates move tokens between rows this step: a pipeline stage hands the rows on (``index_out``)."""
+        return self.edits is not None and self.edits.gated
+
+    def receive_index(self) -> torch.Tensor:
+        return self.edits.receive_index()
+
+    def index_out(self) -> torch.Tensor:
+        return self.edits.index_out()
+
+    def _index(self, site: Site) -> torch.Tensor:
+        """Each token's row for the lookups at ``site`` (after the gates before it)."""
+        return self.index if self.edits is None else self.edits.index_for(site)
 
     def reads_at(self, site: Site) -> bool:
         """Whether transcoder clamps read their feature at ``site`` (after the site's writes)."""
@@ -181,7 +209,7 @@ class StepSteering:
     def read(self, site: Site, hidden: torch.Tensor) -> None:
         """Each row's coefficients of the transcoder clamps reading at ``site``: ``a = p if p >
         threshold else 0`` for ``p = h·e + bias``, then ``strength * (clip(a, lo, hi) - a)``."""
-        tables, index = self.tables, self.index[:hidden.shape[0]]
+        tables, index = self.tables, self._index(site)[:hidden.shape[0]]
         e = tables.tclamp_dir[site].index_select(0, index).float()  # [T, slots, H]
         bounds = tables.tclamp_bounds[site].index_select(0, index)
         gate = tables.tclamp_gate[site].index_select(0, index)
@@ -190,37 +218,49 @@ class StepSteering:
         target = torch.minimum(torch.maximum(p, bounds[..., 0]), bounds[..., 1])
         self._coefficients[site] = bounds[..., 2] * (target - p)
 
-    def site_write(self, site: Site) -> SiteWrite:
+    def site_write(self, site: Site) -> SiteWrite | None:
+        """None where the site has more than adds and clamps (edits, gates): it runs on its own."""
+        if self.edits is not None and self.edits.acts_at(site):
+            return None
+        return self._write(site)
+
+    def _write(self, site: Site) -> SiteWrite:
         tables = self.tables
         clamped = site in self.clamp_sites
-        return SiteWrite(self.index, tables.add[site] if site in self.add_sites else None,
+        return SiteWrite(self._index(site), tables.add[site] if site in self.add_sites else None,
                          tables.clamp_dir[site] if clamped else None, tables.clamp_bounds[site] if clamped else None,
                          tables.clamp_write.get(site) if clamped else None,
                          tables.clamp_gate.get(site) if clamped else None)
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
-        """The writes at ``site`` alone: transcoder clamps' writes first (at ``mlp_out``), then the
-        site's adds and clamps, in one kernel on the fused path (the same arithmetic the fused norm
-        does), else the PyTorch ops."""
+        """The writes at ``site`` alone: its gates read first; then transcoder clamps' writes (at
+        ``mlp_out``); then the site's adds and clamps, in one kernel on the fused path (the same
+        arithmetic the fused norm does), else the PyTorch ops; then its edits."""
+        edits = self.edits
+        if edits is not None:
+            edits.read_gates(site, hidden)
         if site[0] == MLP_OUT and site[1] in self._sources:
             hidden = self._transcoder_writes(site[1], hidden)
-            if site not in self.add_sites and site not in self.clamp_sites:
-                return hidden
-        write = self.site_write(site)
+        if site in self.add_sites or site in self.clamp_sites:
+            hidden = self._add_and_clamp(site, hidden)
+        return hidden if edits is None else edits.apply(site, hidden)
+
+    def _add_and_clamp(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
+        write = self._write(site)
         if fused.enabled(hidden):
             return fused.steer(hidden, write)
         if write.add is not None:
-            hidden = add_rows(hidden, write.add, self.index)
+            hidden = add_rows(hidden, write.add, write.index)
         if write.clamp_dir is not None:
             bounds = write.clamp_bounds
-            hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], self.index,
+            hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], write.index,
                                 write.clamp_write, write.clamp_gate)
         return hidden
 
     def _transcoder_writes(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """``h += sum_k c_k * write_k`` (float32) for the transcoder clamps that write at ``mlp_out`` of
         ``layer``, with the coefficients their reads left. A row without one adds exact zeros."""
-        index = self.index[:hidden.shape[0]]
+        index = self._index((MLP_OUT, layer))[:hidden.shape[0]]
         out = hidden.float()
         for site in self._sources[layer]:
             write = self.tables.tclamp_write[site][:, :, layer - site[1]].index_select(0, index).float()

@@ -22,6 +22,7 @@ import torch
 from steerable.errors import InvalidRequestError
 from steerable.selection import SelectSpec
 from steerable.sae.features import Feature, FeatureClamp
+from steerable.steering.items import EDIT_ITEMS
 from steerable.steering.spec import Add, Clamp, SteeringSpec
 
 SPEC_KEYS = ("interventions", "vectors", "prefill_vectors", "decode_vectors", "clamps", "scale", "features")
@@ -30,6 +31,7 @@ _ADD_KEYS = {"type", "layer", "vector", "hook", "scale", "select"}
 _CLAMP_KEYS = {"type", "layer", "direction", "hook", "min", "max", "strength", "select"}
 # A feature: {"sae", "index", "scale"?} adds; {"sae", "index", "value"?, "clamp": true, "strength"?} clamps.
 _FEATURE_KEYS = {"type", "sae", "index", "scale", "value", "clamp", "strength", "select"}
+_EDIT_TYPES = ("lowrank", "affine", "when", "router_bias")  # steering.wire_items
 _VECTOR_KEYS = {"dtype", "shape", "data"}
 _WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
@@ -209,9 +211,13 @@ def _feature_from_dict(data: Any, where: str) -> Feature | FeatureClamp:
     return Feature(data["sae"], data["index"], **_optional(data, ("scale",)), select=select)
 
 
-def _item_to_dict(item: Add | Clamp | Feature | FeatureClamp, encoding: str) -> dict[str, Any]:
+def _item_to_dict(item: Any, encoding: str) -> dict[str, Any]:
     if isinstance(item, (Feature, FeatureClamp)):
         return {"type": "feature", **_feature_to_dict(item)}
+    if isinstance(item, EDIT_ITEMS):
+        from steerable.steering.wire_items import edit_to_dict  # it builds on this module
+
+        return edit_to_dict(item, encoding, _item_to_dict)
     select = None if item.select is None else SelectSpec.parse(item.select).to_wire()
     if isinstance(item, Add):
         return {"type": "add", "layer": item.layer, "vector": encode_vector(item.vector, encoding), "hook": item.hook,
@@ -220,10 +226,10 @@ def _item_to_dict(item: Add | Clamp | Feature | FeatureClamp, encoding: str) -> 
         return {"type": "clamp", "layer": item.layer, "direction": encode_vector(item.direction, encoding),
                 "hook": item.hook, "min": _finite_or_none(item.min), "max": _finite_or_none(item.max),
                 "strength": item.strength, "select": select}
-    raise InvalidRequestError(f"interventions: expected Add or Clamp, got {type(item).__name__}")
+    raise InvalidRequestError(f"interventions: expected an intervention item, got {type(item).__name__}")
 
 
-def _item_from_dict(data: Any, where: str) -> Add | Clamp | Feature | FeatureClamp:
+def _item_from_dict(data: Any, where: str) -> Any:
     if not isinstance(data, Mapping):
         raise InvalidRequestError(f"{where}: expected a dict, got {type(data).__name__}")
     kind = data.get("type")
@@ -231,8 +237,13 @@ def _item_from_dict(data: Any, where: str) -> Add | Clamp | Feature | FeatureCla
         return _clamp_from_dict(data, where)
     if kind == "feature":
         return _feature_from_dict(data, where)
+    if kind in _EDIT_TYPES:
+        from steerable.steering.wire_items import edit_from_dict
+
+        return edit_from_dict(data, where, _item_from_dict)
     if kind != "add":
-        raise InvalidRequestError(f"{where}.type: expected 'add', 'clamp' or 'feature', got {kind!r}")
+        raise InvalidRequestError(f"{where}.type: expected one of {['add', 'clamp', 'feature', *_EDIT_TYPES]}, "
+                                  f"got {kind!r}")
     _reject_unknown(data, _ADD_KEYS, where)
     _require(data, ("layer", "vector"), where)
     return Add(data["layer"], decode_vector(data["vector"], f"{where}.vector"), **_optional(data, ("hook", "scale")),

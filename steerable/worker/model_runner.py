@@ -121,7 +121,8 @@ class ModelRunner:
             self.shared_attention = shared_prefix
         self.num_shared_prefix_steps = 0
         self.sampler = Sampler()
-        self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns)
+        self.steering = SteeringTables(model_config.hidden_size, device, dtype, owns=placement.owns,
+                                       max_tokens=self.buffers.tokens.shape[1], max_seqs=config.max_num_seqs)
         self.saes = SaeTables(device, dtype, owns=placement.owns)
         self.capture = CaptureBuffers(max_tokens, device, self.parallel.tp, self.model.tp_sharded_components,
                                       [model_config.attention_window(layer) for layer in range(model_config.num_layers)],
@@ -229,6 +230,8 @@ class ModelRunner:
         ctx, views, key, inside = self._prepare(step)
         if ctx.pipeline_in is not None:  # the previous stage's residual stream, into the buffer the forward reads
             self.parallel.pipe.receive(ctx.pipeline_in)
+            if ctx.steering is not None and ctx.steering.gated:  # with each token's steering row after its gates
+                self.parallel.pipe.receive(ctx.steering.receive_index())
         program = partial(self._program, ctx, views, inside)
         if key is not None:
             hidden, tokens, staged = self.graphs.run(ctx, key, program)
@@ -240,6 +243,8 @@ class ModelRunner:
             plp = prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits)
         if not self.parallel.placement.is_last_stage:
             self.parallel.pipe.send(hidden)
+            if ctx.steering is not None and ctx.steering.gated:
+                self.parallel.pipe.send(ctx.steering.index_out())
         elif tokens is not None:
             samples = self.sampler.fetch(tokens[:step.num_tokens], step.sampling.logprobs)
         elif step.sampling is not None:
@@ -345,7 +350,7 @@ class ModelRunner:
         if self.pipeline_in is not None:
             ctx.pipeline_in = self.pipeline_in[:2 * padded].view(2, padded, self.model_config.hidden_size)
         if step.steering is not None:
-            ctx.steering = self.steering.step_view(step.steering, views.steer_index)
+            ctx.steering = self.steering.step_view(step.steering, views.steer_index, views)
         if step.capture is not None:
             ctx.capture = self.capture.step_view(step.capture, padded, shape is not None, step)
         key = None
