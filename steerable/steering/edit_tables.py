@@ -147,7 +147,6 @@ class EditStep:
         owned = [site_order(*site) for site in sites.gates if tables.owns(site)]
         self.first_gate = min(owned) if owned else None
         self.received = False  # a later pipeline stage: ``live`` came with the residual stream
-        self._token_slots: torch.Tensor | None = None
 
     def acts_at(self, site: Site) -> bool:
         sites = self.sites
@@ -197,29 +196,28 @@ class EditStep:
     def _prompt_decisions(self, site: Site, value: torch.Tensor, threshold: torch.Tensor, sign: torch.Tensor,
                           mode: torch.Tensor) -> torch.Tensor:
         """Per request slot: reset the sum on its first prompt row, add every prompt row's value,
-        decide on the last one from the mean, and return the decision on generated rows."""
+        decide on the last one from the mean, and return the decision on generated rows. Rows with
+        nothing to do there write to a scratch slot; flat scatters, so a CUDA graph holds them."""
         tables = self.tables
-        sums, decided = tables.sums[site], tables.decided[site]
-        slots = self._slots()[:, None].expand_as(mode)
-        scratch = torch.full_like(slots, tables.slots - 1)
-        cols = torch.arange(mode.shape[1], device=mode.device).expand_as(mode)
-        sums.index_put_((torch.where(mode & RESET != 0, slots, scratch), cols), torch.zeros_like(value))
-        sums.index_put_((torch.where(mode & ACCUMULATE != 0, slots, scratch), cols), value, accumulate=True)
+        sums, decided = tables.sums[site].view(-1), tables.decided[site].view(-1)
+        width = mode.shape[1]
+        cell = self._slots()[:, None] * width + torch.arange(width, device=mode.device)  # [T, K]: slot, column
+        scratch = torch.full_like(cell, (tables.slots - 1) * width)
+        sums.scatter_(0, torch.where(mode & RESET != 0, cell, scratch).view(-1), 0.0)
+        sums.scatter_add_(0, torch.where(mode & ACCUMULATE != 0, cell, scratch).view(-1), value.view(-1))
         count = (self.views.positions[:mode.shape[0]] + 1).double().unsqueeze(-1)
-        verdict = _compare(sums[slots, cols] / count, threshold, sign)
-        decided.index_put_((torch.where(mode & DECIDE != 0, slots, scratch), cols), verdict)
-        return decided[slots, cols] & (mode & APPLY != 0)
+        verdict = _compare(sums.gather(0, cell.view(-1)).view_as(value) / count, threshold, sign)
+        decided.scatter_(0, torch.where(mode & DECIDE != 0, cell, scratch).view(-1), verdict.view(-1))
+        return decided.gather(0, cell.view(-1)).view_as(verdict) & (mode & APPLY != 0)
 
     def _slots(self) -> torch.Tensor:
-        """Each token's request slot (its sequence's), computed once per step on the device."""
-        if self._token_slots is None:
-            views = self.views
-            n = self.index.shape[0]
-            starts = views.query_start[1:]
-            tokens = torch.arange(n, device=starts.device, dtype=starts.dtype)
-            seq = torch.searchsorted(starts, tokens, right=True).clamp_(max=views.request_slots.shape[0] - 1)
-            self._token_slots = views.request_slots.index_select(0, seq)
-        return self._token_slots
+        """Each token's request slot (its sequence's), on the device: computed at every use, so a
+        CUDA graph captured on a second run of the step records it too."""
+        views = self.views
+        starts = views.query_start[1:]
+        tokens = torch.arange(self.index.shape[0], device=starts.device, dtype=starts.dtype)
+        seq = torch.searchsorted(starts, tokens, right=True).clamp_(max=views.request_slots.shape[0] - 1)
+        return views.request_slots.index_select(0, seq)
 
     def apply(self, site: Site, hidden: torch.Tensor) -> torch.Tensor:
         """The low-rank / dense edits or the router bias at ``site`` (after its adds and clamps)."""
