@@ -10,8 +10,9 @@ from steerable.vectors.datafiles import demo_items, demo_pairs, neutral_prompts,
 from steerable.vectors.evaluate import EvalReport, EvalRow, evaluate
 from steerable.vectors.extract import METHODS
 from steerable.vectors.items import ABItem
+from steerable.vectors.reft import load_reft
 from steerable.vectors.train import train
 
-__all__ = ["ControlVector", "train", "evaluate", "ABItem", "EvalReport", "EvalRow", "METHODS",
+__all__ = ["ControlVector", "train", "evaluate", "load_reft", "ABItem", "EvalReport", "EvalRow", "METHODS",
            "combine_control_vectors", "parse_control_vector_arg", "read_pairs", "read_items", "parse_pairs",
            "demo_pairs", "demo_items", "neutral_prompts"]
