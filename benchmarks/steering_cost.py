@@ -4,9 +4,11 @@ Cost of steering on one engine and one workload: (a) no steering, (b) one global
 at every layer for every request, (c) a distinct per-request vector at every layer for every
 request (N configs in one batch), (d) a global projection clamp at every layer, (e) N distinct
 per-request configs mixing adds, clamps, ablations and selections (prompt-only, decode-only,
-generation windows) at all three hook points. Cost = (t_x / t_a - 1) * 100, from median times.
+generation windows) at all three hook points, (f) N distinct per-request rank-4 LoReFTs
+(``LowRank``) at one layer (issue 51: <= 10 %), (g) one global ``When(scope="token")`` gating an add
+at every layer (issue 51: <= 5 %). Cost = (t_x / t_a - 1) * 100, from median times.
 
-    python -m benchmarks steering_cost [--num-requests 256] [--repeats R]
+    python -m benchmarks steering_cost [--num-requests 256] [--repeats R] [--modes ...]
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 from . import common
 from .common import emit, timed
 
-MODES = ("none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers", "mixed_distinct")
+MODES = ("none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers", "mixed_distinct",
+         "lowrank_distinct", "when_token_all_layers")
+LOWRANK_RANK = 4
 
 
 def mixed_config(i: int, layers: list[int], vector: torch.Tensor, direction: torch.Tensor) -> object:
@@ -44,10 +48,20 @@ def mixed_config(i: int, layers: list[int], vector: torch.Tensor, direction: tor
     return SteeringSpec(interventions=items)
 
 
+def lowrank_config(layer: int, hidden: int, rng: np.random.Generator, scale: float) -> object:
+    """One request's own rank-4 LoReFT at ``layer``: orthonormal rows R, small W and b."""
+    from steerable import LowRank, SteeringSpec
+
+    R = np.linalg.qr(rng.standard_normal((hidden, LOWRANK_RANK)))[0].T.astype(np.float32)
+    W = (rng.standard_normal((LOWRANK_RANK, hidden)) * scale).astype(np.float32)
+    b = (rng.standard_normal(LOWRANK_RANK) * scale).astype(np.float32)
+    return SteeringSpec(interventions=[LowRank(layer, R, W, b)])
+
+
 def mode_steering(llm, w, args) -> tuple[dict, dict]:
     """(global spec of each mode that sets one, per-request extras of each mode that has them) for
     the workload ``w``: every vector and direction drawn from ``args.seed``."""
-    from steerable import Clamp, SteeringSpec
+    from steerable import Add, Clamp, SteeringSpec, When
 
     cfg = llm.engine.model_config
     layers = llm.list_steerable_layers()["post_mlp"]
@@ -56,13 +70,19 @@ def mode_steering(llm, w, args) -> tuple[dict, dict]:
     own = torch.from_numpy(rng.standard_normal((len(w), cfg.hidden_size), dtype=np.float32) * args.vector_scale)
     directions = torch.nn.functional.normalize(torch.from_numpy(
         rng.standard_normal((len(w) + 1, cfg.hidden_size), dtype=np.float32)), dim=-1)
+    # The gate reads the embeddings (pre_attn 0), so the adds at every layer's output sit after it;
+    # threshold 0 on a random direction passes about half the rows.
+    gated = When([Add(layer, shared) for layer in layers], 0, directions[-1], 0.0, hook="pre_attn")
     global_specs = {"global_all_layers": {"post_mlp": {layer: shared for layer in layers}},
                     "global_clamp_all_layers": SteeringSpec(clamps=[Clamp(layer, directions[-1], min=-1.0, max=1.0)
-                                                                    for layer in layers])}
+                                                                    for layer in layers]),
+                    "when_token_all_layers": SteeringSpec(interventions=[gated])}
     extras = {"per_request_distinct": [{"steering_vectors": {"post_mlp": {layer: own[i] for layer in layers}}}
                                        for i in range(len(w))],
               "mixed_distinct": [{"steering_vectors": mixed_config(i, layers, own[i], directions[i])}
-                                 for i in range(len(w))]}
+                                 for i in range(len(w))],
+              "lowrank_distinct": [{"steering_vectors": lowrank_config(layers[len(layers) // 2], cfg.hidden_size, rng,
+                                                                       args.vector_scale)} for _ in range(len(w))]}
     return global_specs, extras
 
 
@@ -154,12 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     # Steered paths (tables, kernels, graphs) get warmed too, until a pass leaves the steering tables'
     # layout as it found it: a later mode that adds a site or widens a table makes the graphs of the
     # modes warmed before it stale, and they would be captured again inside a timed run.
-    tables = llm.llm_engine.steering.tables
+    steering = llm.llm_engine.steering
     for passes in range(1, 4):
-        version = tables.version
+        version = steering.tables.version + steering.edits.version
         for mode in modes:
             in_mode(mode, partial(common.warm_up, llm, w, args, f"warmup-{mode}-{passes}", extras.get(mode)))
-        if tables.version == version:
+        if steering.tables.version + steering.edits.version == version:
             break
     else:
         raise SystemExit("the steering tables' layout still changed in the third warm-up pass")
