@@ -5,6 +5,7 @@
 import { $, KEY, ApiError, api, apiJson, bytesBase64, clearErrors, littleEndian, showError } from "./api.js";
 import { attachFeatures, featureCapture, featureRows, featureSteering, heatByFeature, heatFeature, loadSaes,
   wireFeatures } from "./features.js";
+import { setEditorModel, wireEditor } from "./editor.js";
 import { drawHeatmaps, forgetTokens, projectionRows, wireHeatmapRow } from "./heatmap.js";
 import { clearPatterns, drawPatterns, fillPatternLayers, patternCapture, wirePatterns } from "./patterns.js";
 import { plot, table } from "./sweep.js";
@@ -31,6 +32,7 @@ async function connect(quiet = false) {
     const card = (await apiJson("GET", "v1/models")).data[0];
     $("model-info").textContent = `${card.id}: ${card.num_layers} layers, width ${card.hidden_size}`;
     setAdmin(who);
+    setEditorModel(card);
     fillPatternLayers(card.num_layers);
     await Promise.all([loadModules(), loadSaes()]);
     // Said last: once it shows, the module and SAE lists are the server's (a choice made earlier
@@ -48,13 +50,14 @@ function setAdmin(who) {
   const admin = who?.role === "admin";
   $("upload-fieldset").disabled = !admin;
   $("train-fieldset").disabled = !admin;
+  $("editor-fieldset").disabled = !admin;
   const reason = $("admin-reason");
   reason.hidden = admin;
   if (!who) reason.textContent = "Enter an API key first.";
-  else if (!who.admin_routes) reason.textContent = "Uploading and training are disabled: this server has no admin "
-    + "key (start it with --admin-api-key).";
-  else reason.textContent = "Uploading and training are disabled for a user key: they register modules that every "
-    + "user of this server gets, so they need the admin key.";
+  else if (!who.admin_routes) reason.textContent = "Uploading, training and writing modules are disabled: this "
+    + "server has no admin key (start it with --admin-api-key).";
+  else reason.textContent = "Uploading, training and writing modules are disabled for a user key: they register "
+    + "modules that every user of this server gets, so they need the admin key.";
 }
 
 function useKey(event) {
@@ -99,8 +102,9 @@ async function chooseModule() {
       state.module = moduleDirections(name, spec);
       layers = [...state.module.directions.keys()].sort((a, b) => a - b);
       $("module-info").textContent = (layers.length ? `Adds at ${state.module.hooks.join(", ")}, layers ${layers.join(", ")}.`
-        : "This module adds no vector (clamps only): there is no direction for the heatmap.")
-        + (fixedPlacement(state.module) ? " It steers as registered (it clamps, or adds at several hooks)." : "");
+        : "This module adds no vector (it clamps, edits or routes): there is no direction for the heatmap.")
+        + (fixedPlacement(state.module) ? " It steers as registered (it clamps, edits, gates, routes, or adds at several "
+          + "hooks)." : "");
       if (state.module.hooks.length) {
         $("heat-hook").value = state.module.hooks[0];
         $("steer-hook").value = state.module.hooks[0];
@@ -118,15 +122,16 @@ async function chooseModule() {
 }
 
 // Per layer, the sum of what the module adds there (at any hook), as float64; its additions as the
-// server sent them (to steer at other layers or another hook), and how many clamps it has.
+// server sent them (to steer at other layers or another hook), and how many other items (clamps,
+// edits, gates, router biases) it has.
 function moduleDirections(name, spec) {
   const directions = new Map();
   const hooks = new Set();
   const adds = [];
-  let clamps = 0;
+  let others = 0;
   for (const item of spec.interventions || []) {
     if (item.type !== "add") {
-      clamps += 1;
+      others += 1;
       continue;
     }
     adds.push(item);
@@ -135,12 +140,12 @@ function moduleDirections(name, spec) {
     directions.set(item.layer, sum ? sum.map((x, i) => x + vector[i]) : vector);
     hooks.add(item.hook);
   }
-  return { name, directions, hooks: [...hooks], adds, clamps };
+  return { name, directions, hooks: [...hooks], adds, others };
 }
 
-// A module that clamps, or adds at more than one hook, has no single placement to move: it runs as registered.
+// A module with more than adds, or adds at more than one hook, has no single placement to move: it runs as registered.
 function fixedPlacement(module) {
-  return module.clamps > 0 || module.hooks.length > 1;
+  return module.others > 0 || module.hooks.length > 1;
 }
 
 // The steered run's steering: the module by reference where it steers as registered; where the
@@ -385,6 +390,7 @@ $("upload-file").addEventListener("change", () => {
 });
 $("upload-form").addEventListener("submit", upload);
 $("train-form").addEventListener("submit", trainVector);
+wireEditor((name) => loadModules(name));
 $("run-form").addEventListener("submit", run);
 $("stop").addEventListener("click", () => state.controller?.abort());
 $("scale").addEventListener("input", () => { $("scale-value").value = $("scale").value; });
