@@ -108,7 +108,7 @@ def test_steering_cost(cache_dir):
     r = run("steering_cost", cache_dir, "--repeats", "2", "--breakdown")
     runs = {x["mode"]: x for x in r["run"]}
     assert list(runs) == ["none", "global_all_layers", "per_request_distinct", "global_clamp_all_layers",
-                          "mixed_distinct"]
+                          "mixed_distinct", "lowrank_distinct", "when_token_all_layers"]
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
