@@ -25,7 +25,7 @@ from steerable.hook_points import (MLP_IN, MLP_OUT, POST_ATTN, POST_MLP, PRE_ATT
                                    check_hook_point)
 from steerable.sae.features import Feature, FeatureClamp
 from steerable.steering.items import Affine, LowRank, RouterBias, When
-from steerable.steering.spec import Add, Clamp, Intervention, Seen, edit_hash
+from steerable.steering.spec import Add, Clamp, Intervention, Seen, edit_hash, float32_array
 
 if TYPE_CHECKING:
     from steerable.steering.spec import SpecParser
@@ -189,13 +189,7 @@ def _router_bias(parser: SpecParser, item: RouterBias, where: str) -> Interventi
 
 def _array(value: Any, where: str, shape: tuple[int | None, ...]) -> np.ndarray:
     """``value`` as a float32 C array of ``shape`` (None: any size there), finite."""
-    try:
-        if isinstance(value, torch.Tensor):
-            array = value.detach().to("cpu", torch.float32).numpy(force=True)
-        else:
-            array = np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError) as err:
-        raise InvalidRequestError(f"{where}: not numeric ({err})") from None
+    array = float32_array(value, where)
     if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
         expected = "[" + ", ".join("r" if want is None else str(want) for want in shape) + "]"
         raise InvalidRequestError(f"{where}: expected shape {expected} (H = the hidden size), got {list(array.shape)}")

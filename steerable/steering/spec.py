@@ -227,6 +227,16 @@ def _vector_hash(vector: torch.Tensor) -> bytes:
     return _hash(values) if values.any() else _ZERO_HASH
 
 
+def float32_array(value: Any, where: str) -> np.ndarray:
+    """A tensor, array or nested list as a float32 numpy array (a tensor's a view where it can be)."""
+    try:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", torch.float32).numpy(force=True)
+        return np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as err:
+        raise InvalidRequestError(f"{where}: not numeric ({err})") from None
+
+
 def _item_key(item: Add | Clamp, seen: Seen) -> tuple:
     """An item's fields but the layer, by the identity of each (a spec built per layer shares
     them); a SelectSpec by value (equal ones are one selection anyway, and one is often built per
@@ -482,13 +492,7 @@ class SpecParser:
             if key in seen.vectors:
                 seen.vectors[by_id] = value, *seen.vectors[key][1:]
                 return seen.vectors[key][1:]
-        try:
-            if isinstance(value, torch.Tensor):
-                array = value.detach().to("cpu", torch.float32).numpy(force=True)
-            else:
-                array = np.asarray(value, dtype=np.float32)
-        except (TypeError, ValueError) as err:
-            raise InvalidRequestError(f"{where}: not a numeric vector ({err})") from None
+        array = float32_array(value, where)
         if array.ndim != 1 or array.size != self.hidden_size:
             raise InvalidRequestError(f"{where}: expected {self.hidden_size} values (the hidden size), "
                              f"got shape {array.shape}")

@@ -52,33 +52,43 @@ def encode_vector(vector: Any, encoding: str = "list") -> list[float] | dict[str
 def decode_vector(value: Any, where: str) -> np.ndarray:
     """A JSON vector as a float32 array; the hidden size is checked later, at admission."""
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - _VECTOR_KEYS)
-        if unknown or not _VECTOR_KEYS <= set(value):
-            raise InvalidRequestError(f"{where}: an encoded vector has exactly the keys {sorted(_VECTOR_KEYS)}, "
-                                      f"got {sorted(value)}")
-        raw = _WIRE_DTYPES.get(value["dtype"])
-        if raw is None:
-            raise InvalidRequestError(f"{where}.dtype: expected one of {list(_WIRE_DTYPES)}, got {value['dtype']!r}")
-        shape = value["shape"]
-        if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
-                and not isinstance(shape[0], bool) and shape[0] > 0):
-            raise InvalidRequestError(f"{where}.shape: expected [H] with H > 0, got {shape!r}")
-        if not isinstance(value["data"], str):
-            raise InvalidRequestError(f"{where}.data: expected a base64 string")
-        try:
-            data = base64.b64decode(value["data"], validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequestError(f"{where}.data: not valid base64") from None
-        if len(data) != shape[0] * raw.itemsize:
-            raise InvalidRequestError(f"{where}.data: {len(data)} bytes do not hold {shape[0]} {value['dtype']} values")
-        array = np.frombuffer(data, dtype=raw)
-        if value["dtype"] == "bfloat16":  # the high half of a float32
-            return (array.astype(np.uint32) << 16).view(np.float32)
-        return array.astype(np.float32)
+        return decode_encoded(value, where, 1)
     if isinstance(value, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
         return np.asarray(value, dtype=np.float32)
     raise InvalidRequestError(f"{where}: expected a list of numbers or {{'dtype', 'shape', 'data'}}, "
                               f"got {type(value).__name__}")
+
+
+def decode_encoded(value: Mapping, where: str, rank: int) -> np.ndarray:
+    """The base64 form ``{"dtype", "shape", "data"}`` of a vector (``rank`` 1, shape ``[H]`` with
+    H > 0) or a matrix (``rank`` 2, ``[rows, cols]``) as a float32 array of that shape."""
+    unknown = sorted(set(value) - _VECTOR_KEYS)
+    if unknown or not _VECTOR_KEYS <= set(value):
+        kind = "vector" if rank == 1 else "matrix"
+        raise InvalidRequestError(f"{where}: an encoded {kind} has exactly the keys {sorted(_VECTOR_KEYS)}, "
+                                  f"got {sorted(value)}")
+    raw = _WIRE_DTYPES.get(value["dtype"])
+    if raw is None:
+        raise InvalidRequestError(f"{where}.dtype: expected one of {list(_WIRE_DTYPES)}, got {value['dtype']!r}")
+    shape = value["shape"]
+    if not (isinstance(shape, list) and len(shape) == rank and all(isinstance(n, int) and not isinstance(n, bool)
+                                                                   and n >= (rank == 1) for n in shape)):
+        raise InvalidRequestError(f"{where}.shape: expected {'[H] with H > 0' if rank == 1 else '[rows, cols]'}, "
+                                  f"got {shape!r}")
+    if not isinstance(value["data"], str):
+        raise InvalidRequestError(f"{where}.data: expected a base64 string")
+    try:
+        data = base64.b64decode(value["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"{where}.data: not valid base64") from None
+    count = math.prod(shape)
+    if len(data) != count * raw.itemsize:
+        raise InvalidRequestError(f"{where}.data: {len(data)} bytes do not hold {' x '.join(map(str, shape))} "
+                                  f"{value['dtype']} values")
+    array = np.frombuffer(data, dtype=raw)
+    if value["dtype"] == "bfloat16":  # the high half of a float32
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32).reshape(shape)
 
 
 def _float32(vector: Any) -> np.ndarray:

@@ -14,7 +14,6 @@ vector form with two dimensions); shapes are checked against the model at admiss
 from __future__ import annotations
 
 import base64
-import binascii
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +30,6 @@ _KEYS = {
     "when": {"type", "items", "layer", "direction", "threshold", "hook", "scope", "compare"},
     "router_bias": {"type", "layer", "expert", "bias"},
 }
-_MATRIX_KEYS = {"dtype", "shape", "data"}
 
 
 def edit_to_dict(item: Any, encoding: str, item_to_dict: Callable[[Any, str], dict]) -> dict[str, Any]:
@@ -118,32 +116,10 @@ def encode_matrix(matrix: Any, encoding: str = "list") -> list[list[float]] | di
 
 def decode_matrix(value: Any, where: str) -> np.ndarray:
     """A JSON matrix as a float32 [rows, cols] array (sizes are checked at admission)."""
-    from steerable.steering.wire import _WIRE_DTYPES
+    from steerable.steering.wire import decode_encoded
 
     if isinstance(value, Mapping):
-        if set(value) != _MATRIX_KEYS:
-            raise InvalidRequestError(f"{where}: an encoded matrix has exactly the keys {sorted(_MATRIX_KEYS)}, "
-                                      f"got {sorted(value)}")
-        raw = _WIRE_DTYPES.get(value["dtype"])
-        if raw is None:
-            raise InvalidRequestError(f"{where}.dtype: expected one of {list(_WIRE_DTYPES)}, got {value['dtype']!r}")
-        shape = value["shape"]
-        if not (isinstance(shape, list) and len(shape) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
-            raise InvalidRequestError(f"{where}.shape: expected [rows, cols], got {shape!r}")
-        if not isinstance(value["data"], str):
-            raise InvalidRequestError(f"{where}.data: expected a base64 string")
-        try:
-            data = base64.b64decode(value["data"], validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequestError(f"{where}.data: not valid base64") from None
-        if len(data) != shape[0] * shape[1] * raw.itemsize:
-            raise InvalidRequestError(f"{where}.data: {len(data)} bytes do not hold {shape[0]} x {shape[1]} "
-                                      f"{value['dtype']} values")
-        array = np.frombuffer(data, dtype=raw)
-        if value["dtype"] == "bfloat16":  # the high half of a float32
-            array = (array.astype(np.uint32) << 16).view(np.float32)
-        return array.astype(np.float32).reshape(shape)
+        return decode_encoded(value, where, 2)
     if isinstance(value, list) and all(isinstance(row, list) for row in value):
         try:
             array = np.asarray(value, dtype=np.float32)
