@@ -1,5 +1,6 @@
 """The formulas of LowRank, Affine, When and RouterBias applied by HF hooks (``hf_oracle.HFSteered``
-edits), written from the issue's definitions and sharing no code with the engine.
+edits), written from the issue's definitions and sharing no code with the engine; and the check
+these items' test modules share (a batch under chunked prefill and under preemption).
 
 A gate's reading is recorded by an edit placed before the gated ones at its hook point (HFSteered
 applies a point's edits in order); greedy decoding recomputes every position each step, so the
@@ -113,3 +114,19 @@ def patch_router(model, layer: int, bias: torch.Tensor) -> Callable[[], None]:
 
     gate.forward = forward
     return lambda: setattr(gate, "forward", original)
+
+
+def check_chunked_and_preempted(path: str, prompts: list[list[int]], params: list, kv_cache_tokens: int) -> None:
+    """The batch under 16-token prefill chunks, and with a KV cache of ``kv_cache_tokens`` (small
+    enough to preempt), gives a cold engine's tokens (each request alone, no prefix cache) and frees
+    every steering row."""
+    from steerable import LLM
+
+    ref = LLM(path, device="cpu", kv_cache_tokens=8192, enable_prefix_caching=False)
+    expected = [ref.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    for kw in (dict(max_num_batched_tokens=16), dict(kv_cache_tokens=kv_cache_tokens)):
+        llm = LLM(path, device="cpu", **{"kv_cache_tokens": 8192, **kw})
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        if "max_num_batched_tokens" not in kw:
+            assert llm.engine.stats()["num_preemptions"] > 0
+        assert llm.get_steering_status()["rows_in_use"] == 0

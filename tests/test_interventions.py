@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import PROMPTS, hf_model
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap
-from intervention_oracle import affine_delta, edits_at_once, lowrank_delta, orthonormal_rows, plus, rand
+from intervention_oracle import check_chunked_and_preempted, affine_delta, edits_at_once, lowrank_delta, orthonormal_rows, plus, rand
 from server_harness import SERVED_NAME, USER, assert_nothing_held
 from test_sae_registry import random_sae
+from transformers import AutoTokenizer
 
 from steerable import (LLM, Add, Affine, Clamp, Feature, LowRank, RouterBias, SamplingParams, SelectSpec,
                        SteeringSpec, When)
@@ -221,8 +222,7 @@ def test_chunked_prefill_preemption_and_prefix_cache(model_dirs):
     """Edits under prefill chunks of 16 tokens and under preemption give a cold engine's tokens; a
     prompt-edited request never reuses KV computed without it, a decode-only one shares it."""
     path = model_dirs["qwen3"]
-    ref = LLM(path, device="cpu", kv_cache_tokens=8192, enable_prefix_caching=False)
-    tok = ref.get_tokenizer()
+    tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok((PROMPTS[i % 8] + " ") * 3).input_ids for i in range(10)]
     params = []
     for i in range(10):
@@ -231,13 +231,7 @@ def test_chunked_prefill_preemption_and_prefix_cache(model_dirs):
         params.append(SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, steering_vectors=SteeringSpec(
             interventions=[item, Affine(1, (rand(H, 2, seed=i), rand(2, H, seed=50 + i)), hook="post_attn")]))
             if i % 4 else SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    expected = [ref.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    for kw in (dict(max_num_batched_tokens=16), dict(kv_cache_tokens=400)):
-        llm = LLM(path, device="cpu", **{"kv_cache_tokens": 8192, **kw})
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
-        if "kv_cache_tokens" in kw:
-            assert llm.engine.stats()["num_preemptions"] > 0
-        assert llm.get_steering_status()["rows_in_use"] == 0
+    check_chunked_and_preempted(path, prompts, params, kv_cache_tokens=400)
     llm = LLM(path, device="cpu", kv_cache_tokens=8192)
     hits = lambda: llm.engine.stats()["prefix_cache_hit_tokens"]  # noqa: E731
     prefix = list(range(20, 84))  # four full blocks

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PROMPTS, hf_model
 from hf_oracle import HFSteered, max_logprob_gap
-from intervention_oracle import Gate, lowrank_delta, orthonormal_rows, patch_router, plus, rand
+from intervention_oracle import check_chunked_and_preempted, Gate, lowrank_delta, orthonormal_rows, patch_router, plus, rand
 from test_qwen3_moe import build_qwen3_moe
 
 from steerable import LLM, CaptureSpec, LowRank, RouterBias, SamplingParams, SteeringSpec, When
@@ -148,16 +148,10 @@ def test_chunked_prefill_and_preemption(moe):
     """Router biases (one gated) under 16-token prefill chunks and under preemption: a cold
     engine's tokens."""
     _, _, path = moe
-    ref = LLM(path, device="cpu", kv_cache_tokens=8192, enable_prefix_caching=False)
-    tok = ref.get_tokenizer()
+    tok = moe[0].get_tokenizer()
     prompts = [tok((PROMPTS[i % 8] + " ") * 3).input_ids for i in range(8)]
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, steering_vectors=SteeringSpec(
         interventions=[RouterBias(2, i % EXPERTS, 4.0), When([RouterBias(0, (i + 3) % EXPERTS, 3.0)], 0, rand(H, seed=i),
                                                                0.0, "pre_attn")])) if i % 3
               else SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for i in range(8)]
-    expected = [ref.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    for kw in (dict(max_num_batched_tokens=16), dict(kv_cache_tokens=320)):
-        llm = LLM(path, device="cpu", **{"kv_cache_tokens": 8192, **kw})
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
-        if "kv_cache_tokens" in kw:
-            assert llm.engine.stats()["num_preemptions"] > 0
+    check_chunked_and_preempted(path, prompts, params, kv_cache_tokens=320)
