@@ -215,3 +215,25 @@ def test_chunked_prefill_preemption_and_prefix_cache(model_dirs):
     llm.generate([prefix + [7]], SamplingParams(max_tokens=3, temperature=0, steering_vectors=by_token),
                  use_tqdm=False)
     assert hits() == before, "a token-scope gate's items touch prompt rows: no reuse of plain blocks"
+
+
+def test_global_and_module_gates_equal_per_request_and_n_completions(model_dirs):
+    """A When set globally, or registered as a module, steers as the same When given per request;
+    the completions of one n=2 request each run the gate."""
+    path = model_dirs["llama"]
+    llm = LLM(path, device="cpu", kv_cache_tokens=8192)
+    prompt = _ids(llm, PROMPTS[2])
+    spec = SteeringSpec(interventions=[When([Add(2, rand(H, seed=1, scale=4.0))], 0, rand(H, seed=2), 0.0),
+                                       When([Add(2, rand(H, seed=3, scale=4.0))], 1, rand(H, seed=4), 0.0,
+                                            scope="prompt", compare="<")])
+    inline = llm.generate([prompt], greedy(steering_vectors=spec), use_tqdm=False)[0]
+    assert inline.outputs[0].token_ids != llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    llm.register_steering_modules({"gated": spec})
+    by_module = llm.generate([prompt], greedy(steering_module_ref="gated"), use_tqdm=False)[0]
+    llm.set_steering_vectors(spec)
+    both = llm.generate([prompt], SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, n=2), use_tqdm=False)[0]
+    llm.clear_steering_vectors()
+    llm.unregister_steering_modules(["gated"])
+    assert by_module.outputs[0].token_ids == inline.outputs[0].token_ids
+    assert [c.token_ids for c in both.outputs] == [inline.outputs[0].token_ids] * 2
+    assert llm.get_steering_status()["rows_in_use"] == 0
