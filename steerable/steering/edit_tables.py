@@ -168,8 +168,10 @@ class EditStep:
         return self.live
 
     def index_out(self) -> torch.Tensor:
-        """What this stage hands on: the rows after its gates (or as received), else the step's own."""
-        return self.live if self.received or self.first_gate is not None else self.index
+        """What this stage hands on: the rows after its gates (or as received), else the step's own.
+        A copy: the send completes in the background, while the next micro-batch's step already
+        writes both buffers."""
+        return (self.live if self.received or self.first_gate is not None else self.index).clone()
 
     def read_gates(self, site: Site, hidden: torch.Tensor) -> None:
         """Evaluate the gates at ``site`` on ``hidden`` (before the site's writes) and move each
