@@ -170,6 +170,10 @@ TARGETS = Table("targets", (
            {**STEERING, "mode": "per_request_distinct"}, against("none"), at_most(10, "≤ 10 %")),
     Figure("256 distinct mixed configs (adds, clamps, ablations, selections)", "steering_cost", "run", "cost_pct",
            cost, {**STEERING, "mode": "mixed_distinct"}, against("none"), at_most(10, "≤ 10 %")),
+    Figure("256 distinct rank-4 LoReFTs at one layer", "steering_cost", "run", "cost_pct", cost,
+           {**STEERING, "mode": "lowrank_distinct"}, against("none"), at_most(10, "≤ 10 %")),
+    Figure("one `When(scope=\"token\")` gating a vector at every layer", "steering_cost", "run", "cost_pct", cost,
+           {**STEERING, "mode": "when_token_all_layers"}, against("none"), at_most(5, "≤ 5 %")),
     Figure("capture of the last prompt row at every layer, a stream", "capture_cost", "run", "cost_pct", cost,
            {**STEERING, "mode": "stream_last_prompt"}, against("none"), at_most(5, "≤ 5 %")),
     Figure("… per-request `CaptureSpec`", "capture_cost", "run", "cost_pct", cost,
@@ -254,6 +258,8 @@ STEERING_COST = Table("steering_cost", _modes("steering_cost", {
     "per_request_distinct": "256 distinct per-request vectors at every layer",
     "global_clamp_all_layers": "a projection clamp at every layer",
     "mixed_distinct": "256 distinct mixed configs",
+    "lowrank_distinct": "256 distinct per-request rank-4 LoReFTs (`LowRank`) at one layer",
+    "when_token_all_layers": "one `When(scope=\"token\")` gating a vector at every layer",
 }))
 
 CAPTURE_COST = Table("capture_cost", _modes("capture_cost", {
