@@ -96,6 +96,23 @@ def test_edits_at_one_point_read_the_stream_after_its_adds_and_clamps(family):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_edits_wider_than_the_table_fold_into_a_dense_slot(model_dirs):
+    """Two rank-40 LoReFTs at one point (80 rows, over the table's 64) run as one dense matrix,
+    beside a request with a narrow one at the same point: both equal HF."""
+    path = model_dirs["llama"]
+    llm = LLM(path, device="cpu", kv_cache_tokens=4096)
+    hf = hf_model(path)
+    prompts = [_ids(llm, PROMPTS[1]), _ids(llm, PROMPTS[4])]
+    (a, da), (b, db), (c, dc) = loreft(1, 800, rank=40, scale=0.3), loreft(1, 900, rank=40, scale=0.3), loreft(1, 950)
+    outs = llm.generate(prompts, [greedy(steering_vectors=SteeringSpec(interventions=[a, b])),
+                                  greedy(steering_vectors=SteeringSpec(interventions=[c]))], use_tqdm=False)
+    ledger = llm.llm_engine.steering.edits
+    assert ledger.dense_slots[("post_mlp", 1)] == 2 and ledger.width["edit", ("post_mlp", 1)] == 4  # folded, narrow
+    for out, prompt, fn in ((outs[0], prompts[0], edits_at_once(da, db)), (outs[1], prompts[1], plus(dc))):
+        tokens, logprobs = HFSteered(hf, [("post_mlp", 1, fn, None)]).greedy(prompt, N)
+        assert out.outputs[0].token_ids == tokens and max_logprob_gap(out, logprobs) <= 1e-4
+
+
 def test_distinct_configs_in_one_batch_with_adds_clamps_and_features(model_dirs):
     """Twelve requests, eight with their own edits (LoReFTs of other ranks and layers, Affines,
     with adds, clamps and an SAE feature beside them), four unsteered: each steered one equals
