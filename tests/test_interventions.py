@@ -230,6 +230,9 @@ def test_json_forms_round_trip(model_dirs, encoding):
     for form in (SteeringSpec.from_dict(data), steering_from_json(data)):
         out = llm.generate([prompt], greedy(steering_vectors=form), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    by_feature = SteeringSpec(interventions=[When([Add(2, [1.0] * H)], 1, Feature("res1", 5), 0.5, compare="<")])
+    back = SteeringSpec.from_dict(by_feature.to_dict(encoding)).interventions[0]
+    assert back.direction == Feature("res1", 5) and back.compare == "<" and back.threshold == 0.5
     moe = {"interventions": [{"type": "router_bias", "layer": 2, "expert": 3, "bias": 1.5}]}
     assert SteeringSpec.from_dict(moe).interventions == [RouterBias(2, 3, 1.5)]
     assert SteeringSpec.from_dict(moe).to_dict() == moe
@@ -333,3 +336,21 @@ def test_http_steering_vectors_with_edits(http, offline):
     assert "steering_vectors.interventions[0].R" in reply.json()["error"]["message"]
     assert http.post("/v1/completions", json={**body, "steering_vectors": None}, headers=USER).status_code == 200
     assert_nothing_held(http)
+
+
+@pytest.mark.parametrize("item, field, words", [
+    ({"type": "lowrank", "layer": 1, "R": [[1.0, 2.0], [3.0]], "W": [[0.0]]}, "interventions[0].R", "one length"),
+    ({"type": "lowrank", "layer": 1, "R": {"dtype": "float32", "shape": [4], "data": ""}, "W": [[0.0]]},
+     "interventions[0].R.shape", "[rows, cols]"),
+    ({"type": "lowrank", "layer": 1, "W": [[0.0]]}, "interventions[0]", "missing ['R']"),
+    ({"type": "affine", "layer": 1, "A": [[0.0]], "U": [[0.0]]}, "interventions[0].A", "either A"),
+    ({"type": "when", "items": [], "direction": [0.0], "threshold": 0, "gate": 1}, "interventions[0].gate",
+     "unknown key"),
+    ({"type": "when", "items": {}, "direction": [0.0], "threshold": 0}, "interventions[0].items", "a list"),
+    ({"type": "router_bias", "layer": 1, "expert": 0}, "interventions[0]", "missing ['bias']"),
+    ({"type": "loreft", "layer": 1}, "interventions[0].type", "'lowrank'"),
+])
+def test_bad_json_names_the_field(item, field, words):
+    with pytest.raises(ValueError) as err:
+        steering_from_json({"interventions": [item]})
+    assert f"steering_vectors.{field}" in str(err.value) and words in str(err.value), str(err.value)
