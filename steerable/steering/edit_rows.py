@@ -118,9 +118,8 @@ class EditRows:
             if item.kind == "dense":
                 A = item.matrices[0].numpy()
                 dense = A if dense is None else dense + A
-        V = np.concatenate([item.matrices[0].numpy() for item in lowrank]) if lowrank else np.zeros((0, hidden), np.float32)
-        b = np.concatenate([item.matrices[1].numpy() for item in lowrank]) if lowrank else np.zeros(0, np.float32)
-        U = np.concatenate([item.matrices[2].numpy() for item in lowrank]) if lowrank else np.zeros((0, hidden), np.float32)
+        V, b, U = (np.concatenate([item.matrices[part].numpy() for item in lowrank]) if lowrank
+                   else np.zeros((0, hidden) if part != 1 else 0, np.float32) for part in range(3))
         if len(V) > MAX_TABLE_RANK:
             folded = U.T @ V
             dense = folded if dense is None else dense + folded

@@ -77,11 +77,11 @@ class EditTables:
         """The site's tensors of ``table``, at least ``width`` wide (wider ones keep their rows)."""
         key = (table, site)
         have = self.tables.get(key)
-        if have is not None and self._width(table, have) >= width:
+        if have is not None and have[0].shape[1] >= width:  # each table's first part is [rows, width, ...]
             return have
         fresh = self._fresh(table, width)
         if have is not None:
-            old = self._width(table, have)
+            old = have[0].shape[1]
             for part, (new, before) in enumerate(zip(fresh, have)):
                 if table == "edit" and part >= 3:  # constants and dense slots do not widen
                     new.copy_(before)
@@ -94,9 +94,6 @@ class EditTables:
             self._ensure_sums(site, width)
         return fresh
 
-    def _width(self, table: str, tensors: list[torch.Tensor]) -> int:
-        return tensors[0].shape[1]
-
     def _fresh(self, table: str, width: int) -> list[torch.Tensor]:
         cap, hidden, device = self.capacity, self.hidden_size, self.device
         if table == "edit":
@@ -107,8 +104,9 @@ class EditTables:
         if table == "router":
             return [torch.zeros(cap, width, device=device)]
         stay = torch.arange(cap, device=device)[:, None].expand(cap, 1 << width).contiguous()
-        return [torch.zeros(cap, width, hidden, dtype=self.dtype, device=device), torch.zeros(cap, width, 4, device=device),
-                torch.zeros(cap, width, dtype=torch.int64, device=device), stay]
+        return [torch.zeros(cap, width, hidden, dtype=self.dtype, device=device),
+                torch.zeros(cap, width, 4, device=device), torch.zeros(cap, width, dtype=torch.int64, device=device),
+                stay]
 
     def _grown(self, table: str, part: int, old: torch.Tensor, capacity: int) -> torch.Tensor:
         new = torch.zeros(capacity, *old.shape[1:], dtype=old.dtype, device=old.device)

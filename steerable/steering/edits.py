@@ -167,7 +167,7 @@ def _affine(parser: SpecParser, item: Affine, where: str, seen: Seen) -> Interve
 
 def _lowrank_item(hook: str, layer: int, select: Any, V: np.ndarray, b: np.ndarray, U: np.ndarray,
                   c: np.ndarray) -> Intervention:
-    matrices = (torch.from_numpy(np.ascontiguousarray(V)), torch.from_numpy(b), torch.from_numpy(np.ascontiguousarray(U)))
+    matrices = tuple(torch.from_numpy(np.ascontiguousarray(part)) for part in (V, b, U))
     vector = torch.from_numpy(c)
     return Intervention("lowrank", hook, layer, vector, edit_hash("lowrank", vector, matrices), select,
                         matrices=matrices)

@@ -79,7 +79,8 @@ class SteeringSpec:
     ``features`` (``Feature`` / ``FeatureClamp`` of registered SAEs); ``scale`` multiplies every
     additive vector and every clamp strength."""
 
-    interventions: list[Any] = field(default_factory=list)  # Add, Clamp, Feature, FeatureClamp, LowRank, Affine, When, RouterBias
+    # Add, Clamp, Feature, FeatureClamp, LowRank, Affine, When, RouterBias
+    interventions: list[Any] = field(default_factory=list)
     vectors: Any = None
     prefill_vectors: Any = None
     decode_vectors: Any = None
@@ -278,7 +279,8 @@ class SpecParser:
         if isinstance(spec, (list, tuple)) and all(isinstance(i, ITEM_TYPES) for i in spec):
             return self._parse_items(spec, where, seen)
         raise InvalidRequestError(f"{where}: expected a SteeringSpec, a ControlVector, Add/Clamp/Feature/FeatureClamp/"
-                                  f"LowRank/Affine/When/RouterBias items or a dict of vectors, got {type(spec).__name__}")
+                                  f"LowRank/Affine/When/RouterBias items or a dict of vectors, got "
+                                  f"{type(spec).__name__}")
 
     def _parse_spec(self, spec: SteeringSpec, where: str, seen: Seen) -> list[Intervention]:
         scale = finite_number(spec.scale, f"{where}.scale")
