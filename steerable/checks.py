@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from steerable.errors import InvalidRequestError
@@ -32,6 +33,17 @@ def finite_number(value: Any, where: str) -> float:
     if not is_number(value) or not math.isfinite(value):
         raise InvalidRequestError(f"{where}: expected a finite number, got {value!r}")
     return float(value)
+
+
+def float32_array(value: Any, where: str) -> np.ndarray:
+    """A tensor, array or nested list as a float32 numpy array (a tensor's a view where it can be),
+    or ``InvalidRequestError`` naming ``where``."""
+    try:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", torch.float32).numpy(force=True)
+        return np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as err:
+        raise InvalidRequestError(f"{where}: not numeric ({err})") from None
 
 
 def float_dtype(dtype: str | torch.dtype, where: str) -> torch.dtype:

@@ -25,7 +25,8 @@ from steerable.hook_points import (MLP_IN, MLP_OUT, POST_ATTN, POST_MLP, PRE_ATT
                                    check_hook_point)
 from steerable.sae.features import Feature, FeatureClamp
 from steerable.steering.items import Affine, LowRank, RouterBias, When
-from steerable.steering.spec import Add, Clamp, Intervention, Seen, edit_hash, float32_array
+from steerable.checks import float32_array
+from steerable.steering.spec import _ZERO_HASH, Add, Clamp, Intervention, Seen
 
 if TYPE_CHECKING:
     from steerable.steering.spec import SpecParser
@@ -69,6 +70,29 @@ class Gate:
     @property
     def sign(self) -> float:
         return 1.0 if self.compare == ">" else -1.0
+
+
+def edit_hash(kind: str, vector: torch.Tensor, matrices: Sequence[torch.Tensor]) -> bytes:
+    """Hash of an edit's tensors; ``_ZERO_HASH`` when it writes nothing (``Intervention.is_noop``):
+    no constant and a zero U (low-rank) or A (dense)."""
+    written = [vector] + ([matrices[2]] if kind == "lowrank" else list(matrices[:1]))
+    if not any(t.numpy().any() for t in written):
+        return _ZERO_HASH
+    digest = hashlib.blake2b(kind.encode(), digest_size=16)
+    for tensor in (vector, *matrices):
+        digest.update(repr(tuple(tensor.shape)).encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.digest()
+
+
+def scaled_edit(item: Intervention, scale: float) -> Intervention:
+    """What the edit writes, scaled: the constant and ``U`` (low-rank), ``A`` (dense) or the router bias."""
+    vector, matrices = item.vector * scale, item.matrices
+    if item.kind == "lowrank":
+        matrices = (*matrices[:2], matrices[2] * scale)
+    elif item.kind == "dense":
+        matrices = (matrices[0] * scale,)
+    return replace(item, vector=vector, matrices=matrices, vector_hash=edit_hash(item.kind, vector, matrices))
 
 
 def parse_edit(parser: SpecParser, item: Any, where: str, seen: Seen) -> Intervention:

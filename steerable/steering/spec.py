@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerable.checks import finite_number, is_int
+from steerable.checks import finite_number, float32_array, is_int
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import MLP_OUT, POST_MLP, check_hook_point
 from steerable.sae.features import Feature, FeatureClamp
@@ -163,15 +163,10 @@ class Intervention:
         if self.kind == "add":
             vector = self.vector * scale
             return dataclasses.replace(self, vector=vector, vector_hash=_vector_hash(vector))
-        if self.kind in EDIT_KINDS:  # what the edit writes is scaled: the constant and U, A or the router bias
-            vector = self.vector * scale
-            matrices = self.matrices
-            if self.kind == "lowrank":
-                matrices = (*matrices[:2], matrices[2] * scale)
-            elif self.kind == "dense":
-                matrices = (matrices[0] * scale,)
-            return dataclasses.replace(self, vector=vector, matrices=matrices,
-                                       vector_hash=edit_hash(self.kind, vector, matrices))
+        if self.kind in EDIT_KINDS:
+            from steerable.steering.edits import scaled_edit  # edits builds on this module
+
+            return scaled_edit(self, scale)
         strength = self.strength * scale
         if not 0.0 <= strength <= 1.0:
             raise InvalidRequestError(f"{where}: clamp strength {self.strength} x scale {scale} is outside [0, 1]")
@@ -190,20 +185,7 @@ def _strength(value: Any, where: str) -> float:
     return strength
 
 
-EDIT_KINDS = ("lowrank", "dense", "router")
-
-
-def edit_hash(kind: str, vector: torch.Tensor, matrices: Sequence[torch.Tensor]) -> bytes:
-    """Hash of an edit's tensors; ``_ZERO_HASH`` when it writes nothing (``is_noop``): no constant
-    and a zero U (low-rank) or A (dense)."""
-    written = [vector] + ([matrices[2]] if kind == "lowrank" else list(matrices[:1]))
-    if not any(t.numpy().any() for t in written):
-        return _ZERO_HASH
-    digest = hashlib.blake2b(kind.encode(), digest_size=16)
-    for tensor in (vector, *matrices):
-        digest.update(repr(tuple(tensor.shape)).encode())
-        digest.update(tensor.numpy().tobytes())
-    return digest.digest()
+EDIT_KINDS = ("lowrank", "dense", "router")  # steering.edits
 
 
 def config_identity(interventions: Sequence[Intervention]) -> bytes:
@@ -226,16 +208,6 @@ def _vector_hash(vector: torch.Tensor) -> bytes:
     """Hash of the values; every all-zero vector gets ``_ZERO_HASH``, so ``is_noop`` needs no pass over them."""
     values = vector.numpy()
     return _hash(values) if values.any() else _ZERO_HASH
-
-
-def float32_array(value: Any, where: str) -> np.ndarray:
-    """A tensor, array or nested list as a float32 numpy array (a tensor's a view where it can be)."""
-    try:
-        if isinstance(value, torch.Tensor):
-            return value.detach().to("cpu", torch.float32).numpy(force=True)
-        return np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError) as err:
-        raise InvalidRequestError(f"{where}: not numeric ({err})") from None
 
 
 def _item_key(item: Add | Clamp, seen: Seen) -> tuple:
