@@ -57,7 +57,7 @@ def _check(llm, hf, prompt_ids, steering, edits):
     return out
 
 
-@pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_mlp"])
+@pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_mlp", "mlp_in", "mlp_out"])
 def test_lowrank_matches_hf_hook(family, hook):
     name, llm, hf = family
     scale = 3.0 if name == "gemma3" else 1.0  # Gemma's residual stream is large (embeddings scaled by sqrt(H))

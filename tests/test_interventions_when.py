@@ -77,6 +77,29 @@ def test_token_scope_gates_row_by_row(family):
     assert plain != tokens
 
 
+def test_gates_and_edits_at_the_mlp_points(family):
+    """A gate reading the MLP's input (``mlp_in``, after its norm) over a LoReFT on what the MLP adds
+    (``mlp_out``) and an add on the layer output."""
+    name, llm, hf = family
+    prompt = _ids(llm, PROMPTS[1])
+    d = rand(H, seed=60)
+    threshold = _split(_readings(hf, prompt, ("mlp_in", 1), d))
+    R, W, b = orthonormal_rows(2, H, 61), rand(2, H, seed=62, scale=2.0), rand(2, seed=63, scale=2.0)
+    v = rand(H, seed=64, scale=3 * _scale(name))
+    spec = SteeringSpec(interventions=[When([LowRank(1, R, W, b, hook="mlp_out"), Add(1, v)], 1, d, threshold,
+                                            hook="mlp_in")])
+    gate = Gate(d, threshold, prompt_len=len(prompt))
+    edits = [("mlp_in", 1, gate.read(), None), ("mlp_out", 1, gate.gated(plus(lowrank_delta(R, W, b))), None),
+             ("post_mlp", 1, gate.gated(add_edit(v)), None)]
+    out = llm.generate([prompt], greedy(steering_vectors=spec), use_tqdm=False)[0]
+    tokens, logprobs = HFSteered(hf, edits).greedy(prompt, N)
+    assert out.outputs[0].token_ids == tokens and max_logprob_gap(out, logprobs) <= 1e-4
+    assert gate.mask.any() and not gate.mask.all()
+    with pytest.raises(ValueError, match="before the gate"):
+        llm.generate([prompt], greedy(steering_vectors=SteeringSpec(interventions=[
+            When([Add(1, v, hook="post_attn")], 1, d, threshold, hook="mlp_in")])), use_tqdm=False)
+
+
 def test_prompt_scope_decides_once_for_generated_rows(family):
     """Two requests gated on the prompt's mean reading, one above its threshold and one below,
     beside an unsteered one: the first gets the items on every generated row (its first token is
