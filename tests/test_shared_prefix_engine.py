@@ -16,10 +16,10 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("run with TRITON_INTERPRET=1 STEERABLE_FUSED_ON_CPU=1", allow_module_level=True)
 
 from conftest import hf_greedy, hf_model  # noqa: E402
+from graph_harness import EagerGraphs  # noqa: E402
 
 from steerable import LLM, SamplingParams, SteeringSpec  # noqa: E402
 from steerable.layers.attention_backends import triton_paged  # noqa: E402
-from steerable.worker.cuda_graphs import CudaGraphRunner  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -76,21 +76,6 @@ def test_outputs_equal_unshared_engine_and_hf(model_dirs):
     assert first.outputs[0].token_ids == hf_greedy(hf, list(first.prompt_token_ids), 4)
 
 
-class _EagerGraphs(CudaGraphRunner):
-    """The graph runner's padding without CUDA: every "replay" runs the step's program, so the
-    padded shapes a graph would see (padding sequences and tokens, the mixed query hint) run
-    through the real kernels; records each key."""
-
-    def __init__(self, max_num_seqs: int, max_mixed_tokens: int):
-        super().__init__(max_num_seqs, max_mixed_tokens)
-        self.keys = []
-
-    def run(self, ctx, key, program):
-        self.keys.append(key)
-        hidden, tokens = program()
-        return hidden, tokens, ctx.capture.staged() if ctx.capture is not None else []
-
-
 def _recording(llm: LLM) -> list:
     """Wrap the worker's launch to record (max_query_len, shares a prefix) of every step."""
     worker = llm.llm_engine.worker
@@ -120,13 +105,13 @@ def test_mixed_steps_share_and_pad(model_dirs):
     more, decode steps to the decode ladder), and equal an engine without sharing padded the same way."""
     path = model_dirs["qwen3"]
     llm = _engine(path, True, max_num_seqs=4)
-    graphs = llm.llm_engine.worker.graphs = _EagerGraphs(4, 256)
+    graphs = llm.llm_engine.worker.graphs = EagerGraphs(4, 256)
     seen = _recording(llm)
     got = _run_mixed(llm)
     llm.shutdown()
     assert any(q > 1 and shared for q, shared in seen), seen
     plain = _engine(path, False, max_num_seqs=4)
-    plain.llm_engine.worker.graphs = _EagerGraphs(4, 256)  # the same padded shapes: the same GEMMs
+    plain.llm_engine.worker.graphs = EagerGraphs(4, 256)  # the same padded shapes: the same GEMMs
     expected = _run_mixed(plain)
     plain.shutdown()
     for on, off in zip(got, expected):

@@ -5,8 +5,12 @@ A group's block is ``[layers, rows, width]``: every layer's rows of one step sid
 driver hands a whole step to a stream with one copy per layer and a request's rows of every layer
 with one ``index_select``. Row indices live in persistent device buffers, so a CUDA graph replays
 the gathers of a step with the same plan shape (hook, layers, dtype per group) but other rows; a
-graph gathers a fixed number of rows (the padded step size) and the padding rows are dropped on the
-host.
+graph gathers a fixed number of rows (the padded step size: a decode step's padded batch, a mixed
+step's padded tokens) and only the planned ones are copied out. Graphed steps write their blocks
+into one staging slab per group position, shared by every graph: graphs replay one at a time and
+each step's blocks are copied out right behind its forward on the same stream, so a graph needs no
+memory of its own for them (a mixed step's padded block of every layer would otherwise be pinned by
+each of the mixed ladder's graphs).
 
 Under tensor parallelism every rank holds the same plan. Replicated activations (the residual
 stream, router logits) are recorded by tensor-parallel rank 0 alone; a component split over the
@@ -30,7 +34,8 @@ launches step N + 2, and a threaded sink may read step N's rows until it launche
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,6 +73,7 @@ class CaptureBuffers:
         self.host_block_lifetime = OUTBOX_SETS - 1
         self._turn = 0
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._slabs: list[torch.Tensor] = []  # per group position: graphed steps' blocks (CUDA only)
 
     def step_view(self, plan: CapturePlan, padded_tokens: int, graphed: bool,
                   step: StepInput | None = None) -> "StepCapture":
@@ -96,7 +102,22 @@ class CaptureBuffers:
             if graphed:  # the graph gathers padded_tokens rows; the extra ones read row 0 and are dropped
                 buffer[n:padded_tokens].zero_()
             views.append(buffer[:padded_tokens] if graphed else buffer[:n])
-        return StepCapture(plan, views, self.tp, self.sharded, patterns, self.saes)
+        # On a CPU a step's blocks are its host rows until the driver delivers them: its own.
+        shared = graphed and self._copy_stream is not None
+        return StepCapture(plan, views, self.tp, self.sharded, patterns, self.saes,
+                           self._slab_block if shared else None)
+
+    def _slab_block(self, g: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Group position ``g``'s block of a graphed step: a view of its slab, which grows (at least
+        doubling) when a larger block is asked for. A graph captured on an older slab keeps it alive
+        through its staged blocks, so at most a few slabs per position exist, twice the largest."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        while len(self._slabs) <= g:
+            self._slabs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._slabs[g].numel() < nbytes:
+            self._slabs[g] = torch.empty(max(nbytes, 2 * self._slabs[g].numel()), dtype=torch.uint8,
+                                         device=self.device)
+        return self._slabs[g][:nbytes].view(dtype).view(shape)
 
     def copy_to_host(self, blocks: list[torch.Tensor | None], plan: CapturePlan
                      ) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
@@ -113,7 +134,7 @@ class CaptureBuffers:
             return host, None
         outbox = self._outboxes[self._turn]
         self._turn = (self._turn + 1) % len(self._outboxes)
-        copied = outbox.copy([block for _, block in present], [counts[g] for g, _ in present], self._copy_stream)
+        copied = outbox.copy([block[:, :counts[g]] for g, block in present], self._copy_stream)
         for (g, _), rows in zip(present, copied):
             host[g] = rows
         return host, outbox.done
@@ -128,7 +149,9 @@ class _Outbox:
         self.host: dict[torch.dtype, torch.Tensor] = {}
         self.done = torch.cuda.Event()
 
-    def copy(self, blocks: list[torch.Tensor], counts: list[int], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+    def copy(self, blocks: list[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        """Copy ``blocks`` (the planned rows of each: views that skip a graph's padding rows) out,
+        packed per dtype; returns their host copies, valid once ``done`` has passed."""
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(self.done)  # the previous copy out of these buffers has finished
         offsets, totals = [], {}
@@ -149,16 +172,20 @@ class _Outbox:
             for dtype, total in totals.items():
                 self.host[dtype][:total].copy_(self.staging[dtype][:total], non_blocking=True)
             self.done.record(stream)
-        return [self.host[block.dtype][offset:offset + block.numel()].view(block.shape)[:, :n]
-                for block, offset, n in zip(blocks, offsets, counts)]
+        return [self.host[block.dtype][offset:offset + block.numel()].view(block.shape)
+                for block, offset in zip(blocks, offsets)]
 
 
 class StepCapture:
     """What the hook points ask of capture in one step: is a site read, and record it."""
 
     def __init__(self, plan: CapturePlan, index: list[torch.Tensor], tp: TPGroup, sharded: frozenset[str],
-                 patterns: dict[int, PatternRows] | None = None, saes: SaeTables | None = None):
+                 patterns: dict[int, PatternRows] | None = None, saes: SaeTables | None = None,
+                 new_block: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+        """``new_block(g, shape, dtype)``: where group ``g``'s block goes (default: a tensor of its
+        own, as eager steps use; on a CPU the block is the host rows the driver reads later)."""
         self.plan = plan
+        self.new_block = new_block or self._fresh_block
         self.saes = saes
         self.index = index
         self.patterns = patterns or {}  # group -> its attention-pattern rows
@@ -223,9 +250,8 @@ class StepCapture:
         """Layer ``i`` of group ``g``'s block: ``rows`` (or its ``index`` rows)."""
         block = self.blocks[g]
         if block is None:
-            block = self.blocks[g] = torch.empty(len(self.plan.groups[g].layers), len(self.index[g]),
-                                                 rows.shape[-1], dtype=self.dtypes[g] or rows.dtype,
-                                                 device=rows.device)
+            shape = (len(self.plan.groups[g].layers), len(self.index[g]), rows.shape[-1])
+            block = self.blocks[g] = self.new_block(g, shape, self.dtypes[g] or rows.dtype)
         if index is None:
             block[i].copy_(rows)
         elif block.dtype == rows.dtype:
@@ -240,8 +266,8 @@ class StepCapture:
         rows = value.index_select(0, self.index[g])
         block = self.blocks[g]
         if block is None:
-            block = self.blocks[g] = torch.empty(len(group.layers), len(self.index[g]), 2 * group.top_k,
-                                                 dtype=torch.float32, device=value.device)
+            block = self.blocks[g] = self.new_block(g, (len(group.layers), len(self.index[g]), 2 * group.top_k),
+                                                    torch.float32)
         self.saes.top_features(group.sae, layer, rows, group.top_k, block[i])
 
     def _record_error(self, g: int, i: int, site: Site, value: torch.Tensor) -> None:
@@ -251,8 +277,8 @@ class StepCapture:
         rows = value.index_select(0, self.index[g])
         block = self.blocks[g]
         if block is None:  # zeros: the reconstruction of every layer starts empty
-            block = self.blocks[g] = torch.zeros(len(group.layers), len(self.index[g]), value.shape[-1],
-                                                 dtype=torch.float32, device=value.device)
+            block = self.blocks[g] = self.new_block(g, (len(group.layers), len(self.index[g]), value.shape[-1]),
+                                                    torch.float32).zero_()
         if site[0] == MLP_OUT:
             torch.sub(rows.float(), block[i], out=block[i])
         else:
@@ -265,3 +291,6 @@ class StepCapture:
 
     def reset(self) -> None:
         self.blocks = [None] * len(self.plan.groups)
+
+    def _fresh_block(self, g: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.index[g].device)

@@ -312,15 +312,16 @@ class ModelRunner:
 
     def _graph_shape(self, step: StepInput) -> tuple[int, int, bool] | None:
         """(padded tokens, padded sequences, mixed) of the graph the step can replay, or None: a
-        decode step pads its sequences to the decode ladder; a mixed step without capture pads its
-        tokens to the mixed ladder and its sequences to one more than the engine runs."""
+        decode step pads its sequences to the decode ladder; a mixed step pads its tokens to the
+        mixed ladder and its sequences to one more than the engine runs. Capture rows ride along
+        (their indices are buffers, the plan's shape is in the key), except attention patterns."""
         if self.graphs is None or _captures_patterns(step):
             return None
         if step.max_query_len == 1:
             size = self.graphs.padded_size(step.num_requests)
             return None if size is None else (size, size, False)
         size = self.graphs.mixed_padded_size(step.num_tokens)
-        if size is None or step.capture is not None:
+        if size is None:
             return None
         return size, self.graphs.mixed_seqs, True
 
