@@ -87,6 +87,7 @@ class CaptureSession(CaptureStreams):
         self._token_readers = 0  # live requests whose own selection reads generated token ids
         self.requests_in_use = 0  # live requests with their own CaptureSpec
         self.rows_delivered = 0  # rows handed to streams and requests, counted per layer
+        self._shortcuts: dict[str, SelectSpec] = {}  # "last_prompt", ... parsed once
 
     # ------------------------------------------------------------ admission
 
@@ -118,10 +119,7 @@ class CaptureSession(CaptureStreams):
                 if spec.reduce != "all":
                     raise InvalidRequestError(f"capture.reduce: {ATTENTION_PATTERNS!r} keeps its rows (reduce='all')")
                 dtype = dtype or torch.float32
-            try:
-                select = SelectSpec.parse(spec.select) if spec.select is not None else None
-            except ValueError as err:
-                raise InvalidRequestError(f"capture.{err}") from None  # "capture.select...: ..."
+            select = self._parse_select(spec.select)
             destinations.append(Destination(("request", request.request_id, component), component, hook,
                                             layers, dtype, select, None, spec.reduce, spec.budget_rows, heads))
         state = RequestCapture(destinations)
@@ -135,11 +133,23 @@ class CaptureSession(CaptureStreams):
         request.capture = state
         self._build_selectors(request)
 
-    def _feature_destinations(self, request: Request, spec: CaptureSpec) -> list[Destination]:
+    def _parse_select(self, select: Any) -> SelectSpec | None:
+        """A request's ``select`` as a SelectSpec. A shortcut string parses to one shared spec, so its
+        resolution per prompt length (kept by the spec) serves every request that names it."""
+        if select is None:
+            return None
+        if isinstance(select, str) and select in self._shortcuts:
+            return self._shortcuts[select]
         try:
-            select = SelectSpec.parse(spec.select) if spec.select is not None else None
+            parsed = SelectSpec.parse(select)
         except ValueError as err:
-            raise InvalidRequestError(f"capture.{err}") from None
+            raise InvalidRequestError(f"capture.{err}") from None  # "capture.select...: ..."
+        if isinstance(select, str):
+            self._shortcuts[select] = parsed
+        return parsed
+
+    def _feature_destinations(self, request: Request, spec: CaptureSpec) -> list[Destination]:
+        select = self._parse_select(spec.select)
         check_reduction(spec.reduce, spec.budget_rows, "capture.")
         key = ("request", request.request_id, spec.stream)
         if spec.stream == TRANSCODER_ERROR:
@@ -284,16 +294,21 @@ class CaptureSession(CaptureStreams):
                 tensors[component], metas[component] = self._patterns(request, destination, parts, dtype, positions,
                                                                       token_ids)
                 continue
+            if parts:  # every layer's rows in one block (one copy when there are several parts)
+                block = as_tensor(parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts], axis=1),
+                                  dtype)
+            else:
+                block = torch.empty(len(destination.layers), 0, self.widths[component],
+                                    dtype=destination.dtype or self.dtype)
+            labels = None  # the same for every layer: built once
             for i, layer in enumerate(destination.layers):
-                if parts:
-                    tensor = as_tensor(np.concatenate([p[0][i] for p in parts]), dtype)
-                else:
-                    tensor = torch.empty(0, self.widths[component], dtype=destination.dtype or self.dtype)
-                tensor, kept_positions, kept_tokens = reduce_rows(tensor, positions, token_ids, destination.reduce,
+                tensor, kept_positions, kept_tokens = reduce_rows(block[i], positions, token_ids, destination.reduce,
                                                                   destination.budget_rows, destination.dtype)
                 tensors[component][layer] = tensor
-                metas[component][layer] = CaptureMeta([request.request_id] * len(kept_positions),
-                                                      torch.from_numpy(kept_positions), torch.from_numpy(kept_tokens))
+                if labels is None:
+                    labels = ([request.request_id] * len(kept_positions), torch.from_numpy(kept_positions),
+                              torch.from_numpy(kept_tokens))
+                metas[component][layer] = CaptureMeta(*labels)
         for consumer in self.consumers:
             for component in tensors:
                 if component not in (ATTENTION_PATTERNS, TRANSCODER_ERROR):  # consumers write [rows, width] tensors
