@@ -43,6 +43,9 @@ class EngineConfig:
     max_n: int | None = None  # completions per request at most (a server's cap; None: no cap)
     max_fanout_seqs: int | None = None  # batch slots one n-request's completions hold at most (None: all)
     cpu_threads: int | None = None  # intra-op threads of a CPU engine (None: the cores free at start; steerable/cpu_threads.py)
+    # Host bytes for captured prompt rows of whole KV blocks, served to later captures on a prefix hit
+    # (steerable/capture/activation_store.py; docs/capture.md). 0: no store.
+    activation_store_bytes: int = 0
 
     def validate(self) -> None:
         for name in ("revision", "gguf_file"):
@@ -79,6 +82,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        value = self.activation_store_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"activation_store_bytes must be an integer >= 0, got {value!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

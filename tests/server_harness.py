@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -57,3 +61,31 @@ def assert_nothing_held(http: httpx.Client) -> None:
         assert m[f"steerable:{name}"] == 0, name
     status = http.get("/v1/steering", headers=USER).json()
     assert status["rows_in_use"] == 0 and status["configs_in_use"] == 0, status
+
+
+@contextlib.contextmanager
+def app_in_thread(llm: Any) -> Iterator[httpx.Client]:
+    """``llm`` (an ``AsyncLLM`` of this process) behind the OpenAI app, served by uvicorn on a thread
+    on a free loopback port; yields a client of it. On exit the server stops, then the engine."""
+    import uvicorn
+
+    from steerable.entrypoints.openai import ServerSettings, build_app
+    from steerable.entrypoints.openai.launcher import free_port
+
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(build_app(llm, ServerSettings(served_model_name="m")), port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            yield client
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        llm.shutdown()
+    assert not thread.is_alive()

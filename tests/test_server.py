@@ -18,7 +18,8 @@ import numpy as np
 import openai
 import pytest
 import torch
-from server_harness import ADMIN, MAX_BODY_BYTES, SERVED_NAME, USER, USER_KEY, assert_nothing_held, metrics, wait_idle
+from server_harness import (ADMIN, MAX_BODY_BYTES, SERVED_NAME, USER, USER_KEY, app_in_thread, assert_nothing_held,
+                            metrics, wait_idle)
 
 from steerable import LLM, Add, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
 from steerable.capture import deserialize_captured, match_capture_request_id
@@ -393,53 +394,32 @@ def test_in_process_app_without_admin_key_and_after_shutdown(model_dirs):
     """The app on an AsyncLLM of this process (uvicorn in a thread): admin routes off without
     --admin-api-key, a model without a chat template, an error after streaming began, and 503
     once the engine is gone."""
-    import threading
-
-    import uvicorn
-
     from steerable import AsyncLLM
-    from steerable.entrypoints.openai import ServerSettings, build_app
-    from steerable.entrypoints.openai.launcher import free_port
 
     def fail() -> None:
         raise RuntimeError("injected step failure")
 
     llm = AsyncLLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=1024)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(build_app(llm, ServerSettings(served_model_name="m")), port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not uv.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.02)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            r = c.delete("/v1/steering/global")
-            assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
-            body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-            events = []
-            with c.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line)
-                        if len(events) == 2:
-                            llm.engine.step = fail  # a fault inside the engine's next step
-            assert r.status_code == 200 and events[-1] == "data: [DONE]"
-            error = json.loads(events[-2][5:])["error"]
-            assert error["code"] == 503 and "injected step failure" in error["message"]
-            llm.tokenizer.hf.chat_template = None
-            r = c.post("/v1/chat/completions", json={"messages": MESSAGES})
-            assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
-            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == 503
-            assert c.get("/health").status_code == 503
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        llm.shutdown()
-    assert not thread.is_alive()
+    with app_in_thread(llm) as c:
+        r = c.delete("/v1/steering/global")
+        assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
+        body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    if len(events) == 2:
+                        llm.engine.step = fail  # a fault inside the engine's next step
+        assert r.status_code == 200 and events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][5:])["error"]
+        assert error["code"] == 503 and "injected step failure" in error["message"]
+        llm.tokenizer.hf.chat_template = None
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert c.get("/health").status_code == 503
 
 
 def test_serve_cli_help_and_flags_checked_before_loading(capsys):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from steerable.capture.planner import Destination
+from steerable.capture.request_rows import labels_of, parts_block
 from steerable.capture.serialization import CaptureMeta
 from steerable.capture.sparse import SparseFeatures
 from steerable.capture.store import StreamConfig, StreamStore, reduce_rows
@@ -235,8 +236,8 @@ class FeatureCapture:
         if destination.component == TRANSCODER_ERROR:
             return self._assemble_error(destination, parts, request_id)
         if parts:
-            packed = torch.from_numpy(np.concatenate([p[0] for p in parts], axis=1))
-            positions, token_ids = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+            packed = torch.from_numpy(parts_block(parts))
+            positions, token_ids = labels_of(parts)
             features = SparseFeatures.unpack_layers(packed)
         else:
             features = SparseFeatures.empty(destination.top_k)
@@ -252,8 +253,8 @@ class FeatureCapture:
         """Error rows ``[rows, layers, d_model]``, ``[rows, d_model]`` for one layer, reduced as asked."""
         layers = len(destination.layers)
         if parts:
-            rows = torch.from_numpy(np.concatenate([p[0] for p in parts], axis=1)).transpose(0, 1)
-            positions, token_ids = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+            rows = torch.from_numpy(parts_block(parts)).transpose(0, 1)
+            positions, token_ids = labels_of(parts)
         else:
             rows = torch.empty(0, layers, self.saes[destination.name][1].d_out, dtype=torch.float32)
             positions = token_ids = np.empty(0, np.int32)

@@ -14,7 +14,7 @@ import torch
 
 from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
-from steerable.step import CaptureGroup, CapturePlan
+from steerable.step import PLACEHOLDER, CaptureGroup, CapturePlan
 
 
 @dataclass
@@ -110,12 +110,14 @@ class RequestCapture:
     decode_from: float = float("inf")
     decode_takers: list[tuple[tuple, "Destination"]] = field(default_factory=list)
     # Per destination key, one part per step: rows of every layer [layers, n, width] as host numpy
-    # (``host_array``: 16-bit floats as their bits), positions, token ids; and the rows' torch dtype.
+    # (``host_array``: 16-bit floats as their bits) or rows the activation store served (``StoredRows``),
+    # positions, token ids; and the rows' torch dtype.
     rows: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = field(default_factory=dict)
     dtypes: dict[tuple, torch.dtype] = field(default_factory=dict)
 
-    def add(self, key: tuple, rows: np.ndarray, dtype: torch.dtype, positions: np.ndarray,
+    def add(self, key: tuple, rows: Any, dtype: torch.dtype, positions: np.ndarray,
             token_ids: np.ndarray) -> None:
+        """``rows``: ``[layers, n, width]`` host numpy, or ``StoredRows`` the activation store served."""
         self.rows.setdefault(key, []).append((rows, positions, token_ids))
         self.dtypes[key] = dtype
 
@@ -140,6 +142,27 @@ class PlannedGroup:
     token_ids: np.ndarray  # int32 per gathered row (PLACEHOLDER until the sampled token is known)
     takers: list[tuple[Destination, Request, np.ndarray]]  # destination, request, its indices into the rows
     consecutive: bool = False  # every taker's indices are a consecutive range (delivery slices them)
+    key: tuple = ()  # the destinations' ``group``: hook, layers, dtype, heads, SAE, top-k
+
+    def fill_pending_tokens(self) -> None:
+        """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
+        delivery that token is known."""
+        token_ids, positions = self.token_ids, self.positions
+        pending = token_ids == PLACEHOLDER
+        if not pending.any():
+            return
+        pending, position_of = pending.tolist(), positions.tolist()
+        for _, request, where in self.takers:
+            if request.finished or request.paused:
+                continue
+            if len(where) == 1:  # a decode row: scalar work
+                i = int(where[0])
+                if pending[i]:
+                    token_ids[i] = request.all_token_ids[position_of[i]]
+                continue
+            for i in where.tolist():
+                if pending[i]:
+                    token_ids[i] = request.all_token_ids[position_of[i]]
 
 
 @dataclass
@@ -148,6 +171,7 @@ class Delivery:
 
     groups: list[PlannedGroup]
     copying_step: int = 0  # the session's count of steps with rows to record, at this one
+    served: list[Any] = field(default_factory=list)  # prefix_rows.ServedRows: rows the activation store serves
 
 
 def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,
@@ -205,13 +229,14 @@ def plan_step(scheduled: Sequence[ScheduledRequest], positions: np.ndarray, toke
     if not picks:
         return None
     groups, planned = [], []
-    for (hook, layers, dtype, heads, sae, top_k), entries in picks.items():
-        overlapping = (hook, layers, dtype, heads, sae, top_k) in repeats
+    for key, entries in picks.items():
+        hook, layers, dtype, heads, sae, top_k = key
+        overlapping = key in repeats
         rows, takers = _merge(entries, overlapping)
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
         groups.append(CaptureGroup(hook, layers, dtype_name, rows, heads, sae, top_k))
         planned.append(PlannedGroup(positions[rows].astype(np.int32), token_ids[rows].astype(np.int32), takers,
-                                    consecutive=not overlapping))
+                                    consecutive=not overlapping, key=key))
     return CapturePlan(groups), Delivery(planned)
 
 

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from steerable.capture.features import SAE_FEATURES
-from steerable.capture.patterns import AttentionPatterns, assemble
 from steerable.capture.planner import (
     Delivery,
     Destination,
@@ -30,14 +29,10 @@ from steerable.capture.planner import (
     host_array,
     plan_step,
 )
+from steerable.capture.prefix_rows import PrefixRows, ServedRows
+from steerable.capture.request_rows import assemble_patterns, assemble_rows, parts_block
 from steerable.capture.serialization import CaptureMeta
-from steerable.capture.store import (
-    StreamRows,
-    StreamStore,
-    check_reduction,
-    reduce_rows,
-    resolve_storage_dtype,
-)
+from steerable.capture.store import StreamRows, StreamStore, check_reduction, resolve_storage_dtype
 from steerable.capture.streams import CaptureStreams
 from steerable.errors import InvalidRequestError
 from steerable.hook_points import (
@@ -49,7 +44,7 @@ from steerable.hook_points import (
 )
 from steerable.request import Request, ScheduledRequest
 from steerable.selection import SelectSpec
-from steerable.step import PLACEHOLDER, CapturePlan
+from steerable.step import CapturePlan
 
 
 @dataclass(frozen=True)
@@ -78,10 +73,14 @@ class CaptureSpec:
 
 class CaptureSession(CaptureStreams):
     def __init__(self, layout: HookLayout, dtype: torch.dtype, pin_memory: bool = False,
-                 host_block_lifetime: int | None = None, pipeline_stages: Sequence[tuple[int, int]] | None = None):
+                 host_block_lifetime: int | None = None, pipeline_stages: Sequence[tuple[int, int]] | None = None,
+                 prefix_rows: PrefixRows | None = None):
         """Streams as ``CaptureStreams`` takes them (``pipeline_stages``: each pipeline stage's
-        ``[start, end)`` layers, None: one stage), and no request capturing yet."""
+        ``[start, end)`` layers, None: one stage), and no request capturing yet. ``prefix_rows``:
+        the activation store's use (None: no store, prefix hits stop at the first prompt row a
+        destination needs)."""
         super().__init__(layout, dtype, pin_memory, host_block_lifetime, pipeline_stages)
+        self.prefix_rows = prefix_rows
         self._copying_steps = 0  # steps planned with rows to record
         self.consumers: list[Any] = []
         self._token_readers = 0  # live requests whose own selection reads generated token ids
@@ -172,15 +171,23 @@ class CaptureSession(CaptureStreams):
         for d in state.destinations:
             state.selectors[d.key] = RowSelector.build(d.select, request.prompt_token_ids)
 
-    def cache_limit(self, request: Request) -> int:
-        """How many leading tokens a prefix-cache hit may cover: stop at the first prompt row some
-        destination still needs (rows below the high-water mark were already delivered)."""
-        limit = request.num_tokens
+    def cache_limit(self, request: Request, hit_tokens: int) -> int:
+        """How many of the ``hit_tokens`` leading tokens the prefix cache holds for ``request`` it
+        may take: up to the first prompt row some destination still needs (rows below the
+        high-water mark were already delivered) that the activation store does not serve."""
+        limit = hit_tokens
         prompt_len = request.num_prompt_tokens
         done = request.max_computed_tokens
+        if self.prefix_rows is not None:
+            self.prefix_rows.forget(request)
         for destination in self._destinations(request):
             selector = self._selector(request, destination)
-            limit = min(limit, selector.first_prompt_position(done, prompt_len))
+            first = selector.first_prompt_position(done, prompt_len)
+            if first >= hit_tokens:
+                continue
+            if self.prefix_rows is not None:
+                first = self.prefix_rows.cover(request, destination, selector, first, hit_tokens)
+            limit = min(limit, first)
         return limit
 
     def _destinations(self, request: Request) -> list[Destination]:
@@ -199,19 +206,23 @@ class CaptureSession(CaptureStreams):
     # ------------------------------------------------------------ per step
 
     def plan(self, scheduled: Sequence[ScheduledRequest], positions: np.ndarray, token_ids: np.ndarray,
-             query_start: np.ndarray) -> tuple[CapturePlan, Delivery] | None:
+             query_start: np.ndarray) -> tuple[CapturePlan | None, Delivery] | None:
         """Which rows each destination records this step (None when none): the plain plan for the
-        worker, and what delivery needs when the rows come back."""
-        if not self.streams and not self.features.streams and not any(s.request.capture is not None and s.request.capture.destinations
-                                        for s in scheduled):
+        worker (None when only rows served from the activation store are delivered), and what
+        delivery needs when the rows come back."""
+        served = self.prefix_rows.serve(scheduled) if self.prefix_rows is not None else []
+        if not served and not self.streams and not self.features.streams and not any(
+                s.request.capture is not None and s.request.capture.destinations for s in scheduled):
             return None
         planned = plan_step(scheduled, positions, token_ids, query_start, self._destinations, self._selector,
                             self._serial)
-        if planned is not None:
-            planned[1].copying_step = self._copying_steps
-            if self.sink_thread is not None:  # this launch's copy reuses the host rows of an older step
-                self.sink_thread.wait_before(self._copying_steps - self.host_block_lifetime)
-            self._copying_steps += 1
+        if planned is None:
+            return (None, Delivery([], copying_step=self._copying_steps, served=served)) if served else None
+        planned[1].copying_step = self._copying_steps
+        planned[1].served = served
+        if self.sink_thread is not None:  # this launch's copy reuses the host rows of an older step
+            self.sink_thread.wait_before(self._copying_steps - self.host_block_lifetime)
+        self._copying_steps += 1
         return planned
 
     def reads_generated_tokens(self) -> bool:
@@ -225,12 +236,17 @@ class CaptureSession(CaptureStreams):
         finished meanwhile get nothing: their last row fed back the token that stopped them, or they
         were aborted. ``captured[g]`` is group g's ``[layers, rows, width]`` on the host, valid only
         during this call."""
-        if graphed:
-            self.graph_replays += 1
-        else:
-            self.eager_capture_forwards += 1
+        if delivery.groups:
+            if graphed:
+                self.graph_replays += 1
+            else:
+                self.eager_capture_forwards += 1
+        for served in delivery.served:  # below the step's own rows: first
+            self._deliver_served(served, delivery.copying_step)
         for group, block in zip(delivery.groups, captured):
-            _fill_pending_tokens(group)
+            group.fill_pending_tokens()
+            if self.prefix_rows is not None:
+                self.prefix_rows.keep(group, host_array(block))
             streams: dict[int, tuple[Destination, list[tuple[Request, np.ndarray]]]] = {}
             rows_np = None
             for destination, request, where in group.takers:
@@ -257,6 +273,24 @@ class CaptureSession(CaptureStreams):
                 else:
                     destination.sink.append(rows)
 
+    def _deliver_served(self, served: ServedRows, copying_step: int) -> None:
+        """Rows a destination takes from the activation store: a request's own capture keeps them as
+        a part (copied once when it finishes), a stream takes them as one block."""
+        request, destination = served.request, served.destination
+        if request.finished or request.paused:
+            return
+        self.rows_delivered += served.rows.count * len(destination.layers)
+        if isinstance(destination.sink, RequestCapture):
+            destination.sink.add(destination.key, served.rows, served.dtype, served.positions, served.token_ids)
+            return
+        block = as_tensor(parts_block([(served.rows, served.positions, served.token_ids)]), served.dtype)
+        rows = StreamRows(block, np.arange(served.rows.count), [request.request_id],
+                          np.array([served.rows.count]), served.positions, served.token_ids)
+        if self.sink_thread is not None and getattr(destination.sink, "threaded", False):
+            self.sink_thread.submit(copying_step, destination.sink.append, rows)
+        else:
+            destination.sink.append(rows)
+
     # ------------------------------------------------------------ lifecycle
 
     def finish(self, request: Request, aborted: bool = False) -> tuple[dict, dict]:
@@ -268,6 +302,8 @@ class CaptureSession(CaptureStreams):
                 store.abort_request(request.request_id)
             elif isinstance(store, StreamStore):
                 store.finish_request(request.request_id)
+        if self.prefix_rows is not None:
+            self.prefix_rows.forget(request)
         state = request.capture
         request.capture = None
         if state is not None:
@@ -287,71 +323,14 @@ class CaptureSession(CaptureStreams):
                 tensors.setdefault(component, {})[destination.name] = features
                 metas.setdefault(component, {})[destination.name] = meta
                 continue
-            tensors[component], metas[component] = {}, {}
-            positions = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int32)
-            token_ids = np.concatenate([p[2] for p in parts]) if parts else np.empty(0, np.int32)
             if component == ATTENTION_PATTERNS:
-                tensors[component], metas[component] = self._patterns(request, destination, parts, dtype, positions,
-                                                                      token_ids)
-                continue
-            if parts:  # every layer's rows in one block (one copy when there are several parts)
-                block = as_tensor(parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts], axis=1),
-                                  dtype)
+                tensors[component], metas[component] = assemble_patterns(request.request_id, destination, parts, dtype,
+                                                                         self.windows, self.num_heads)
             else:
-                block = torch.empty(len(destination.layers), 0, self.widths[component],
-                                    dtype=destination.dtype or self.dtype)
-            labels = None  # the same for every layer: built once
-            for i, layer in enumerate(destination.layers):
-                tensor, kept_positions, kept_tokens = reduce_rows(block[i], positions, token_ids, destination.reduce,
-                                                                  destination.budget_rows, destination.dtype)
-                tensors[component][layer] = tensor
-                if labels is None:
-                    labels = ([request.request_id] * len(kept_positions), torch.from_numpy(kept_positions),
-                              torch.from_numpy(kept_tokens))
-                metas[component][layer] = CaptureMeta(*labels)
+                tensors[component], metas[component] = assemble_rows(request.request_id, destination, parts, dtype,
+                                                                     self.widths[component], self.dtype)
         for consumer in self.consumers:
             for component in tensors:
                 if component not in (ATTENTION_PATTERNS, TRANSCODER_ERROR):  # consumers write [rows, width] tensors
                     consumer.on_capture(request.request_id, component, tensors[component], metas[component])
         return tensors, metas
-
-    def _patterns(self, request: Request, destination: Destination, parts: list, dtype: torch.dtype | None,
-                  positions: np.ndarray, token_ids: np.ndarray
-                  ) -> tuple[dict[int, AttentionPatterns], dict[int, CaptureMeta]]:
-        """A request's attention patterns per layer, cut from the padded step blocks into rows (at
-        most ``budget_rows`` of them), with their labels."""
-        keep = len(positions) if destination.budget_rows is None else min(len(positions), destination.budget_rows)
-        heads = list(destination.heads) if destination.heads is not None else list(range(self.num_heads))
-        blocks_per_layer: list[list[torch.Tensor]] = [[] for _ in destination.layers]
-        left = keep
-        for block, _, _ in parts:
-            take = min(left, block.shape[1])
-            for i in range(len(destination.layers)):
-                blocks_per_layer[i].append(as_tensor(block[i, :take], dtype))
-            left -= take
-        meta = CaptureMeta([request.request_id] * keep, torch.from_numpy(positions[:keep].copy()),
-                           torch.from_numpy(token_ids[:keep].copy()))
-        patterns = {layer: assemble(blocks_per_layer[i], positions[:keep], self.windows[layer], heads)
-                    for i, layer in enumerate(destination.layers)}
-        return patterns, {layer: meta for layer in destination.layers}
-
-
-def _fill_pending_tokens(group: Any) -> None:
-    """Rows planned while their input token was still being sampled carry PLACEHOLDER labels; by
-    delivery that token is known."""
-    token_ids, positions = group.token_ids, group.positions
-    pending = token_ids == PLACEHOLDER
-    if not pending.any():
-        return
-    pending, position_of = pending.tolist(), positions.tolist()
-    for _, request, where in group.takers:
-        if request.finished or request.paused:
-            continue
-        if len(where) == 1:  # a decode row: scalar work
-            i = int(where[0])
-            if pending[i]:
-                token_ids[i] = request.all_token_ids[position_of[i]]
-            continue
-        for i in where.tolist():
-            if pending[i]:
-                token_ids[i] = request.all_token_ids[position_of[i]]

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from steerable import cpu_threads
+from steerable.capture.activation_store import ActivationStore, empty_stats
 from steerable.capture.planner import Delivery
+from steerable.capture.prefix_rows import PrefixRows
 from steerable.capture.session import CaptureSession
 from steerable.config import EngineConfig
 from steerable.executor.executor import create_worker
@@ -97,8 +99,16 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         router = self.layout.components.get(ROUTER_LOGITS)
         self.steering = SteeringManager(cfg.hidden_size, cfg.num_layers, config.max_num_seqs, self.saes,
                                         {layer: router.width for layer in router.layers} if router else None)
+        self.activation_store = None
+        prefix_rows = None
+        if config.activation_store_bytes and not config.enable_prefix_caching:
+            logger.warning("activation_store_bytes is ignored: the store serves prefix-cache hits, which are off")
+        elif config.activation_store_bytes:
+            self.activation_store = ActivationStore(config.activation_store_bytes, config.block_size)
+            prefix_rows = PrefixRows(self.activation_store, self.dtype, self.kv.update_block_hashes)
         self.capture = CaptureSession(self.layout, self.dtype, pin_memory=self.device.type == "cuda",
-                                      host_block_lifetime=self.worker.host_block_lifetime, pipeline_stages=stages)
+                                      host_block_lifetime=self.worker.host_block_lifetime, pipeline_stages=stages,
+                                      prefix_rows=prefix_rows)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cache_limit=self._cache_limit,
                                    micro_batches=pipeline_micro_batches(config.pipeline_parallel_size))
@@ -124,9 +134,11 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
 
     # ---------------------------------------------------------------- public, thread-safe
 
-    def _cache_limit(self, request: Request) -> int:
-        """How many leading tokens a prefix-cache hit may cover: what capture and steering allow."""
-        return min(self.capture.cache_limit(request), self.steering.cache_limit(request))
+    def _cache_limit(self, request: Request, hit_tokens: int) -> int:
+        """How many of the ``hit_tokens`` leading tokens the prefix cache holds a request may take:
+        what steering allows, then what capture allows of that (its activation store may serve
+        rows below the hit)."""
+        return self.capture.cache_limit(request, min(hit_tokens, self.steering.cache_limit(request)))
 
     def _shared_prefix(self, kv_groups: KVGroups) -> tuple[int, SharedPrefixDetector] | None:
         """Where the step builder looks for shared prefixes: the first full-attention KV group (a
@@ -445,6 +457,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
                 "steering_configs_in_use": steering["configs_in_use"],
                 "capture_rows_total": self.capture.rows_delivered,
                 "capture_requests_in_use": self.capture.requests_in_use,
+                **(self.activation_store.stats() if self.activation_store is not None else empty_stats()),
                 **self.worker.stats(),
             }
 

@@ -24,9 +24,9 @@ from steerable.request import Request, RequestStatus, ScheduledRequest, Schedule
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  cache_limit: Callable[[Request], int] | None = None, micro_batches: int = 1):
-        """``cache_limit(request)`` caps how many leading tokens a prefix-cache hit may cover
-        (capture asks to recompute prompt rows it must see). ``micro_batches`` > 1: a pipeline's
-        batches in flight."""
+        """``cache_limit(request, hit_tokens)`` caps how many leading tokens of a prefix-cache hit
+        the request takes (capture asks to recompute prompt rows it must see and cannot get from
+        its activation store). ``micro_batches`` > 1: a pipeline's batches in flight."""
         self.kv = kv
         self.micro_batches = micro_batches
         self.max_num_seqs = max_num_seqs
@@ -82,10 +82,11 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:  # preempted with a token in flight: resume once it has arrived
                 break
-            limit = request.num_tokens - 1
-            if self.cache_limit is not None:
-                limit = min(limit, self.cache_limit(request))
-            cached, num_cached = self.kv.find_cached_prefix(request, limit)
+            cached, num_cached = self.kv.find_cached_prefix(request, request.num_tokens - 1)
+            if num_cached and self.cache_limit is not None:
+                limit = self.cache_limit(request, num_cached)
+                if limit < num_cached:
+                    cached, num_cached = self.kv.find_cached_prefix(request, limit)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break

@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype"
                        "by a memory profile on GPU, 1 GiB on CPU)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="do not reuse the KV cache of shared prompt prefixes")
+    group.add_argument("--activation-store-bytes", type=int, default=0,
+                       help="host memory for captured prompt rows of whole KV blocks, served to later captures "
+                            "on a prefix-cache hit instead of recomputed (default: 0, no store); docs/capture.md")
     group.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     group.add_argument("--cpu-threads", type=int, default=None,
@@ -60,6 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                   kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=args.enable_prefix_caching,
                   enforce_eager=args.enforce_eager, seed=args.seed, cpu_threads=args.cpu_threads,
+                  activation_store_bytes=args.activation_store_bytes,
                   tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size)
     from steerable.config import EngineConfig  # imports torch: only once the arguments are parsed

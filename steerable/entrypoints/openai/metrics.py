@@ -25,11 +25,19 @@ _GAUGES = (("num_running", "steerable:num_requests_running", "Requests in the ru
            ("steering_configs_in_use", "steerable:steering_configs_in_use",
             "Distinct steering configurations of live requests."),
            ("capture_requests_in_use", "steerable:capture_requests_in_use",
-            "Live requests with their own capture spec."))
+            "Live requests with their own capture spec."),
+           ("activation_store_bytes", "steerable:activation_store_bytes",
+            "Host bytes of captured prompt rows the activation store holds."))
 _COUNTERS = (("prefix_cache_hit_tokens", "steerable:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
              ("prefix_cache_query_tokens", "steerable:prefix_cache_queries",
               "Prompt tokens looked up in the prefix cache."),
-             ("capture_rows_total", "steerable:capture_rows", "Captured rows delivered, counted per layer."))
+             ("capture_rows_total", "steerable:capture_rows", "Captured rows delivered, counted per layer."),
+             ("activation_store_hits", "steerable:activation_store_hits",
+              "Prompt blocks whose captured rows a request took from the activation store."),
+             ("activation_store_misses", "steerable:activation_store_misses",
+              "Prompt blocks in the prefix cache whose rows a capture recomputed (not in the activation store)."),
+             ("activation_store_evictions", "steerable:activation_store_evictions",
+              "Blocks the activation store dropped to stay within its bytes."))
 
 
 class Metrics:
