@@ -294,3 +294,33 @@ def test_metrics_count_store_hits_misses_and_bytes(capture_dirs):
     assert values["steerable:activation_store_misses_total"] == 0
     assert values["steerable:activation_store_bytes"] >= 3 * 16 * 64 * 4
     assert "steerable:activation_store_evictions_total" in values
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_store_on_gpu_with_graphs(capture_dirs):
+    """On a GPU (Triton attention, CUDA graphs, shared-prefix attention): chats capturing every
+    prompt row at every layer take the system prompt's rows from the store, whose rows are the
+    filling chat's bit for bit, the rest within the tolerance of test_gpu's float32 captures of an
+    engine without a store; no step captures without its graph."""
+    path = capture_dirs["qwen3"]
+    capture = CaptureSpec(layers=LAYERS, select="all_prompt")
+    prompts = _prompts(12)
+    runs = {}
+    for store in (STORE, 0):
+        llm = LLM(path, device="cuda", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8,
+                  activation_store_bytes=store)
+        first = llm.generate(prompts[:1], _params(capture), use_tqdm=False)
+        runs[store] = (first, llm.generate(prompts[1:], _params(capture), use_tqdm=False), llm.llm_engine.stats(),
+                       llm.capture_status())
+        llm.shutdown()
+    (first, outs, stats, status), (_, expected, _, _) = runs[STORE], runs[0]
+    assert stats["activation_store_hits"] == 11 * 3 and stats["prefix_cache_hit_tokens"] == 11 * 48
+    assert status["eager_capture_forwards"] == 0 and status["graph_replays"] > 0
+    for got, want in zip(outs, expected):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for layer in LAYERS:
+            mine, theirs = got.captures["hidden_states"][layer], want.captures["hidden_states"][layer]
+            assert torch.equal(mine[:48], first[0].captures["hidden_states"][layer][:48])
+            assert (mine - theirs).abs().max() <= 1e-4
+            assert got.capture_meta["hidden_states"][layer].positions.tolist() == list(range(len(got.prompt_token_ids)))
