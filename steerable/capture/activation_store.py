@@ -33,19 +33,34 @@ Kind = tuple[str, torch.dtype, "str | None", int]
 
 @dataclass
 class StoredRows:
-    """Rows served from the store for one destination: per layer, views of stored blocks (or rows
-    picked from them) in position order, copied once into the request's block when it finishes."""
+    """Rows served from the store for one destination, cut from stored blocks only when they are
+    copied (once, into the request's block when it finishes, or a stream's): ``count`` rows
+    starting ``start`` rows into the first of ``blocks`` (a run of consecutive rows), or the rows
+    at ``picks`` (indices into the blocks' rows laid end to end)."""
 
-    pieces: list[list[np.ndarray]]  # [layer][piece] -> [k, width]
+    blocks: list[dict[int, np.ndarray]]  # stored entries, layer -> [block_size, width]
+    layers: list[int]
+    start: int
     count: int
+    picks: np.ndarray | None = None
 
     def copy_into(self, out: np.ndarray) -> None:
         """Write the rows into ``out`` ``[layers, count, width]``."""
-        for layer_out, pieces in zip(out, self.pieces):
-            at = 0
-            for piece in pieces:
-                layer_out[at:at + len(piece)] = piece
-                at += len(piece)
+        for layer_out, layer in zip(out, self.layers):
+            arrays = [block[layer] for block in self.blocks]
+            if self.picks is not None:
+                np.take(np.concatenate(arrays), self.picks, axis=0, out=layer_out)
+                continue
+            size = len(arrays[0])
+            end = self.start + self.count - (len(arrays) - 1) * size  # rows taken of the last block
+            arrays[-1] = arrays[-1][:end]
+            arrays[0] = arrays[0][self.start:]
+            np.concatenate(arrays, out=layer_out)
+
+    @property
+    def sample(self) -> np.ndarray:
+        """A stored block (its dtype and width are the rows')."""
+        return self.blocks[0][self.layers[0]]
 
 
 class ActivationStore:
@@ -61,25 +76,23 @@ class ActivationStore:
         self.misses = 0  # blocks a destination found in the prefix cache but not here: recomputed
         self.evictions = 0
 
-    def has(self, block_hash: bytes, kind: Kind, layers: Sequence[int]) -> bool:
+    def has(self, block_hash: bytes, kind: Kind, layers: Sequence[int] | set[int]) -> bool:
         entry = self.entries.get((block_hash, kind))
-        return entry is not None and all(layer in entry for layer in layers)
+        return entry is not None and entry.keys() >= set(layers)
 
-    def covered(self, hashes: Sequence[bytes], first: int, end: int, kind: Kind, layers: Sequence[int]) -> int:
-        """The block index where a run of stored blocks from ``first`` (below ``end``) stops."""
-        block = first
-        while block < end and self.has(hashes[block], kind, layers):
-            block += 1
-        return block
-
-    def take(self, hashes: Sequence[bytes], kind: Kind) -> list[dict[int, np.ndarray]]:
-        """The entries of ``hashes`` (each stored), now the most recently used."""
-        entries = []
-        for block_hash in hashes:
-            key = (block_hash, kind)
-            self.entries.move_to_end(key)
-            entries.append(self.entries[key])
-        return entries
+    def take_run(self, hashes: Sequence[bytes], first: int, end: int, kind: Kind,
+                 layers: Sequence[int]) -> list[dict[int, np.ndarray]]:
+        """The entries of blocks ``first``, ``first + 1``, ... (below ``end``) that hold every one of
+        ``layers``, up to the first that does not; they become the most recently used."""
+        need, entries, run = set(layers), self.entries, []
+        for block in range(first, end):
+            key = (hashes[block], kind)
+            entry = entries.get(key)
+            if entry is None or not entry.keys() >= need:
+                break
+            entries.move_to_end(key)
+            run.append(entry)
+        return run
 
     def put(self, block_hash: bytes, kind: Kind, rows: dict[int, np.ndarray]) -> None:
         """Keep ``rows`` (layer -> the block's rows, owned by the store from now on) beside the

@@ -77,8 +77,8 @@ class PrefixRows:
             return first
         bs = self.store.block_size
         first_block, hit_blocks = first // bs, hit_tokens // bs
-        end = self.store.covered(request.block_hashes, first_block, hit_blocks, kind, destination.layers)
-        entries = self.store.take(request.block_hashes[first_block:end], kind)
+        entries = self.store.take_run(request.block_hashes, first_block, hit_blocks, kind, destination.layers)
+        end = first_block + len(entries)
         covers = self._pending.setdefault(request.request_id, (request, []))[1]
         covers.append(_Cover(destination, selector, first_block, end, hit_blocks, entries, kind))
         return selector.first_prompt_position(max(first, end * bs), request.num_prompt_tokens)
@@ -103,31 +103,26 @@ class PrefixRows:
         return served
 
     def _rows(self, request: Request, cover: _Cover) -> ServedRows | None:
+        """The rows ``cover``'s destination selects below the hit the request resumed from (and at
+        or above its high-water mark): the stored blocks they lie in, cut when they are copied."""
         lo, hi = request.max_computed_tokens, request.num_computed_tokens
         selected = cover.selector.prompt_positions
         positions = np.arange(lo, hi) if selected is None else selected[(selected >= lo) & (selected < hi)]
-        bs = self.store.block_size
-        blocks = positions // bs - cover.first_block
-        if len(positions) and (blocks[0] < 0 or blocks[-1] >= cover.end_block - cover.first_block):
+        bs, first = self.store.block_size, cover.first_block
+        if len(positions) and (positions[0] < first * bs or positions[-1] >= cover.end_block * bs):
             raise RuntimeError("activation store: a prefix hit passed the rows the store covers")
-        served_blocks = np.unique(blocks)
-        self.store.hits += len(served_blocks)
         self.store.misses += cover.hit_blocks - cover.end_block
         if not len(positions):
             return None
-        layers = cover.destination.layers
-        pieces: list[list[np.ndarray]] = [[] for _ in layers]
-        bounds = np.searchsorted(blocks, served_blocks, side="right")
-        start = 0
-        for block, stop in zip(served_blocks.tolist(), bounds.tolist()):
-            stored, offsets = cover.entries[block], positions[start:stop] % bs
-            whole = stop - start == bs  # every row of the block: a view
-            for i, layer in enumerate(layers):
-                pieces[i].append(stored[layer] if whole else stored[layer][offsets])
-            start = stop
-        token_ids = np.asarray(request.prompt_token_ids, dtype=np.int32)[positions]
+        layers, prompt = cover.destination.layers, request.prompt_token_ids
+        start, stop = int(positions[0]), int(positions[-1]) + 1
+        run = stop - start == len(positions)  # consecutive rows: every prompt row's case
+        entries = cover.entries[start // bs - first:-(-stop // bs) - first]
+        self.store.hits += len(entries) if run else len(np.unique(positions // bs))
+        picks = None if run else positions - start // bs * bs
+        token_ids = np.array(prompt[start:stop] if run else [prompt[p] for p in positions.tolist()], np.int32)
         return ServedRows(cover.destination, request, positions.astype(np.int32), token_ids,
-                          StoredRows(pieces, len(positions)), cover.kind[1])
+                          StoredRows(entries, layers, start % bs, len(positions), picks), cover.kind[1])
 
     def keep(self, group: PlannedGroup, rows: np.ndarray) -> None:
         """Store every whole prompt block of ``group``'s rows (``rows``: its host block ``[layers,
@@ -139,18 +134,24 @@ class PrefixRows:
         bs = self.store.block_size
         for request, where in _rows_by_request(group):
             positions = group.positions[where]
+            first, count = int(positions[0]), len(positions)
+            run = int(positions[-1]) - first + 1 == count  # a chunk's rows: consecutive positions
             end = min(int(positions[-1]) + 1, request.num_prompt_tokens)
-            block = -(-int(positions[0]) // bs)
-            while (block + 1) * bs <= end:
-                j = int(np.searchsorted(positions, block * bs))
-                if j + bs <= len(positions) and positions[j + bs - 1] == (block + 1) * bs - 1:
-                    if block >= len(request.block_hashes):
-                        self.hash_blocks(request)
-                    block_hash = request.block_hashes[block]
-                    if not self.store.has(block_hash, kind, layers):
-                        index = where[j:j + bs]
-                        self.store.put(block_hash, kind, {layer: rows[i, index] for i, layer in enumerate(layers)})
-                block += 1
+            blocks = range(-(-first // bs), end // bs)
+            if not blocks:
+                continue
+            if blocks[-1] >= len(request.block_hashes):
+                self.hash_blocks(request)
+            sliced = int(where[-1]) - int(where[0]) + 1 == len(where)  # consecutive rows of the block
+            for block in blocks:
+                j = block * bs - first if run else int(np.searchsorted(positions, block * bs))
+                if not run and (j + bs > count or positions[j + bs - 1] != (block + 1) * bs - 1):
+                    continue  # a row of the block is not captured here
+                block_hash = request.block_hashes[block]
+                if self.store.has(block_hash, kind, layers):
+                    continue
+                index = slice(int(where[j]), int(where[j]) + bs) if sliced else where[j:j + bs]
+                self.store.put(block_hash, kind, {layer: rows[i, index].copy() for i, layer in enumerate(layers)})
 
 
 def _rows_by_request(group: PlannedGroup) -> list[tuple[Request, np.ndarray]]:

@@ -23,8 +23,8 @@ def parts_block(parts: list[Part]) -> np.ndarray:
     first = parts[0][0]
     if len(parts) == 1 and isinstance(first, np.ndarray):
         return first
-    sample = first.pieces[0][0] if isinstance(first, StoredRows) else first[0]
-    layers = len(first.pieces) if isinstance(first, StoredRows) else first.shape[0]
+    sample = first.sample if isinstance(first, StoredRows) else first[0]
+    layers = len(first.layers) if isinstance(first, StoredRows) else first.shape[0]
     out = np.empty((layers, sum(len(p[1]) for p in parts), sample.shape[-1]), dtype=sample.dtype)
     at = 0
     for rows, positions, _ in parts:
