@@ -40,7 +40,7 @@ BENCHMARKS = (
     "corpus_host",
     "cold_start",
     "parallel",
-    "shared_prefix",
+    "chat",
     "kv_memory",
     "kv_fidelity",
     "output_codec",

@@ -378,16 +378,26 @@ def test_profile_kernels_workload_modes_and_chat(cache_dir):
     assert on["num_steps"] == shared["num_steps"] > 0 and on["prefix_cache_hit_tokens"] > 0
 
 
-def test_shared_prefix(cache_dir):
-    """Three modes on one engine; a small token budget admits chats over several steps, so the later
-    ones hit the system prompt in the prefix cache (CPU: the torch backend has no shared kernel)."""
-    r = run("shared_prefix", cache_dir, "--repeats", "1", "--max-num-batched-tokens", "64")
+def test_chat(cache_dir):
+    """Every mode on one engine; a small token budget admits chats over several steps, so the later
+    ones hit the system prompt in the prefix cache (CPU: the torch backend has no shared kernel),
+    and the all-prompt capture takes those blocks' rows from the activation store."""
+    r = run("chat", cache_dir, "--repeats", "1", "--max-num-batched-tokens", "64")
     runs = {rec["mode"]: rec for rec in r["run"]}
-    assert set(runs) == {"cache_off", "cache_on", "shared"}
-    for rec in runs.values():
-        positive(rec, "seconds", "output_tokens", "input_tokens")
-    assert runs["cache_off"]["prefix_cache_hit_tokens"] == 0 < runs["cache_on"]["prefix_cache_hit_tokens"]
-    assert runs["cache_on"]["output_tokens"] == runs["shared"]["output_tokens"] == runs["cache_off"]["output_tokens"]
+    modes = {rec["mode"]: rec for rec in r["mode"]}
+    assert set(runs) == set(modes) == {"plain", "capture_last_prompt", "capture_last_prompt_one_layer",
+                                       "capture_last_prompt_stream", "capture_all_prompt", "capture_generated",
+                                       "steer_decode", "cache_off", "shared_prefix_off"}
+    for mode, rec in modes.items():
+        assert set(rec) == {"bench", "record", "mode", "output_tok_s", "cost_pct_vs_plain"}
+        positive(rec, "output_tok_s")
+        assert runs[mode]["rows_ok"] and runs[mode]["output_tokens"] == runs["plain"]["output_tokens"]
+    assert modes["plain"]["cost_pct_vs_plain"] == 0.0
+    hits = {mode: rec["prefix_cache_hit_tokens"][0] for mode, rec in runs.items()}
+    assert hits["cache_off"] == 0 < hits["plain"]
+    assert all(hits[mode] == hits["plain"] for mode in modes if mode != "cache_off")  # capture keeps the hits
+    assert runs["capture_all_prompt"]["activation_store_hits"][0] > 0
+    assert all(runs[mode]["num_steps"] == runs["plain"]["num_steps"] for mode in modes if mode != "cache_off")
     positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")
 
 

@@ -11,7 +11,7 @@ Three phases, each profiled after a warm-up of the same shape:
   each ``--steering`` mode in turn;
 - ``prefill``: one prompt of ``--prefill-tokens`` tokens, one output token (one prefill chunk
   when it is no longer than ``--max-num-batched-tokens``);
-- ``chat``: ``shared_prefix.py``'s chat workload (chats sharing one system prompt), once with
+- ``chat``: ``chat.py``'s workload (chats sharing one system prompt), once with
   prefix caching alone (``cache_on``) and once with shared-prefix attention (``shared``).
 Kernels are grouped into categories by name (MoE GEMM, MoE align, attention, dense GEMM, norms,
 ...) and the largest kernels listed, as JSON lines.
@@ -28,7 +28,7 @@ import torch
 
 from steerable import SamplingParams
 
-from .. import common, sae_cost, shared_prefix, steering_cost
+from .. import chat, common, sae_cost, steering_cost
 from ..common import emit
 
 CATEGORIES = [  # first match wins
@@ -130,7 +130,7 @@ def profile_chat(llm, args) -> None:
     one profiled run each, the step counts beside the kernel times."""
     engine = llm.llm_engine
     detector = engine.builder.shared_prefix
-    w = shared_prefix.chat_workload(args, common.prompt_vocab(llm))
+    w = chat.chat_workload(args, common.prompt_vocab(llm))
     for mode in ("cache_on", "shared"):
         engine.builder.shared_prefix = detector if mode == "shared" else None
         common.warm_up(llm, w, args, f"warm-{mode}")
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     defaults = {"batch": (256, 2), "steps": (32, 3), "prefill_tokens": (8192, 12), "system_len": (1200, 48),
                 "user_len": ((20, 200), (2, 12)), "output_len": ((20, 400), (2, 10))}
     if args.phase == "chat":
-        defaults["num_requests"] = (512, 12)  # shared_prefix.py's workload
+        defaults["num_requests"] = (512, 12)  # chat.py's workload
     path = common.setup("profile_kernels", args, defaults)
     llm = common.make_llm(args, path)
     vocab = common.prompt_vocab(llm)
