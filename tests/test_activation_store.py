@@ -12,6 +12,7 @@ import argparse
 import pytest
 import torch
 from test_sae_capture import random_sae
+from transcoder_helpers import random_transcoder
 
 from steerable import LLM, CaptureSpec, SamplingParams, SelectSpec, SteeringSpec
 from steerable.capture import match_capture_request_id
@@ -221,23 +222,30 @@ def test_preemption_and_aborts(capture_dirs):
     llm.shutdown()
 
 
-def test_sae_features_from_the_store(capture_dirs):
+def test_sae_and_transcoder_rows_from_the_store(capture_dirs):
+    """SAE features, a cross-layer transcoder's features (keyed by registration and top-k) and its
+    error node come from the store on a hit, equal to recomputation."""
     path = capture_dirs["qwen3"]
-    spec = CaptureSpec(stream="sae_features", saes=["res"], top_k=8, select="all_prompt")
+    specs = [CaptureSpec(stream="sae_features", saes=["res", "clt"], top_k=8, select="all_prompt"),
+             CaptureSpec(stream="transcoder_error", saes=["clt"], select="all_prompt")]
     outs = {}
     for store in (STORE, 0):
         llm = _llm(path, store)
         llm.register_sae("res", random_sae(64, "relu", 1))
-        outs[store] = llm.generate(_prompts(3), _params(spec), use_tqdm=False)
-        outs[store] = [outs[store][0], *llm.generate(_prompts(2, start=3), _params(spec), use_tqdm=False)]
-        if store:
-            assert llm.llm_engine.stats()["activation_store_hits"] == 2 * 3
+        llm.register_sae("clt", random_transcoder(layers=3, layer=0, cross_layer=True, hook="post_attn", seed=3))
+        outs[store] = llm.generate(_prompts(1), _params(specs), use_tqdm=False)
+        outs[store] += llm.generate(_prompts(2, start=1), _params(specs), use_tqdm=False)
+        if store:  # 2 chats x 3 blocks, for the SAE's features, the transcoder's and its error node
+            assert llm.llm_engine.stats()["activation_store_hits"] == 2 * 3 * 3
         llm.shutdown()
     for got, want in zip(outs[STORE], outs[0]):
-        a, b = got.captures["sae_features"]["res"], want.captures["sae_features"]["res"]
-        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
-        meta, want_meta = got.capture_meta["sae_features"]["res"], want.capture_meta["sae_features"]["res"]
-        assert torch.equal(meta.positions, want_meta.positions) and torch.equal(meta.token_ids, want_meta.token_ids)
+        for name in ("res", "clt"):
+            a, b = got.captures["sae_features"][name], want.captures["sae_features"][name]
+            assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+            meta, want_meta = got.capture_meta["sae_features"][name], want.capture_meta["sae_features"][name]
+            assert torch.equal(meta.positions, want_meta.positions) and torch.equal(meta.token_ids, want_meta.token_ids)
+        assert torch.equal(got.captures["transcoder_error"]["clt"], want.captures["transcoder_error"]["clt"])
+        assert got.capture_meta["transcoder_error"]["clt"].positions.tolist() == list(range(len(got.prompt_token_ids)))
 
 
 def test_pipeline_stages_fill_and_serve_the_store(capture_dirs, monkeypatch):
