@@ -154,5 +154,7 @@ def test_mixed_capture_steps_replay_graphs_on_gpu(model_dirs):
                 storage = block.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
                 largest[position] = max(largest.get(position, 0), block.nbytes)
-    # A slab per group position, grown by doubling: not a block per graph.
-    assert len(storages) < len(capturing) and sum(storages.values()) <= 4 * sum(largest.values())
+    # A slab per group position, grown by doubling (at most 4x its largest block, old slabs included),
+    # not a block per graph.
+    assert sum(storages.values()) <= 4 * sum(largest.values())
+    assert sum(storages.values()) < sum(block.nbytes for g in capturing for block in g.staged if block is not None)
