@@ -21,6 +21,7 @@ _EXPORTS = {
     "FeatureClamp": "steerable.sae", "StructuredOutputsParams": "steerable.structured",
     "GuidedDecodingParams": "steerable.structured", "TextPrompt": "steerable.inputs",
     "TokensPrompt": "steerable.inputs", "ActivationStream": "steerable.entrypoints.activation_stream",
+    "feature_dashboards": "steerable.sae.dashboards",
 }
 
 
@@ -39,4 +40,4 @@ def __getattr__(name: str):
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "LowRank", "Affine", "When", "RouterBias", "SAE", "Transcoder",
            "Feature", "FeatureClamp", "CaptureSpec", "capture", "capture_batches", "StructuredOutputsParams",
-           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream", "__version__"]
+           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream", "feature_dashboards", "__version__"]

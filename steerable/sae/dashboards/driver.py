@@ -1,0 +1,313 @@
+"""``feature_dashboards``: every feature's dashboard of a registered SAE over a corpus, in one pass.
+
+The engine prefills each text once (``max_tokens=1``) while a ``hidden_states`` capture stream
+takes every prompt row at the SAE's point into a sink that gathers each text's rows. Texts whose
+rows are all in go, a few thousand rows at a time and shard by shard in corpus order, to the device
+accumulator (encode, statistics, candidates), and the candidates to the host state's example lists.
+Nothing of the corpus is kept: a text's rows are dropped once its chunk is processed.
+
+With ``out`` the run is resumable: after each shard of ``shard_size`` texts the state is written
+(``files.checkpoint``) and a resumed run skips the shards it lists. ``run_shards`` is the part a
+data-parallel driver would call per shard and replica, merging the returned states with
+``DashboardState.merge`` (exact), which is how a Ray job plugs in.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from steerable.capture.store import StreamRows
+from steerable.checks import is_int
+from steerable.errors import EngineError, InvalidRequestError
+from steerable.hook_points import HIDDEN_STATES
+from steerable.sae.dashboards import files
+from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
+from steerable.sae.dashboards.logits import logit_tables, unembedding
+from steerable.sae.dashboards.result import FeatureDashboards
+from steerable.sae.dashboards.settings import (DashboardSettings, check_context, check_features, check_texts,
+                                               corpus_hash, positive_int)
+from steerable.sae.dashboards.state import DashboardState
+from steerable.sampling_params import SamplingParams
+from steerable.selection import SelectSpec
+
+# Elements of the float32 [rows, features] block encoded at once (1 GiB): 4,096 rows of 65,536 features.
+CHUNK_ELEMENTS = 2**28
+MAX_CHUNK_ROWS = 8192
+
+
+def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 20,
+                       context: tuple[int, int] = (24, 8), quantiles: int = 10, n_quantile: int = 5,
+                       n_logits: int = 10, bins: int = 40, seed: int = 0, features: Any = None, *,
+                       batch_size: int = 64, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
+                       resume: bool = False, shard_size: int | None = None, use_tqdm: bool = False,
+                       model: str | None = None) -> FeatureDashboards:
+    """Dashboards of ``features`` (None: all) of the registered SAE ``sae`` over ``texts`` (strings
+    or token-id lists): per feature the ``n_top`` highest activations with ``context`` =
+    ``(before, after)`` tokens around each, ``n_quantile`` seeded samples from each of ``quantiles``
+    bins, statistics, a ``bins``-bin histogram and the ``n_logits`` top and bottom logits.
+
+    ``batch_size``: texts in the engine at a time; ``chunk_rows``: rows encoded at once (default from
+    the feature count); neither changes the result. ``out``: also write a finished dashboards
+    directory there, checkpointing every ``shard_size`` texts (default: the corpus is one shard) so
+    ``resume=True`` continues a killed run; the result equals an uninterrupted run's."""
+    engine = llm.llm_engine
+    found = engine.saes.get(sae, "sae")
+    texts = check_texts(texts)
+    positive_int(n_top, "n_top")
+    before, after = check_context(context, engine.max_model_len)
+    for name, value, minimum in (("quantiles", quantiles, 0), ("n_quantile", n_quantile, 0),
+                                 ("n_logits", n_logits, 1), ("bins", bins, 1), ("batch_size", batch_size, 1)):
+        positive_int(value, name, minimum)
+    if not is_int(seed):
+        raise InvalidRequestError(f"seed: expected an integer, got {seed!r}")
+    settings = DashboardSettings(
+        model=model or engine.config.model, sae=sae, sae_sha256=found.content_hash.hex(), layer=found.layer,
+        hook=found.hook, d_sae=found.d_sae, architecture=found.architecture,
+        features=check_features(features, found.d_sae), n_top=n_top, before=before, after=after,
+        quantiles=quantiles, n_quantile=n_quantile, n_logits=n_logits, bins=bins, seed=seed,
+        num_texts=len(texts), corpus_sha256=corpus_hash(texts))
+    feature_ids = settings.feature_ids()
+    if chunk_rows is None:
+        per_row = found.d_sae if found.architecture == "topk" else len(feature_ids)
+        chunk_rows = max(before + after + 1, min(MAX_CHUNK_ROWS, CHUNK_ELEMENTS // per_row))
+    elif not is_int(chunk_rows) or chunk_rows < before + after + 1:
+        raise InvalidRequestError(f"chunk_rows: must be an integer >= {before + after + 1} (a window), got "
+                                  f"{chunk_rows!r}")
+    shard_size = len(texts) if shard_size is None else positive_int(shard_size, "shard_size")
+    if engine.capture_status(HIDDEN_STATES)["enabled"]:
+        raise InvalidRequestError("feature_dashboards: the hidden_states capture stream is running; stop it first "
+                                  "(dashboards read the SAE's point through that stream)")
+    W_U, scale = unembedding(engine)
+
+    state, done = None, []
+    if out is not None:
+        finished, state, done = files.open_run(Path(out), settings, shard_size, resume)
+        if finished:
+            return FeatureDashboards.load(out)
+    if state is None:
+        state = DashboardState.empty(len(feature_ids), n_top, quantiles, n_quantile, bins, settings.window)
+    todo = [k for k in range(-(-len(texts) // shard_size)) if k not in set(done)]
+
+    def shard_done(k: int, finished_state: DashboardState) -> None:
+        done.append(k)
+        if out is not None:
+            files.checkpoint(Path(out), settings, shard_size, sorted(done), finished_state)
+
+    encoder = FeatureEncoder(found, feature_ids, engine.device, engine.dtype)
+    run_shards(engine, texts, settings, encoder, state, todo, shard_size, batch_size, chunk_rows, shard_done,
+               use_tqdm)
+    tables = logit_tables(found, feature_ids, W_U, scale, n_logits)
+    tokenizer = llm.get_tokenizer()
+    result = FeatureDashboards(settings, state, tables, functools.lru_cache(maxsize=None)(
+        lambda t: tokenizer.decode([t])), W_U.shape[0])
+    if out is not None:
+        result.save(out)
+    return result
+
+
+def run_shards(engine: Any, texts: Sequence[Any], settings: DashboardSettings, encoder: FeatureEncoder,
+               state: DashboardState, shards: list[int], shard_size: int, batch_size: int, chunk_rows: int,
+               shard_done: Any = None, use_tqdm: bool = False) -> DashboardState:
+    """Fold shards ``shards`` (of ``shard_size`` texts, corpus indices global) into ``state`` and return
+    it; ``shard_done(k, state)`` is called as each finishes, in order. One pass: the engine's
+    hidden_states stream must be free."""
+    accumulator = DeviceAccumulator(encoder, settings.feature_ids(), state.dense, settings.bins, settings.quantiles,
+                                    settings.n_quantile, settings.before, settings.after, settings.seed,
+                                    engine.device)
+    everything = torch.arange(len(settings.feature_ids()))
+    accumulator.set_thresholds(everything, *state.thresholds(everything))
+    with tqdm(desc="Dashboards", unit="tok", unit_scale=True, disable=not use_tqdm) as bar:
+        _Pass(engine, texts, settings, accumulator, state, shards, shard_size, batch_size, chunk_rows,
+              shard_done, bar).run()
+    return state
+
+
+@dataclass
+class _Text:
+    example: int
+    tokens: torch.Tensor  # int32 [L]
+    rows: torch.Tensor | None = None  # [L, d_in] once its first rows arrive
+    filled: int = 0
+
+
+@dataclass
+class _Shard:
+    index: int
+    remaining: int  # texts whose rows are not all in
+    ready: deque = field(default_factory=deque)  # complete texts not yet processed
+    pending: int = 0  # their rows
+
+
+class _Pass:
+    """The engine loop (this thread) and the sink (the capture plane's sink thread on a GPU, this
+    thread otherwise): rows into per-text buffers, complete texts into chunks, shard by shard."""
+
+    PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+    threaded = True  # as a sink: fed on the capture plane's thread where there is one
+
+    def __init__(self, engine: Any, texts: Sequence[Any], settings: DashboardSettings,
+                 accumulator: DeviceAccumulator, state: DashboardState, shards: list[int], shard_size: int,
+                 batch_size: int, chunk_rows: int, shard_done: Any, bar: tqdm):
+        self.engine, self.texts, self.settings = engine, texts, settings
+        self.accumulator, self.state = accumulator, state
+        self.shard_size, self.batch_size, self.chunk_rows = shard_size, batch_size, chunk_rows
+        self.shard_done, self.bar = shard_done, bar
+        self.shards = deque(_Shard(k, min(shard_size, len(texts) - k * shard_size)) for k in shards)
+        self.by_index = {s.index: s for s in self.shards}
+        self.buffers: dict[str, tuple[_Shard, _Text]] = {}  # engine request id -> its text
+        self.staging = (torch.empty(chunk_rows, engine.model_config.hidden_size, dtype=engine.dtype, pin_memory=True)
+                        if engine.device.type == "cuda" else None)
+        self.added = [0, 0]  # texts and tokens sent to the engine, for the progress bar's total
+        self.todo_texts = sum(s.remaining for s in self.shards)
+
+    # ------------------------------------------------------------ the engine loop
+
+    def run(self) -> None:
+        engine, settings = self.engine, self.settings
+        engine.start_capture(HIDDEN_STATES, [settings.layer], None, "all", SelectSpec.parse("all_prompt"), None,
+                             settings.hook, sink=self)
+        in_engine: dict[str, int] = {}
+        feed = self._feed()
+        try:
+            try:
+                while True:
+                    while len(in_engine) < self.batch_size and self._add(next(feed, None), in_engine):
+                        pass
+                    if not in_engine:
+                        break
+                    for out in engine.step():
+                        if out.finished and out.request_id in in_engine:
+                            self.bar.update(in_engine.pop(out.request_id))
+                engine.finish_inflight()
+            except BaseException:
+                engine.abort_request(list(in_engine))
+                raise
+        finally:
+            engine.stop_capture(HIDDEN_STATES)  # returns once the sink has taken every row
+        self._advance()
+        if self.shards:
+            raise EngineError(f"feature_dashboards: shard {self.shards[0].index} is missing rows of "
+                              f"{self.shards[0].remaining} texts after the pass")
+
+    def _feed(self) -> Iterator[tuple[_Shard, int, list[int]]]:
+        for shard in list(self.shards):
+            start = shard.index * self.shard_size
+            for example in range(start, start + shard.remaining):
+                yield shard, example, self._tokenize(example)
+
+    def _tokenize(self, example: int) -> list[int]:
+        try:
+            ids = self.engine.tokenize(self.texts[example])
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"texts[{example}]: {err}") from None
+        if not ids:
+            raise InvalidRequestError(f"texts[{example}]: no tokens")
+        return ids
+
+    def _add(self, item: tuple[_Shard, int, list[int]] | None, in_engine: dict[str, int]) -> bool:
+        if item is None:
+            return False
+        shard, example, ids = item
+        self.added[0] += 1
+        self.added[1] += len(ids)
+        self.bar.total = self.bar.n + round(self.added[1] / self.added[0] * (self.todo_texts - self.added[0])) + sum(
+            in_engine.values()) + len(ids)  # tokens: those done, in the engine, and an estimate of the rest
+        try:
+            group = self.engine.add_request(f"dashboards-{example}", ids, self.PARAMS)
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"texts[{example}]: {err}") from None
+        self.buffers[group.children[0].request_id] = (shard, _Text(example, torch.tensor(ids, dtype=torch.int32)))
+        in_engine[group.client_id] = len(ids)
+        return True
+
+    # ------------------------------------------------------------ the sink
+
+    def append(self, rows: StreamRows) -> None:
+        block = rows.block[0]
+        start = 0
+        for request_id, count in zip(rows.request_ids, rows.counts.tolist()):
+            shard, text = self.buffers[request_id]
+            where = torch.from_numpy(rows.where[start:start + count])
+            positions = torch.from_numpy(rows.positions[start:start + count]).long()
+            start += count
+            if text.rows is None:
+                text.rows = torch.empty(len(text.tokens), block.shape[1], dtype=block.dtype)
+            text.rows[positions] = block[where]
+            text.filled += count
+            if text.filled == len(text.tokens):
+                del self.buffers[request_id]
+                shard.ready.append(text)
+                shard.pending += len(text.tokens)
+                shard.remaining -= 1
+        self._advance()
+
+    def _advance(self) -> None:
+        """Process the oldest shard's complete texts a chunk at a time (the last one may be short);
+        finish shards that are done, in order."""
+        while self.shards:
+            shard = self.shards[0]
+            if shard.pending >= self.chunk_rows or (shard.remaining == 0 and shard.ready):
+                self._process(shard)
+            elif shard.remaining or shard.ready:
+                return
+            else:
+                self.shards.popleft()
+                self.state.dense = self.accumulator.host_dense()
+                if self.shard_done is not None:
+                    self.shard_done(shard.index, self.state)
+
+    def _process(self, shard: _Shard) -> None:
+        """One chunk of the shard's complete texts: as many whole texts as fit ``chunk_rows``, or a
+        longer text alone, in pieces that carry ``before``/``after`` rows of context."""
+        before, after = self.settings.before, self.settings.after
+        text = shard.ready[0]
+        length = len(text.tokens)
+        if length > self.chunk_rows:
+            shard.ready.popleft()
+            shard.pending -= length
+            core = self.chunk_rows - before - after
+            for start in range(0, length, core):
+                self._process_chunk([(text, start, min(length, start + core))])
+            return
+        batch, rows = [], 0
+        while shard.ready and rows + len(shard.ready[0].tokens) <= self.chunk_rows:
+            text = shard.ready.popleft()
+            batch.append((text, 0, len(text.tokens)))
+            rows += len(text.tokens)
+        shard.pending -= rows
+        self._process_chunk(batch)
+
+    def _process_chunk(self, pieces: list[tuple[_Text, int, int]]) -> None:
+        """Encode the pieces (text, first core position, end of core) together; merge the candidates."""
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("rows", "example", "position", "tokens",
+                                                                       "core", "lo", "hi")}
+        offset = 0
+        for text, core_lo, core_hi in pieces:
+            lo, hi = max(0, core_lo - self.settings.before), min(len(text.tokens), core_hi + self.settings.after)
+            position = torch.arange(lo, hi)
+            parts["rows"].append(text.rows[lo:hi])
+            parts["example"].append(torch.full((hi - lo,), text.example, dtype=torch.long))
+            parts["position"].append(position)
+            parts["tokens"].append(text.tokens[lo:hi])
+            parts["core"].append((position >= core_lo) & (position < core_hi))
+            parts["lo"].append(torch.full((hi - lo,), offset, dtype=torch.long))
+            parts["hi"].append(torch.full((hi - lo,), offset + hi - lo, dtype=torch.long))
+            offset += hi - lo
+        rows = parts.pop("rows")
+        if self.staging is not None:  # reused: ``process`` has waited for the copy from it when it returns
+            rows = torch.cat(rows, out=self.staging[:offset])
+        else:
+            rows = torch.cat(rows)
+        chunk = Chunk(rows, **{name: torch.cat(values) for name, values in parts.items()})
+        candidates = self.accumulator.process(chunk)
+        touched = self.state.add_examples(candidates, self.accumulator.host_peak())
+        self.accumulator.set_thresholds(touched, *self.state.thresholds(touched))

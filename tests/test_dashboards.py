@@ -1,0 +1,325 @@
+"""Feature dashboards in one pass: every field equals the brute-force reference on HF hidden states
+and the SAE's reference encoder (``dashboard_reference``), whatever the batch size, chunked
+prefill, encode chunking, long-text pieces or shards; the grid and merges are exact on their own;
+resumed runs equal whole ones; bad input names its field."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from conftest import CORPUS, hf_model
+from dashboard_reference import ambiguous, hf_points, reference, reference_logits
+
+from steerable import LLM, SAE, feature_dashboards
+from steerable.sae.dashboards import DashboardState, run_shards
+from steerable.sae.dashboards.accumulate import FeatureEncoder
+from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid, sample_keys
+from steerable.sae.dashboards.merge import Items, Slots, merge_reservoir, merge_top
+
+ARGS = dict(n_top=6, context=(5, 3), quantiles=4, n_quantile=3, n_logits=7, bins=12, seed=11)
+D_SAE = 40
+MARGIN = 3e-5  # engine vs HF activations differ by ~1e-6
+
+
+def corpus(n: int, tokenize, seed: int = 0) -> list[str]:
+    """Texts of 5 to 60 words from the tokenizer's sentences, each starting with a token of its own:
+    no two texts share a prefix, so no two activations tie exactly (a tie between equal contexts
+    would be broken by float32 noise, differently in differently batched runs)."""
+    rng = random.Random(seed)
+    words = " ".join(CORPUS[:7]).split()
+    texts: list[str] = []
+    firsts: set[int] = set()
+    while len(texts) < n:
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 60)))
+        first = tokenize(text)[0]
+        if first not in firsts:
+            firsts.add(first)
+            texts.append(text)
+    return texts
+
+
+def random_sae(d_in: int, architecture: str, layer: int, hook: str, seed: int) -> SAE:
+    g = torch.Generator().manual_seed(seed)
+    kw = {"threshold": 0.1 + torch.rand(D_SAE, generator=g) * 0.3} if architecture == "jumprelu" else {}
+    if architecture == "topk":
+        kw["k"] = 6
+    return SAE(torch.randn(d_in, D_SAE, generator=g) * 0.4, torch.randn(D_SAE, generator=g) * 0.3 - 0.4,
+               torch.nn.functional.normalize(torch.randn(D_SAE, d_in, generator=g), dim=1),
+               torch.randn(d_in, generator=g) * 0.1, architecture, apply_b_dec_to_input=True, layer=layer,
+               hook=hook, **kw)
+
+
+def unambiguous(sae: SAE, points: list[torch.Tensor]) -> SAE:
+    """``sae`` with each feature's bias moved until no activation on the corpus sits near a decision
+    (see ``dashboard_reference.ambiguous``), so float32 noise cannot flip an exact comparison."""
+    x = torch.cat(points).double() - sae.b_dec.double()
+    threshold = (sae.threshold.double() if sae.threshold is not None else torch.zeros(sae.d_sae, dtype=torch.double))
+    b_enc = sae.b_enc.clone()
+    for f in range(sae.d_sae):
+        base = float(b_enc[f])
+        for step in range(200):
+            b_enc[f] = base + 0.0037 * (step // 2 + 1) * (-1) ** step if step else base
+            pre = x @ sae.W_enc.double()[:, f:f + 1] + float(b_enc[f])
+            if not ambiguous(pre, threshold[f:f + 1], 0, ARGS["n_top"], [ARGS["bins"], ARGS["quantiles"]], MARGIN):
+                break
+        else:
+            raise AssertionError(f"feature {f}: no unambiguous bias found")
+    return SAE(sae.W_enc, b_enc, sae.W_dec, sae.b_dec, sae.architecture, threshold=sae.threshold, k=sae.k,
+               apply_b_dec_to_input=sae.apply_b_dec_to_input, layer=sae.layer, hook=sae.hook)
+
+
+@pytest.fixture(scope="module")
+def setup(capture_dirs):
+    path = capture_dirs["qwen3"]
+    llm = LLM(path, device="cpu", kv_cache_tokens=4096)
+    hf = hf_model(path)
+    texts = corpus(24, llm.llm_engine.tokenize)
+    ids = [llm.llm_engine.tokenize(t) for t in texts]
+    d = llm.llm_engine.model_config.hidden_size
+    sae = random_sae(d, "jumprelu", 1, "post_mlp", seed=3)
+    points = hf_points(hf, ids, sae.layer, sae.hook)
+    sae = unambiguous(sae, points)
+    llm.register_sae("res1", sae)
+    ref = reference([sae.encode(p) for p in points], ids, list(range(D_SAE)), ARGS["n_top"], *ARGS["context"],
+                    ARGS["quantiles"], ARGS["n_quantile"], ARGS["bins"], ARGS["seed"])
+    logits = reference_logits(hf, sae, list(range(D_SAE)), ARGS["n_logits"], unit_offset=False)
+    return llm, texts, sae, ref, logits, path
+
+
+def assert_examples(ours, ref, tol=1e-5):
+    assert [(e.corpus_index, e.position) for e in ours] == [(r.corpus_index, r.position) for r in ref]
+    for e, r in zip(ours, ref):
+        assert e.tokens == r.tokens and len(e.token_strs) == len(e.tokens)
+        assert abs(e.max - r.value) <= tol and e.activations[e.offset] == e.max
+        assert max(abs(a - b) for a, b in zip(e.activations, r.window)) <= tol
+
+
+def assert_matches_reference(dash, ref, logits, features=None):
+    features = list(range(D_SAE)) if features is None else features
+    assert dash.features == features
+    active = 0
+    for f in features:
+        ours, r = dash[f], ref[f]
+        assert (ours.tokens, ours.count) == (r["tokens"], r["count"]), f
+        assert ours.density == r["count"] / r["tokens"]
+        assert abs(ours.max - r["max"]) <= 1e-5 and abs(ours.mean - r["mean"]) <= 1e-5
+        assert_examples(ours.top, r["top"])
+        top_ids, top_values, bottom_ids, bottom_values = logits[f]
+        assert [e.token for e in ours.top_logits] == top_ids
+        assert [e.token for e in ours.bottom_logits] == bottom_ids
+        assert max(abs(e.value - v) for e, v in zip(ours.top_logits + ours.bottom_logits, top_values + bottom_values)) < 1e-5
+        if not r["count"]:
+            assert ours.dead and not ours.top and not ours.quantiles and f in dash.dead
+            continue
+        active += 1
+        assert ours.histogram.counts == r["hist"]
+        assert ours.histogram.edges == [j * r["hist_width"] for j in range(ARGS["bins"] + 1)]
+        assert [(g.low, g.high, g.count) for g in ours.quantiles] == [(g["low"], g["high"], g["count"])
+                                                                       for g in r["quantiles"]]
+        for g, rg in zip(ours.quantiles, r["quantiles"]):
+            assert_examples(g.examples, rg["examples"])
+    # Effect size: a no-op cannot pass.
+    assert active > len(features) // 2 and sum(len(ref[f]["quantiles"]) for f in features) > active
+
+
+def assert_same(a, b):
+    """Two runs of the same corpus: identical lists and counts, floats equal to float32 noise."""
+    assert a.features == b.features and a.dead == b.dead
+    for f in a.features:
+        x, y = a[f], b[f]
+        assert (x.tokens, x.count, x.histogram.counts, x.histogram.edges) == (y.tokens, y.count, y.histogram.counts,
+                                                                              y.histogram.edges)
+        assert math.isclose(x.mean, y.mean, rel_tol=1e-6) and abs(x.max - y.max) <= 1e-6
+        for ex, ey in zip([x.top] + [g.examples for g in x.quantiles], [y.top] + [g.examples for g in y.quantiles]):
+            assert [(e.corpus_index, e.position, e.tokens) for e in ex] == [(e.corpus_index, e.position, e.tokens)
+                                                                           for e in ey]
+            assert all(max(abs(p - q) for p, q in zip(e.activations, d.activations)) <= 1e-6 for e, d in zip(ex, ey))
+        assert [(g.low, g.high, g.count) for g in x.quantiles] == [(g.low, g.high, g.count) for g in y.quantiles]
+
+
+# ---------------------------------------------------------------- against the reference
+
+
+def test_every_field_equals_the_reference(setup):
+    llm, texts, _, ref, logits, _ = setup
+    dash = feature_dashboards(llm, texts, sae="res1", **ARGS)
+    assert_matches_reference(dash, ref, logits)
+    assert dash.tokens == sum(len(llm.llm_engine.tokenize(t)) for t in texts)
+
+
+def test_batching_chunking_pieces_and_shards_change_nothing(setup):
+    llm, texts, sae, ref, logits, path = setup
+    whole = feature_dashboards(llm, texts, sae="res1", **ARGS)
+    # One text in the engine at a time; rows encoded 9 at a time, so most texts go in pieces with context.
+    assert_same(whole, feature_dashboards(llm, texts, sae="res1", batch_size=1, chunk_rows=9, **ARGS))
+    # Chunked prefill: a 16-token budget splits every prompt over several steps.
+    chunked = LLM(path, device="cpu", kv_cache_tokens=2048, max_num_batched_tokens=16)
+    chunked.register_sae("res1", sae)
+    assert_same(whole, feature_dashboards(chunked, texts, sae="res1", batch_size=5, chunk_rows=40, **ARGS))
+    # Shards computed apart (as replicas would) and merged, in either order.
+    settings = whole.settings
+    encoder = FeatureEncoder(llm.llm_engine.saes.get("res1"), settings.feature_ids(), torch.device("cpu"),
+                             torch.float32)
+    states = []
+    for shards in ([0, 2], [1], [3, 4]):
+        state = DashboardState.empty(D_SAE, ARGS["n_top"], ARGS["quantiles"], ARGS["n_quantile"], ARGS["bins"],
+                                     settings.window)
+        states.append(run_shards(llm.llm_engine, texts, settings, encoder, state, shards, 5, 4, 64))
+    merged = states[2]
+    merged.merge(states[0])
+    merged.merge(states[1])
+    whole.state = merged
+    assert_matches_reference(whole, ref, logits)
+
+
+def test_feature_subset_and_topk_sae(setup, capture_dirs):
+    llm, texts, _, ref, logits, _ = setup
+    subset = [3, 17, 5, 29]
+    dash = feature_dashboards(llm, texts, sae="res1", features=subset, **ARGS)
+    assert_matches_reference(dash, ref, logits, sorted(subset))
+    with pytest.raises(ValueError, match="feature: 4 is not a feature"):
+        dash[4]
+    # A top-k SAE at pre_attn of a Gemma 3 model (final norm (1 + w): the logits' scale).
+    path = capture_dirs["gemma3"]
+    gemma, hf = LLM(path, device="cpu", kv_cache_tokens=4096), hf_model(path)
+    sae = random_sae(gemma.llm_engine.model_config.hidden_size, "topk", 2, "pre_attn", seed=5)
+    gemma.register_sae("pre2", sae)
+    ids = [gemma.llm_engine.tokenize(t) for t in texts[:12]]
+    points = hf_points(hf, ids, 2, "pre_attn")
+    pre = torch.cat([sae.pre_activations(p) for p in points]).relu().sort(dim=1, descending=True).values
+    assert ((pre[:, 5] - pre[:, 6]) > MARGIN).all()  # no row's k-th feature is a near tie
+    gref = reference([sae.encode(p) for p in points], ids, list(range(D_SAE)), ARGS["n_top"], *ARGS["context"],
+                     ARGS["quantiles"], ARGS["n_quantile"], ARGS["bins"], ARGS["seed"])
+    gdash = feature_dashboards(gemma, texts[:12], sae="pre2", **ARGS)
+    glogits = reference_logits(hf, sae, list(range(D_SAE)), ARGS["n_logits"], unit_offset=True)
+    for f in range(D_SAE):
+        assert_examples(gdash[f].top, gref[f]["top"])
+        assert gdash[f].count == gref[f]["count"]
+        assert [e.token for e in gdash[f].top_logits] == glogits[f][0]
+
+
+# ---------------------------------------------------------------- the pieces, exactly
+
+
+def test_grid_is_exact_and_order_free():
+    g = torch.Generator().manual_seed(0)
+    values = torch.rand(5000, generator=g) ** 3 * 40
+    for n in (1, 3, 10, 40):
+        e = grid_exponent(values.max().unsqueeze(0), n)
+        w = 2.0 ** int(e)
+        assert n * w > values.max() >= n * w / 2
+        whole = torch.bincount(bin_index(values, e.expand_as(values)), minlength=n)
+        # Folded a batch at a time on the running grid, as the device does.
+        counts, peak = torch.zeros(1, n, dtype=torch.long), torch.zeros(1)
+        for part in values[torch.randperm(len(values), generator=g)].split(333):
+            new_peak = torch.maximum(peak, part.max().unsqueeze(0))
+            counts = regrid(counts, peak, new_peak, n)
+            counts[0] += torch.bincount(bin_index(part, grid_exponent(new_peak, n).expand_as(part)), minlength=n)
+            peak = new_peak
+        assert torch.equal(counts[0], whole)
+    assert int(grid_exponent(torch.zeros(1), 4)) < -1000  # no activation: no grid
+    keys = sample_keys(0, torch.arange(1000), torch.zeros(1000), torch.zeros(1000))
+    assert keys.min() >= 0 and keys.max() < 2**32 and len(set(keys.tolist())) == 1000
+    assert not torch.equal(keys, sample_keys(1, torch.arange(1000), torch.zeros(1000), torch.zeros(1000)))
+
+
+def test_merges_keep_the_same_lists_whatever_the_split():
+    g = torch.Generator().manual_seed(1)
+    n, features, window = 300, 5, 3
+    items = Items(torch.randint(features, (n,), generator=g), torch.rand(n, generator=g).round(decimals=2) + 0.01,
+                  torch.randint(50, (n,), generator=g), torch.randperm(n, generator=g), torch.zeros(n, dtype=torch.long),
+                  torch.rand(n, window, generator=g), torch.randint(100, (n, window), generator=g).int())
+    items.key = sample_keys(7, items.feature, items.example, items.position)
+    peak = torch.zeros(features).scatter_reduce(0, items.feature, items.value, "amax")
+    exponent = grid_exponent(peak, 4)
+
+    def run(parts):
+        top, res = Slots(features, 1, 4, window), Slots(features, 4, 3, window)
+        held = torch.full((features,), -(2**20))
+        for part in parts:
+            merge_top(top, part)
+            part_peak = torch.zeros(features).scatter_reduce(0, part.feature, part.value, "amax")
+            held_now = torch.maximum(held, grid_exponent(part_peak, 4))
+            merge_reservoir(res, part, held_now, held)
+            held = held_now
+        assert torch.equal(held, exponent)
+        return top, res
+
+    expected = run([items])
+    for split in (7, 50, 299):
+        order = torch.randperm(n, generator=g)
+        got = run([items.take(i) for i in order.split(split)])
+        for a, b in zip(expected, got):
+            assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("example", "position", "key"))
+    top = expected[0]  # ties (values are rounded) go to the lower corpus index, then position
+    for f in range(features):
+        mine = items.take((items.feature == f).nonzero().squeeze(1))
+        best = sorted(zip((-mine.value).tolist(), mine.example.tolist(), mine.position.tolist()))[:4]
+        assert [(e, p) for _, e, p in best] == list(zip(top.example[f, 0].tolist(), top.position[f, 0].tolist()))
+
+
+# ---------------------------------------------------------------- files, resume and bad input
+
+
+def test_resume_equals_an_uninterrupted_run(setup, tmp_path, monkeypatch):
+    llm, texts, _, ref, logits, _ = setup
+    import steerable.sae.dashboards.files as files
+
+    real = files.checkpoint
+    calls = []
+
+    def dies_after_two(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+    monkeypatch.setattr(files, "checkpoint", dies_after_two)
+    with pytest.raises(Exception, match="killed"):
+        feature_dashboards(llm, texts, sae="res1", out=tmp_path / "d", shard_size=5, **ARGS)
+    monkeypatch.setattr(files, "checkpoint", real)
+    assert llm.capture_status("hidden_states")["enabled"] is False  # the stream was stopped
+    index = json.loads((tmp_path / "d" / "dashboards.json").read_text())
+    assert index["shards_done"] == [0, 1] and not index["complete"]  # resumed from the third shard
+    dash = feature_dashboards(llm, texts, sae="res1", out=tmp_path / "d", shard_size=5, resume=True, **ARGS)
+    assert_matches_reference(dash, ref, logits)
+    again = feature_dashboards(llm, texts, sae="res1", out=tmp_path / "d", shard_size=5, resume=True, **ARGS)
+    assert_same(dash, again)  # finished: loaded, nothing recomputed
+    from steerable.sae.dashboards import FeatureDashboards
+    loaded = FeatureDashboards.load(tmp_path / "d")
+    assert_matches_reference(loaded, ref, logits)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["batch-0.json", "dashboards.json",
+                                                                 "state.safetensors", "vocab.json"]
+
+
+def test_bad_input_names_the_field(setup, tmp_path):
+    llm, texts, sae, *_ = setup
+    cases = [(dict(sae="nope"), "sae: unknown SAE 'nope'"), (dict(n_top=0), "n_top"),
+             (dict(context=(4000, 200)), "context: a window of 4000"), (dict(context=(3,)), "context"),
+             (dict(texts=[]), "texts"), (dict(features=[D_SAE]), "features"), (dict(quantiles=-1), "quantiles"),
+             (dict(bins=0), "bins"), (dict(chunk_rows=4), "chunk_rows")]
+    for change, message in cases:
+        kwargs = {**ARGS, "texts": texts[:3], "sae": "res1", **change}
+        with pytest.raises(ValueError, match=message):
+            feature_dashboards(llm, **kwargs)
+    feature_dashboards(llm, texts[:3], sae="res1", out=tmp_path / "d", **ARGS)
+    other = SAE(sae.W_enc * 2, sae.b_enc, sae.W_dec, sae.b_dec, "jumprelu", threshold=sae.threshold,
+                apply_b_dec_to_input=True, layer=1)
+    llm.register_sae("other", other)
+    try:
+        with pytest.raises(ValueError, match="resume: sae_sha256 differs"):
+            feature_dashboards(llm, texts[:3], sae="other", out=tmp_path / "d", resume=True, **ARGS)
+        with pytest.raises(ValueError, match="already holds dashboards"):
+            feature_dashboards(llm, texts[:3], sae="res1", out=tmp_path / "d", **ARGS)
+    finally:
+        llm.unregister_sae("other")
+    llm.start_capture("hidden_states", layers=[0])
+    try:
+        with pytest.raises(ValueError, match="hidden_states capture stream is running"):
+            feature_dashboards(llm, texts[:3], sae="res1", **ARGS)
+    finally:
+        llm.stop_capture("hidden_states")
+    assert llm.generate("Hello", use_tqdm=False)[0].outputs[0].text is not None  # the engine serves on
