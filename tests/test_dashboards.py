@@ -323,3 +323,85 @@ def test_bad_input_names_the_field(setup, tmp_path):
     finally:
         llm.stop_capture("hidden_states")
     assert llm.generate("Hello", use_tqdm=False)[0].outputs[0].text is not None  # the engine serves on
+
+
+# ---------------------------------------------------------------- the Neuronpedia export
+
+
+def _sae_dashboard_feature(d, vocab_size: int, num_texts: int) -> dict:
+    """What sae-dashboard's own converter writes for this feature's data (its data classes filled
+    from our dashboard, then ``NeuronpediaConverter`` as its runner calls it)."""
+    from types import SimpleNamespace
+
+    from sae_dashboard.components import (ActsHistogramData, LogitsHistogramData, LogitsTableData, SequenceData,
+                                          SequenceGroupData, SequenceMultiGroupData)
+    from sae_dashboard.feature_data import FeatureData
+    from sae_dashboard.neuronpedia.neuronpedia_converter import NeuronpediaConverter
+
+    def sequences(examples):
+        return [SequenceData(token_ids=e.tokens, feat_acts=e.activations, qualifying_token_index=e.offset + 1)
+                for e in examples]
+    groups = [SequenceGroupData(f"TOP ACTIVATIONS<br>MAX = {d.max:.3f}", sequences(d.top))]
+    groups += [SequenceGroupData(f"INTERVAL {g.low:.3f} - {g.high:.3f}<br>CONTAINS {g.count / d.tokens:.3%}",
+                                 sequences(g.examples)) for g in reversed(d.quantiles)]
+    used = max(j + 1 for j, c in enumerate(d.histogram.counts) if c)
+    centres = [(a + b) / 2 for a, b in zip(d.histogram.edges, d.histogram.edges[1:])][:used]
+    logit_centres = [(a + b) / 2 for a, b in zip(d.logits_histogram.edges, d.logits_histogram.edges[1:])]
+    data = FeatureData(
+        acts_histogram_data=ActsHistogramData(bar_heights=d.histogram.counts[:used], bar_values=centres,
+                                              title=f"ACTIVATIONS<br>DENSITY = {d.density:.3%}"),
+        logits_table_data=LogitsTableData([e.token for e in d.bottom_logits], [e.value for e in d.bottom_logits],
+                                          [e.token for e in d.top_logits], [e.value for e in d.top_logits]),
+        logits_histogram_data=LogitsHistogramData(bar_heights=d.logits_histogram.counts, bar_values=logit_centres),
+        sequence_data=SequenceMultiGroupData(groups))
+    model = SimpleNamespace(cfg=SimpleNamespace(d_vocab=vocab_size))
+    cfg = SimpleNamespace(n_prompts_total=num_texts, n_tokens_in_prompt=0, huggingface_dataset_path="")
+    vocab = {t: s for t, s in enumerate(d._vocab)}
+    feature, = NeuronpediaConverter._process_features(model, {d.index: data}, cfg, vocab)
+    return feature.to_dict()
+
+
+def _same_shape(ours, theirs, where: str) -> None:
+    """Same keys, same JSON types all the way down (an int where sae-dashboard writes an int...)."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and set(ours) == set(theirs), (where, set(ours) ^ set(theirs))
+        for key in theirs:
+            _same_shape(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _same_shape(a, b, f"{where}[{i}]")
+    else:
+        theirs = theirs.item() if hasattr(theirs, "item") else theirs
+        assert type(ours) is type(theirs) or {type(ours), type(theirs)} <= {int, float}, (where, ours, theirs)
+        if isinstance(theirs, float) and where.split(".")[-1] not in ("frac_nonzero", "bin_contains"):
+            assert abs(ours - theirs) <= 1e-9, (where, ours, theirs)  # both rounded to 3 decimals
+        elif isinstance(theirs, (int, str)) and not isinstance(theirs, bool):
+            assert ours == theirs, (where, ours, theirs)
+
+
+def test_export_matches_what_sae_dashboard_writes(setup, tmp_path):
+    from sae_dashboard.neuronpedia.neuronpedia_dashboard import NeuronpediaDashboardBatch
+
+    llm, texts, *_ = setup
+    dash = feature_dashboards(llm, texts, sae="res1", features=list(range(8)), **ARGS)
+    assert dash.save(tmp_path, batch_features=3) == ["batch-0.json", "batch-1.json", "batch-2.json"]
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    assert len(vocab) == dash.vocab_size and vocab[5] == dash.token_str(5)
+    seen = []
+    for name in ("batch-0.json", "batch-1.json", "batch-2.json"):
+        batch = json.loads((tmp_path / name).read_text())
+        assert (batch["model_id"], batch["layer"], batch["sae_set"]) == (dash.settings.model, 1, "res1")
+        features = batch["features"]
+        for feature in features:
+            i = feature["feature_index"]
+            seen.append(i)
+            d = dash[i]
+            assert feature.pop("maxActApprox") == round(d.max, 3)  # what Neuronpedia's import reads besides
+            d._vocab = vocab
+            _same_shape(feature, _sae_dashboard_feature(d, len(vocab), len(texts)), f"feature {i}")
+            assert abs(feature["frac_nonzero"] - d.density) < 1e-12 and len(feature["activations"]) == len(d.top) + sum(
+                len(g.examples) for g in d.quantiles)
+        # The batch loads into sae-dashboard's own classes and writes back unchanged.
+        assert NeuronpediaDashboardBatch(**batch).to_dict() == batch
+    assert seen == list(range(8))

@@ -23,8 +23,10 @@ def _centres(edges: list[float], used: int) -> list[float]:
 
 
 def _activation(example: Example, low: float, high: float, contains: float) -> dict[str, Any]:
+    # The DFA fields are empty, as sae-dashboard writes them when it computes no DFA.
     return {"bin_min": low, "bin_max": high, "bin_contains": contains, "tokens": example.token_strs,
-            "values": _round(example.activations), "qualifying_token_index": example.offset}
+            "values": _round(example.activations), "qualifying_token_index": example.offset,
+            "dfa_values": [], "dfa_maxValue": 0, "dfa_targetIndex": -1}
 
 
 def neuronpedia_feature(d: FeatureDashboard, num_texts: int, dataset: str = "") -> dict[str, Any]:
