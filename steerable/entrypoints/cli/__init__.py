@@ -7,9 +7,9 @@ import argparse
 import sys
 
 import steerable
-from steerable.entrypoints.cli import capture, demo, generate, serve, vectors
+from steerable.entrypoints.cli import capture, dashboards, demo, generate, serve, vectors
 
-VERBS = [generate, serve, vectors, capture, demo]
+VERBS = [generate, serve, vectors, capture, dashboards, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from steerable.entrypoints.cli.common import (
     engine_kwargs,
     layer_list,
     load_sae,
+    read_texts,
     run_checked,
     sae_file,
 )
@@ -52,7 +53,6 @@ def capture(args: argparse.Namespace) -> int:
     from steerable.capture.corpus import INDEX, capture_corpus
     from steerable.capture.store import resolve_storage_dtype
     from steerable.selection import SelectSpec
-    from steerable.vectors.datafiles import read_jsonl
 
     select = args.select
     if select.lstrip().startswith("{"):
@@ -67,13 +67,7 @@ def capture(args: argparse.Namespace) -> int:
     resolve_storage_dtype(args.capture_dtype, "--dtype")
     if os.path.exists(os.path.join(args.out, INDEX)) and not args.resume:
         raise CliError(f"--out: {args.out} already holds a corpus capture; pass --resume or choose another directory")
-    texts = []
-    for i, record in enumerate(read_jsonl(args.input)):
-        if not isinstance(record, dict) or not isinstance(record.get(args.field), str) or not record[args.field]:
-            raise CliError(f"{args.input}: record {i} has no non-empty string field {args.field!r}")
-        texts.append(record[args.field])
-    if not texts:
-        raise CliError(f"{args.input}: no texts")
+    texts = read_texts(args.input, args.field)
     kwargs = engine_kwargs(args)
     with LLM(**kwargs) as llm:
         if sae is not None:

@@ -84,18 +84,36 @@ def run_checked(func: Any, args: argparse.Namespace) -> int:
         return 2
 
 
-def layer_list(text: str) -> list[int]:
-    """``"4,8,12"``, ``"8-20"`` (inclusive) or a mix such as ``"2,4-6"`` -> sorted layer indices."""
-    layers: set[int] = set()
+def index_list(text: str, what: str = "layers") -> list[int]:
+    """``"4,8,12"``, ``"8-20"`` (inclusive) or a mix such as ``"2,4-6"`` -> sorted indices."""
+    indices: set[int] = set()
     try:
         for part in text.split(","):
             start, sep, end = part.strip().partition("-")
-            layers.update(range(int(start), int(end) + 1) if sep else [int(start)])
+            indices.update(range(int(start), int(end) + 1) if sep else [int(start)])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layers like 4,8,12 or 8-20, got {text!r}") from None
-    if not layers:
-        raise argparse.ArgumentTypeError(f"no layers in {text!r}")
-    return sorted(layers)
+        raise argparse.ArgumentTypeError(f"expected {what} like 4,8,12 or 8-20, got {text!r}") from None
+    if not indices:
+        raise argparse.ArgumentTypeError(f"no {what} in {text!r}")
+    return sorted(indices)
+
+
+def layer_list(text: str) -> list[int]:
+    return index_list(text, "layers")
+
+
+def read_texts(path: str, field: str) -> list[str]:
+    """The non-empty string ``field`` of every record of a JSON-lines file (CliError otherwise)."""
+    from steerable.vectors.datafiles import read_jsonl
+
+    texts = []
+    for i, record in enumerate(read_jsonl(path)):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str) or not record[field]:
+            raise CliError(f"{path}: record {i} has no non-empty string field {field!r}")
+        texts.append(record[field])
+    if not texts:
+        raise CliError(f"{path}: no texts")
+    return texts
 
 
 def number_list(text: str) -> list[float]:

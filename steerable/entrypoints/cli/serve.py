@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from steerable.entrypoints.cli.common import (
     CliError,
@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--sae", action="append", type=named_sae_file, default=[], metavar="NAME=PATH[:LAYER[:HOOK]]",
                        help="register an SAE (SAELens or sparsify directory, Gemma Scope params.npz) as NAME at "
                             "start, for feature steering and capture; repeat for several (see docs/sae.md)")
+    group.add_argument("--dashboards", action="append", default=[], metavar="DIR",
+                       help="feature dashboards (steerable dashboards --out DIR) of an SAE given with --sae, served at "
+                            "GET /v1/saes/NAME/features/I; repeat for several (see docs/dashboards.md)")
     add_control_vector_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=lambda args: run_checked(serve, args))
@@ -70,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     kwargs = {**engine_kwargs(args), "max_n": args.max_n, "max_fanout_seqs": args.max_fanout_seqs}
     steering = control_vector(args)
     saes = {name: load_sae(spec, "--sae") for name, spec in args.sae}  # every file read before the model loads
+    dashboards = [(folder, load_dashboards(folder)) for folder in args.dashboards]
     from steerable.entrypoints.engine_process import ProcessAsyncLLM
     from steerable.entrypoints.openai import build_app, run_server
 
@@ -84,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
                 asyncio.run(llm.register_sae(name, sae))
             except ValueError as err:  # an SAE of another model: say which flag
                 raise CliError(f"--sae {name}: {err}") from None
+        settings.dashboards = attach_dashboards(saes, dashboards, llm.dtype)
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
@@ -91,6 +96,32 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     return 0
+
+
+def load_dashboards(folder: str) -> Any:
+    from steerable.sae.dashboards import FeatureDashboards
+
+    try:
+        return FeatureDashboards.load(folder)
+    except ValueError as err:
+        raise CliError(f"--dashboards {folder}: {err}") from None
+
+
+def attach_dashboards(saes: dict[str, Any], dashboards: list[tuple[str, Any]], dtype: Any) -> dict[str, Any]:
+    """Each ``--dashboards`` directory under the name of the ``--sae`` it was computed for: the SAE
+    whose weights, as the engine keeps them (in its dtype), hash to the directory's ``sae_sha256``."""
+    hashes = {sae.to("cpu", dtype).content_hash.hex(): name for name, sae in saes.items()}
+    out: dict[str, Any] = {}
+    for folder, dash in dashboards:
+        name = hashes.get(dash.settings.sae_sha256)
+        if name is None:
+            raise CliError(f"--dashboards {folder}: sae_sha256 {dash.settings.sae_sha256} (SAE "
+                           f"{dash.settings.sae!r}) matches no SAE given with --sae "
+                           f"({', '.join(sorted(saes)) or 'none'}, in the engine's dtype)")
+        if name in out:
+            raise CliError(f"--dashboards {folder}: SAE {name!r} already has dashboards")
+        out[name] = dash
+    return out
 
 
 def server_settings(args: argparse.Namespace) -> "ServerSettings":

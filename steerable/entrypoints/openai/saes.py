@@ -1,7 +1,9 @@
 """SAEs over HTTP: ``POST /v1/saes`` (admin) loads SAEs and transcoders from files on the server
 and registers them, ``GET /v1/saes`` lists them, ``DELETE /v1/saes/{name}`` (admin) unregisters one. Loading
 reads server-side paths, so only the admin key may ask for it; a user steers and captures with
-the registered names."""
+the registered names. ``GET /v1/saes/{name}/features/{i}`` returns feature ``i``'s dashboard where
+the server was started with dashboards of that SAE (``--dashboards``), and
+``GET /v1/saes/{name}/features`` what they cover."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from steerable.entrypoints.openai.auth import require_admin, require_user
+from steerable.entrypoints.openai.errors import APIError
 from steerable.entrypoints.openai.state import server_state
 from steerable.errors import InvalidRequestError
 
@@ -85,3 +88,29 @@ async def unregister_sae(name: str, request: Request) -> dict[str, Any]:
     llm = server_state(request).llm
     await llm.unregister_sae(name)
     return {"saes": await llm.list_saes()}
+
+
+def _dashboards(request: Request, name: str) -> Any:
+    dash = server_state(request).settings.dashboards.get(name)
+    if dash is None:
+        raise APIError(404, f"name: no dashboards were computed for SAE {name!r} (start the server with "
+                            "--dashboards DIR)", "name")
+    return dash
+
+
+@user.get("/v1/saes/{name}/features")
+async def dashboards_summary(name: str, request: Request) -> dict[str, Any]:
+    dash = _dashboards(request, name)
+    s = dash.settings
+    return {"sae": name, "features": dash.features if s.features is not None else None, "d_sae": s.d_sae,
+            "tokens": dash.tokens, "texts": s.num_texts, "dead": dash.dead, "model": s.model, "layer": s.layer,
+            "hook": s.hook, "n_top": s.n_top, "context": [s.before, s.after], "quantiles": s.quantiles,
+            "n_quantile": s.n_quantile, "bins": s.bins, "seed": s.seed}
+
+
+@user.get("/v1/saes/{name}/features/{index}")
+async def feature_dashboard(name: str, index: int, request: Request) -> dict[str, Any]:
+    dash = _dashboards(request, name)
+    if index not in dash:
+        raise APIError(404, f"index: no dashboard was computed for feature {index} of SAE {name!r}", "index")
+    return {"sae": name, **(await asyncio.to_thread(lambda: dash[index].to_dict()))}

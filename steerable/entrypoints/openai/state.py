@@ -4,6 +4,7 @@ offers for capture. One ``ServerState`` per app, at ``app.state.server``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -22,6 +23,7 @@ class ServerSettings:
     max_body_bytes: int = 32 * 2**20
     max_capture_bytes: int = 64 * 2**20
     chat_template: str | None = None  # overrides the tokenizer's
+    dashboards: dict[str, Any] = field(default_factory=dict)  # SAE name -> FeatureDashboards (--dashboards)
 
 
 @dataclass

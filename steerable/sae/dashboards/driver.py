@@ -49,7 +49,7 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
                        n_logits: int = 10, bins: int = 40, seed: int = 0, features: Any = None, *,
                        batch_size: int = 64, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
                        resume: bool = False, shard_size: int | None = None, use_tqdm: bool = False,
-                       model: str | None = None) -> FeatureDashboards:
+                       model: str | None = None, export: dict[str, Any] | None = None) -> FeatureDashboards:
     """Dashboards of ``features`` (None: all) of the registered SAE ``sae`` over ``texts`` (strings
     or token-id lists): per feature the ``n_top`` highest activations with ``context`` =
     ``(before, after)`` tokens around each, ``n_quantile`` seeded samples from each of ``quantiles``
@@ -58,7 +58,8 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
     ``batch_size``: texts in the engine at a time; ``chunk_rows``: rows encoded at once (default from
     the feature count); neither changes the result. ``out``: also write a finished dashboards
     directory there, checkpointing every ``shard_size`` texts (default: the corpus is one shard) so
-    ``resume=True`` continues a killed run; the result equals an uninterrupted run's."""
+    ``resume=True`` continues a killed run; the result equals an uninterrupted run's. ``export``:
+    ``FeatureDashboards.save`` options for that directory; ``model``: the model's name recorded."""
     engine = llm.llm_engine
     found = engine.saes.get(sae, "sae")
     texts = check_texts(texts)
@@ -110,7 +111,7 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
     result = FeatureDashboards(settings, state, tables, functools.lru_cache(maxsize=None)(
         lambda t: tokenizer.decode([t])), W_U.shape[0])
     if out is not None:
-        result.save(out)
+        result.save(out, **(export or {}))
     return result
 
 

@@ -6,7 +6,7 @@
 import { $, apiJson, littleEndian } from "./api.js";
 
 const tokenTexts = new Map();  // token id -> its text, from /detokenize
-const cellFeatures = new WeakMap();  // heatmap cell -> its top SAE features, as the readout shows them
+const cellFeatures = new WeakMap();  // heatmap cell -> its top SAE features, [[index, value]]
 
 export function forgetTokens() {
   tokenTexts.clear();
@@ -86,7 +86,7 @@ function drawRow(container, cells, { centre, spread }) {
     const span = tokenCell(cell.token, i);
     label(span, `${JSON.stringify(tokenText(cell.token))} at position ${cell.position}: `
       + (cell.shown ?? cell.value.toFixed(4)));
-    if (cell.features) cellFeatures.set(span, featureList(cell.features));
+    if (cell.features) cellFeatures.set(span, cell.features);
     const t = (cell.value - centre) / spread;
     span.style.backgroundColor = t >= 0 ? shade(t, RED) : shade(-t, BLUE);
     span.classList.toggle("light", Math.abs(t) > 0.6);
@@ -94,9 +94,26 @@ function drawRow(container, cells, { centre, spread }) {
   }));
 }
 
-function featureList(features) {
-  if (!features.length) return "Top SAE features: none active.";
-  return `Top SAE features: ${features.map(([index, value]) => `#${index} ${value.toFixed(4)}`).join(", ")}`;
+// The readout's list: each feature a button that opens its dashboard (dashboard.js listens).
+function showFeatures(features) {
+  const box = $("heat-features");
+  if (!features) {
+    box.replaceChildren();
+    return;
+  }
+  if (!features.length) {
+    box.textContent = "Top SAE features: none active.";
+    return;
+  }
+  const items = features.flatMap(([index, value], i) => {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "link";
+    button.textContent = `#${index} ${value.toFixed(4)}`;
+    button.addEventListener("click", () => document.dispatchEvent(new CustomEvent("open-feature", { detail: { index } })));
+    return i ? [", ", button] : [button];
+  });
+  box.replaceChildren("Top SAE features: ", ...items);
 }
 
 export const RED = [215, 48, 39];
@@ -135,6 +152,6 @@ export function wireRow(row, onCell) {
 export function wireHeatmapRow(row) {
   wireRow(row, (cell) => {
     $("heat-readout").textContent = cell.title;
-    $("heat-features").textContent = cellFeatures.get(cell) ?? "";
+    showFeatures(cellFeatures.get(cell));
   });
 }

@@ -1,8 +1,9 @@
 // The playground page: the controls, the two streamed runs and the sweep, wired to this server's
-// public API like any client (api.js); the heatmap, the SAE features, the attention view and the
-// plot are drawn by their own modules.
+// public API like any client (api.js); the heatmap, the SAE features, the feature page, the
+// attention view and the plot are drawn by their own modules.
 
 import { $, KEY, ApiError, api, apiJson, bytesBase64, clearErrors, littleEndian, showError } from "./api.js";
+import { wireDashboard } from "./dashboard.js";
 import { attachFeatures, featureCapture, featureRows, featureSteering, heatByFeature, heatFeature, loadSaes,
   wireFeatures } from "./features.js";
 import { setEditorModel, wireEditor } from "./editor.js";
@@ -400,4 +401,5 @@ wireHeatmapRow($("heat-base"));
 wireHeatmapRow($("heat-steered"));
 wireFeatures();
 wirePatterns();
+wireDashboard();
 connect(true);
