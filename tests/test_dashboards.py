@@ -18,7 +18,7 @@ from steerable import LLM, SAE, feature_dashboards
 from steerable.sae.dashboards import DashboardState, run_shards
 from steerable.sae.dashboards.accumulate import FeatureEncoder
 from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid, sample_keys
-from steerable.sae.dashboards.merge import Items, Slots, merge_reservoir, merge_top
+from steerable.sae.dashboards.merge import Places, descending, merge_rows, pack, reservoir_order, top_order
 
 ARGS = dict(n_top=6, context=(5, 3), quantiles=4, n_quantile=3, n_logits=7, bins=12, seed=11)
 D_SAE = 40
@@ -176,6 +176,25 @@ def test_batching_chunking_pieces_and_shards_change_nothing(setup):
     assert_matches_reference(whole, ref, logits)
 
 
+def test_excluded_positions_and_tokens_count_as_zero(setup, capture_dirs):
+    llm, texts, sae, *_ = setup
+    hf = hf_model(capture_dirs["qwen3"])
+    ids = [llm.llm_engine.tokenize(t) for t in texts]
+    common = max(set(sum(ids, [])), key=sum(ids, []).count)
+    acts = []
+    for p, text_ids in zip(hf_points(hf, ids, sae.layer, sae.hook), ids):
+        a = sae.encode(p)
+        a[0] = 0.0
+        a[torch.tensor(text_ids) == common] = 0.0
+        acts.append(a)
+    ref = reference(acts, ids, list(range(D_SAE)), ARGS["n_top"], *ARGS["context"], ARGS["quantiles"],
+                    ARGS["n_quantile"], ARGS["bins"], ARGS["seed"])
+    dash = feature_dashboards(llm, texts, sae="res1", exclude_positions=[0], exclude_tokens=[common], chunk_rows=20,
+                              **ARGS)
+    assert_matches_reference(dash, ref, reference_logits(hf, sae, list(range(D_SAE)), ARGS["n_logits"], False))
+    assert all(e.position != 0 and e.tokens[e.offset] != common for f in dash.features for e in dash[f].top)
+
+
 def test_feature_subset_and_topk_sae(setup, capture_dirs):
     llm, texts, _, ref, logits, _ = setup
     subset = [3, 17, 5, 29]
@@ -227,39 +246,56 @@ def test_grid_is_exact_and_order_free():
     assert not torch.equal(keys, sample_keys(1, torch.arange(1000), torch.zeros(1000), torch.zeros(1000)))
 
 
-def test_merges_keep_the_same_lists_whatever_the_split():
+def test_merges_keep_the_same_examples_whatever_the_split():
+    """Pools filled from the same examples in any order and split keep the same examples, placed
+    without moving those that stay; ties (values are rounded) go by corpus order."""
     g = torch.Generator().manual_seed(1)
-    n, features, window = 300, 5, 3
-    items = Items(torch.randint(features, (n,), generator=g), torch.rand(n, generator=g).round(decimals=2) + 0.01,
-                  torch.randint(50, (n,), generator=g), torch.randperm(n, generator=g), torch.zeros(n, dtype=torch.long),
-                  torch.rand(n, window, generator=g), torch.randint(100, (n, window), generator=g).int())
-    items.key = sample_keys(7, items.feature, items.example, items.position)
-    peak = torch.zeros(features).scatter_reduce(0, items.feature, items.value, "amax")
-    exponent = grid_exponent(peak, 4)
+    n, features, n_top, quantiles, n_q = 400, 5, 4, 4, 3
+    feature = torch.randint(features, (n,), generator=g)
+    value = torch.rand(n, generator=g).round(decimals=2) + 0.01
+    example, position = torch.randint(50, (n,), generator=g), torch.randperm(n, generator=g)
+    key = sample_keys(7, feature, example, position)
 
-    def run(parts):
-        top, res = Slots(features, 1, 4, window), Slots(features, 4, 3, window)
-        held = torch.full((features,), -(2**20))
-        for part in parts:
-            merge_top(top, part)
-            part_peak = torch.zeros(features).scatter_reduce(0, part.feature, part.value, "amax")
-            held_now = torch.maximum(held, grid_exponent(part_peak, 4))
-            merge_reservoir(res, part, held_now, held)
-            held = held_now
-        assert torch.equal(held, exponent)
-        return top, res
+    def run(order, split):
+        top, res = Places.empty(features, n_top), Places.empty(features, quantiles * n_q)
+        peak = torch.zeros(features)
+        for part in order.split(split):
+            f = feature[part]
+            peak = peak.scatter_reduce(0, f, value[part], "amax")
+            exponent = grid_exponent(peak, quantiles)
+            columns = (value[part], example[part], position[part], key[part], part)
+            for pool, group, primary, cap, groups, order_ in (
+                    (top, torch.zeros_like(f), descending(value[part]), n_top, 1, top_order),
+                    (res, bin_index(value[part], exponent[f]), key[part], n_q, quantiles, reservoir_order(exponent))):
+                rows, arriving = pack(f, group, primary, cap, groups, columns)
+                before = pool.rows(rows)
+                new, row, place, source = merge_rows(pool, arriving, rows, order_, cap)
+                stayed = new.held() & (new.source == before.source) & before.held()
+                assert torch.equal(new.example[stayed], before.example[stayed])  # kept examples do not move
+                assert torch.equal(new.source[row, place], source)
+                pool.set_rows(rows, new)
+        return top, res, peak
 
-    expected = run([items])
-    for split in (7, 50, 299):
-        order = torch.randperm(n, generator=g)
-        got = run([items.take(i) for i in order.split(split)])
-        for a, b in zip(expected, got):
-            assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("example", "position", "key"))
-    top = expected[0]  # ties (values are rounded) go to the lower corpus index, then position
-    for f in range(features):
-        mine = items.take((items.feature == f).nonzero().squeeze(1))
-        best = sorted(zip((-mine.value).tolist(), mine.example.tolist(), mine.position.tolist()))[:4]
-        assert [(e, p) for _, e, p in best] == list(zip(top.example[f, 0].tolist(), top.position[f, 0].tolist()))
+    def kept(places, f):
+        return sorted(places.source[f][places.held()[f]].tolist())
+
+    expected = run(torch.arange(n), n)
+    for split in (1, 7, 50, 399):
+        got = run(torch.randperm(n, generator=g), split)
+        for f in range(features):
+            assert kept(got[0], f) == kept(expected[0], f) and kept(got[1], f) == kept(expected[1], f)
+    top, res, peak = expected
+    exponent = grid_exponent(peak, quantiles)
+    for f in range(features):  # brute force: the definitions
+        mine = (feature == f).nonzero().squeeze(1).tolist()
+        best = sorted(mine, key=lambda i: (-float(value[i]), int(example[i]), int(position[i])))[:n_top]
+        assert kept(top, f) == sorted(best)
+        bins: dict[int, list[int]] = {}
+        for i in mine:
+            bins.setdefault(int(bin_index(value[i:i + 1], exponent[f:f + 1])), []).append(i)
+        drawn = [i for members in bins.values()
+                 for i in sorted(members, key=lambda i: (int(key[i]), int(example[i]), int(position[i])))[:n_q]]
+        assert kept(res, f) == sorted(drawn)
 
 
 # ---------------------------------------------------------------- files, resume and bad input
@@ -300,7 +336,8 @@ def test_bad_input_names_the_field(setup, tmp_path):
     cases = [(dict(sae="nope"), "sae: unknown SAE 'nope'"), (dict(n_top=0), "n_top"),
              (dict(context=(4000, 200)), "context: a window of 4000"), (dict(context=(3,)), "context"),
              (dict(texts=[]), "texts"), (dict(features=[D_SAE]), "features"), (dict(quantiles=-1), "quantiles"),
-             (dict(bins=0), "bins"), (dict(chunk_rows=4), "chunk_rows")]
+             (dict(bins=0), "bins"), (dict(chunk_rows=4), "chunk_rows"), (dict(exclude_positions=[-1]),
+                                                                               "exclude_positions")]
     for change, message in cases:
         kwargs = {**ARGS, "texts": texts[:3], "sae": "res1", **change}
         with pytest.raises(ValueError, match=message):

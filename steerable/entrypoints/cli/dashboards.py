@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--n-logits", type=int, default=10, help="top and bottom logits per feature (default: 10)")
     group.add_argument("--bins", type=int, default=40, help="activation histogram bins (default: 40)")
     group.add_argument("--sample-seed", type=int, default=0, help="seed of the quantile samples (default: 0)")
+    group.add_argument("--exclude-positions", type=lambda text: index_list(text, "positions"), default=[],
+                       help="positions whose activations count as 0, e.g. 0 (a first-token attention sink)")
+    group.add_argument("--exclude-tokens", type=lambda text: index_list(text, "token ids"), default=[],
+                       help="token ids whose activations count as 0, e.g. BOS, as sae-dashboard ignores them")
     group.add_argument("--batch-features", type=int, default=128, help="features per batch-N.json (default: 128)")
     group.add_argument("--model-id", default="", help="Neuronpedia model id in the export (default: MODEL)")
     group.add_argument("--dataset", default="", help="the corpus's name in the export")
@@ -77,7 +81,9 @@ def dashboards(args: argparse.Namespace) -> int:
         llm.register_sae(name, sae)
         dash = feature_dashboards(llm, texts, name, n_top=args.n_top, context=args.context, quantiles=args.quantiles,
                                   n_quantile=args.n_quantile, n_logits=args.n_logits, bins=args.bins,
-                                  seed=args.sample_seed, features=args.features, batch_size=args.batch_size,
+                                  seed=args.sample_seed, features=args.features,
+                                  exclude_positions=args.exclude_positions, exclude_tokens=args.exclude_tokens,
+                                  batch_size=args.batch_size,
                                   out=args.out, resume=args.resume, shard_size=args.shard_size, use_tqdm=True,
                                   model=args.model, export=dict(batch_features=args.batch_features,
                                                                 model_id=args.model_id, dataset=args.dataset))

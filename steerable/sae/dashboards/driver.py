@@ -3,7 +3,8 @@
 The engine prefills each text once (``max_tokens=1``) while a ``hidden_states`` capture stream
 takes every prompt row at the SAE's point into a sink that gathers each text's rows. Texts whose
 rows are all in go, a few thousand rows at a time and shard by shard in corpus order, to the device
-accumulator (encode, statistics, candidates), and the candidates to the host state's example lists.
+accumulator (encode, statistics, candidates merged into the example pools), and the windows of the
+examples placed to the host state.
 Nothing of the corpus is kept: a text's rows are dropped once its chunk is processed.
 
 With ``out`` the run is resumable: after each shard of ``shard_size`` texts the state is written
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -33,8 +35,8 @@ from steerable.sae.dashboards import files
 from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
 from steerable.sae.dashboards.logits import logit_tables, unembedding
 from steerable.sae.dashboards.result import FeatureDashboards
-from steerable.sae.dashboards.settings import (DashboardSettings, check_context, check_features, check_texts,
-                                               corpus_hash, positive_int)
+from steerable.sae.dashboards.settings import (DashboardSettings, check_context, check_features, check_indices,
+                                               check_texts, corpus_hash, positive_int)
 from steerable.sae.dashboards.state import DashboardState
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
@@ -47,6 +49,7 @@ MAX_CHUNK_ROWS = 8192
 def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 20,
                        context: tuple[int, int] = (24, 8), quantiles: int = 10, n_quantile: int = 5,
                        n_logits: int = 10, bins: int = 40, seed: int = 0, features: Any = None, *,
+                       exclude_positions: Sequence[int] = (), exclude_tokens: Sequence[int] = (),
                        batch_size: int = 64, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
                        resume: bool = False, shard_size: int | None = None, use_tqdm: bool = False,
                        model: str | None = None, export: dict[str, Any] | None = None) -> FeatureDashboards:
@@ -75,7 +78,9 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
         hook=found.hook, d_sae=found.d_sae, architecture=found.architecture,
         features=check_features(features, found.d_sae), n_top=n_top, before=before, after=after,
         quantiles=quantiles, n_quantile=n_quantile, n_logits=n_logits, bins=bins, seed=seed,
-        num_texts=len(texts), corpus_sha256=corpus_hash(texts))
+        exclude_positions=check_indices(exclude_positions, "exclude_positions"),
+        exclude_tokens=check_indices(exclude_tokens, "exclude_tokens"), num_texts=len(texts),
+        corpus_sha256=corpus_hash(texts))
     feature_ids = settings.feature_ids()
     if chunk_rows is None:
         per_row = found.d_sae if found.architecture == "topk" else len(feature_ids)
@@ -108,8 +113,8 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
                use_tqdm)
     tables = logit_tables(found, feature_ids, W_U, scale, n_logits)
     tokenizer = llm.get_tokenizer()
-    result = FeatureDashboards(settings, state, tables, functools.lru_cache(maxsize=None)(
-        lambda t: tokenizer.decode([t])), W_U.shape[0])
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: f"<{t}>")  # a model without one
+    result = FeatureDashboards(settings, state, tables, functools.lru_cache(maxsize=None)(decode), W_U.shape[0])
     if out is not None:
         result.save(out, **(export or {}))
     return result
@@ -121,11 +126,8 @@ def run_shards(engine: Any, texts: Sequence[Any], settings: DashboardSettings, e
     """Fold shards ``shards`` (of ``shard_size`` texts, corpus indices global) into ``state`` and return
     it; ``shard_done(k, state)`` is called as each finishes, in order. One pass: the engine's
     hidden_states stream must be free."""
-    accumulator = DeviceAccumulator(encoder, settings.feature_ids(), state.dense, settings.bins, settings.quantiles,
-                                    settings.n_quantile, settings.before, settings.after, settings.seed,
-                                    engine.device)
-    everything = torch.arange(len(settings.feature_ids()))
-    accumulator.set_thresholds(everything, *state.thresholds(everything))
+    accumulator = DeviceAccumulator(encoder, settings.feature_ids(), state, settings.n_top, settings.before,
+                                    settings.after, settings.seed, engine.device)
     with tqdm(desc="Dashboards", unit="tok", unit_scale=True, disable=not use_tqdm) as bar:
         _Pass(engine, texts, settings, accumulator, state, shards, shard_size, batch_size, chunk_rows,
               shard_done, bar).run()
@@ -136,8 +138,20 @@ def run_shards(engine: Any, texts: Sequence[Any], settings: DashboardSettings, e
 class _Text:
     example: int
     tokens: torch.Tensor  # int32 [L]
-    rows: torch.Tensor | None = None  # [L, d_in] once its first rows arrive
+    pieces: list = field(default_factory=list)  # (first position, rows) as the steps deliver them
     filled: int = 0
+    rows: torch.Tensor | None = None  # [L, d_in] once complete
+
+    def assemble(self) -> None:
+        """Join the pieces in position order; they must tile the text (each row delivered once)."""
+        self.pieces.sort(key=lambda piece: piece[0])
+        starts = [first for first, _ in self.pieces]
+        ends = [first + len(rows) for first, rows in self.pieces]
+        if starts[0] != 0 or starts[1:] != ends[:-1] or ends[-1] != len(self.tokens):
+            raise EngineError(f"feature_dashboards: text {self.example}'s rows arrived as positions "
+                              f"{list(zip(starts, ends))}, not once each")
+        self.rows = torch.cat([rows for _, rows in self.pieces])
+        self.pieces = []
 
 
 @dataclass
@@ -168,6 +182,8 @@ class _Pass:
         self.staging = (torch.empty(chunk_rows, engine.model_config.hidden_size, dtype=engine.dtype, pin_memory=True)
                         if engine.device.type == "cuda" else None)
         self.added = [0, 0]  # texts and tokens sent to the engine, for the progress bar's total
+        self.exclude_positions = torch.tensor(settings.exclude_positions, dtype=torch.long)
+        self.exclude_tokens = torch.tensor(settings.exclude_tokens, dtype=torch.int32)
         self.todo_texts = sum(s.remaining for s in self.shards)
 
     # ------------------------------------------------------------ the engine loop
@@ -233,19 +249,17 @@ class _Pass:
     # ------------------------------------------------------------ the sink
 
     def append(self, rows: StreamRows) -> None:
-        block = rows.block[0]
-        start = 0
-        for request_id, count in zip(rows.request_ids, rows.counts.tolist()):
+        """A step's rows: copied out of the step's host block at once (it is reused after this call),
+        kept per text as consecutive pieces until the text is complete."""
+        block = rows.block[0][torch.from_numpy(rows.where)]
+        first_positions = rows.positions[np.concatenate(([0], np.cumsum(rows.counts)[:-1]))].tolist()
+        for request_id, piece, first in zip(rows.request_ids, block.split(rows.counts.tolist()), first_positions):
             shard, text = self.buffers[request_id]
-            where = torch.from_numpy(rows.where[start:start + count])
-            positions = torch.from_numpy(rows.positions[start:start + count]).long()
-            start += count
-            if text.rows is None:
-                text.rows = torch.empty(len(text.tokens), block.shape[1], dtype=block.dtype)
-            text.rows[positions] = block[where]
-            text.filled += count
+            text.pieces.append((first, piece))
+            text.filled += len(piece)
             if text.filled == len(text.tokens):
                 del self.buffers[request_id]
+                text.assemble()
                 shard.ready.append(text)
                 shard.pending += len(text.tokens)
                 shard.remaining -= 1
@@ -262,7 +276,7 @@ class _Pass:
                 return
             else:
                 self.shards.popleft()
-                self.state.dense = self.accumulator.host_dense()
+                self.accumulator.host_state(self.state)
                 if self.shard_done is not None:
                     self.shard_done(shard.index, self.state)
 
@@ -290,7 +304,7 @@ class _Pass:
     def _process_chunk(self, pieces: list[tuple[_Text, int, int]]) -> None:
         """Encode the pieces (text, first core position, end of core) together; merge the candidates."""
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("rows", "example", "position", "tokens",
-                                                                       "core", "lo", "hi")}
+                                                                       "core", "lo", "hi", "excluded")}
         offset = 0
         for text, core_lo, core_hi in pieces:
             lo, hi = max(0, core_lo - self.settings.before), min(len(text.tokens), core_hi + self.settings.after)
@@ -302,6 +316,8 @@ class _Pass:
             parts["core"].append((position >= core_lo) & (position < core_hi))
             parts["lo"].append(torch.full((hi - lo,), offset, dtype=torch.long))
             parts["hi"].append(torch.full((hi - lo,), offset + hi - lo, dtype=torch.long))
+            parts["excluded"].append(torch.isin(position, self.exclude_positions)
+                                     | torch.isin(text.tokens[lo:hi], self.exclude_tokens))
             offset += hi - lo
         rows = parts.pop("rows")
         if self.staging is not None:  # reused: ``process`` has waited for the copy from it when it returns
@@ -309,6 +325,6 @@ class _Pass:
         else:
             rows = torch.cat(rows)
         chunk = Chunk(rows, **{name: torch.cat(values) for name, values in parts.items()})
-        candidates = self.accumulator.process(chunk)
-        touched = self.state.add_examples(candidates, self.accumulator.host_peak())
-        self.accumulator.set_thresholds(touched, *self.state.thresholds(touched))
+        top, reservoir = self.accumulator.process(chunk)
+        for pool, placed in ((self.state.top, top), (self.state.reservoir, reservoir)):
+            pool.write(placed.features, placed.places, placed.acts, placed.tokens)

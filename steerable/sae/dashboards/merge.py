@@ -1,148 +1,174 @@
 """Exact merges of example lists: top-k by activation and seeded reservoirs by key.
 
-Examples travel as ``Items`` (flat columns) and rest in ``Slots`` (per feature, per group, a fixed
-number of places, best first). Merging is one rule applied to the union of what a feature holds
-and what arrives: sort by group, then by the group's order, and keep the first ``k`` of each
-group. The top list orders by activation (highest first), then corpus index, then position; a
-quantile bin orders by ``sample_keys`` (smallest first), then corpus index, then position. Both
-are total orders on distinct (corpus index, position) pairs, so the kept set is a function of the
-union alone: any batching, chunking or sharding of the corpus keeps the same examples.
+A feature's examples sit in a pool of places (``Places``, ``[features, places]`` columns) in no
+particular order: a place keeps its example until a better one takes it, so the examples' windows,
+kept elsewhere by place (on the host), are written once, when an example arrives, and never moved.
+Merging is one rule applied to the union of what a feature holds and what arrives: group the
+examples (the top list is one group; reservoirs group by quantile bin), order each group, keep the
+first ``cap`` of each. The top list orders by activation (highest first), then corpus index, then
+position; a quantile bin by ``sample_keys`` (smallest first), then corpus index, then position.
+Both are total orders on distinct (corpus index, position) pairs, so what is kept is a function of
+the union alone: any batching, chunking or sharding of the corpus keeps the same examples.
+
+Everything here is plain tensor code, run on the device during a pass and on the host to merge
+shards, and only over the rows (features) an update touches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from steerable.sae.dashboards.grid import bin_index
 
-KEY_EMPTY = 2**40  # above every 32-bit key: an empty reservoir place, and a bin not yet full
+KEY_EMPTY = 2**40  # above every 32-bit key: an empty place, and a quantile bin not yet full
 
 
 @dataclass
-class Items:
-    """Examples of several features: ``feature`` (index into the run's features), its activation
-    ``value`` at ``position`` of text ``example`` (corpus index), the sample ``key``, and the window
-    around it: ``acts`` (the feature's activation per token, NaN outside the text) and ``tokens``
-    (-1 outside), ``[n, window]``."""
+class Places:
+    """Per row (feature) a pool of places: the activation ``value``, the text's corpus index
+    ``example`` (-1: empty place), the ``position`` in it and the sample ``key``; ``source`` says
+    where an arriving example's window is (an index into its sender's window table)."""
 
-    feature: torch.Tensor
     value: torch.Tensor
     example: torch.Tensor
     position: torch.Tensor
     key: torch.Tensor
-    acts: torch.Tensor
-    tokens: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.feature.shape[0]
-
-    def take(self, index: torch.Tensor) -> "Items":
-        return Items(*(getattr(self, f.name)[index] for f in fields(self)))
+    source: torch.Tensor
 
     @staticmethod
-    def cat(parts: Sequence["Items"]) -> "Items":
-        return Items(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Items)))
-
-    def unique(self) -> "Items":
-        """Each (feature, corpus index, position) once (an example can be both in a top list and
-        in a quantile sample)."""
-        order, _ = ranked(self.feature, [self.example, self.position])
-        columns = torch.stack([self.feature[order], self.example[order], self.position[order]])
-        first = torch.ones(len(self), dtype=torch.bool)
-        first[1:] = (columns[:, 1:] != columns[:, :-1]).any(0)
-        return self.take(order[first])
-
-
-class Slots:
-    """Per feature ``groups`` lists of at most ``size`` examples, best first; an empty place has
-    ``example == -1`` (and ``key == KEY_EMPTY``)."""
-
-    def __init__(self, features: int, groups: int, size: int, window: int):
-        shape = (features, groups, size)
-        self.value = torch.zeros(shape, dtype=torch.float32)
-        self.example = torch.full(shape, -1, dtype=torch.long)
-        self.position = torch.zeros(shape, dtype=torch.long)
-        self.key = torch.full(shape, KEY_EMPTY, dtype=torch.long)
-        self.acts = torch.full((*shape, window), float("nan"), dtype=torch.float32)
-        self.tokens = torch.full((*shape, window), -1, dtype=torch.int32)
-
-    FIELDS = ("value", "example", "position", "key", "acts", "tokens")
+    def empty(rows: int, places: int, device: torch.device | str = "cpu") -> "Places":
+        shape = (rows, places)
+        return Places(torch.zeros(shape, dtype=torch.float32, device=device),
+                      torch.full(shape, -1, dtype=torch.long, device=device),
+                      torch.zeros(shape, dtype=torch.long, device=device),
+                      torch.full(shape, KEY_EMPTY, dtype=torch.long, device=device),
+                      torch.full(shape, -1, dtype=torch.long, device=device))
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def shape(self) -> tuple[int, int]:
         return tuple(self.value.shape)
 
-    def items(self, features: torch.Tensor) -> Items:
-        """The examples held for ``features`` (ascending indices), flat."""
-        held = self.example[features] >= 0
-        feature = features.view(-1, 1, 1).expand_as(held)[held]
-        return Items(feature, *(getattr(self, name)[features][held] for name in self.FIELDS))
+    def columns(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
 
-    def fill(self, features: torch.Tensor, group: torch.Tensor, rank: torch.Tensor, items: Items) -> None:
-        """Empty every place of ``features``, then put ``items`` at ``[feature, group, rank]``."""
-        for name in self.FIELDS:
-            tensor = getattr(self, name)
-            tensor[features] = -1 if name in ("example", "tokens") else (
-                KEY_EMPTY if name == "key" else (float("nan") if name == "acts" else 0))
-            tensor[items.feature, group, rank] = getattr(items, name)
+    def rows(self, index: torch.Tensor) -> "Places":
+        return Places(*(c[index] for c in self.columns()))
+
+    def set_rows(self, index: torch.Tensor, other: "Places") -> None:
+        for mine, theirs in zip(self.columns(), other.columns()):
+            mine[index] = theirs
+
+    def to(self, device: torch.device | str) -> "Places":
+        return Places(*(c.to(device) for c in self.columns()))
+
+    def held(self) -> torch.Tensor:
+        return self.example >= 0
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.{name}": getattr(self, name) for name in self.FIELDS}
+        return {f"{prefix}.{f.name}": getattr(self, f.name) for f in fields(self) if f.name != "source"}
 
     @staticmethod
-    def from_state_dict(tensors: dict[str, torch.Tensor], prefix: str) -> "Slots":
-        slots = Slots.__new__(Slots)
-        for name in Slots.FIELDS:
-            setattr(slots, name, tensors[f"{prefix}.{name}"])
-        return slots
+    def from_state_dict(tensors: dict[str, torch.Tensor], prefix: str) -> "Places":
+        value = tensors[f"{prefix}.value"]
+        return Places(value, tensors[f"{prefix}.example"], tensors[f"{prefix}.position"], tensors[f"{prefix}.key"],
+                      torch.full_like(value, -1, dtype=torch.long))
 
 
-def ranked(group: torch.Tensor, keys: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The order sorting by ``group`` then ``keys`` (ascending, most significant first), and each
-    sorted item's rank within its group."""
-    n = group.shape[0]
-    order = torch.arange(n)
-    for key in reversed([group, *keys]):  # stable sorts from the least significant key
-        order = order[torch.sort(key[order], stable=True).indices]
-    sorted_group = group[order]
-    starts = torch.ones(n, dtype=torch.bool)
-    starts[1:] = sorted_group[1:] != sorted_group[:-1]
-    index = torch.arange(n)
-    first = torch.cummax(torch.where(starts, index, 0), 0).values
-    return order, index - first
+# Orders as few int64 sort keys as possible (each key is one stable sort): a group-major primary key
+# (the group in the high bits) and the corpus order ``example << 24 | position`` (positions stay
+# below 2**24, corpus indices below 2**39).
+POSITION_BITS = 24
+_EMPTY = 2**62  # an empty place's primary key: after every example
 
 
-def merge_top(slots: Slots, arriving: Items) -> torch.Tensor:
-    """Keep per feature the ``size`` highest activations of what it holds and ``arriving``
-    (ties: lower corpus index, then lower position); returns the features touched."""
-    touched = torch.unique(arriving.feature)
-    if len(arriving) == 0:
-        return touched
-    pool = Items.cat([slots.items(touched), arriving])
-    order, rank = ranked(pool.feature, [-pool.value.double(), pool.example, pool.position])
-    keep = order[rank < slots.shape[2]]
-    slots.fill(touched, torch.zeros_like(keep), rank[rank < slots.shape[2]], pool.take(keep))
-    return touched
+def corpus_order(example: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    return (example << POSITION_BITS) | position
 
 
-def merge_reservoir(slots: Slots, arriving: Items, exponent: torch.Tensor, held_exponent: torch.Tensor
-                    ) -> torch.Tensor:
-    """Keep per feature and quantile bin the ``size`` smallest keys (ties: corpus order) of what it
-    holds and ``arriving``, every example binned on the grid ``exponent[feature]``; the examples
-    held were binned on ``held_exponent`` (coarser bins hold the union of the finer ones). Returns
-    the features touched, which now hold on ``exponent``."""
-    regridded = (exponent != held_exponent).nonzero().squeeze(1)
-    touched = torch.unique(torch.cat([arriving.feature, regridded]))
-    if len(touched) == 0:
-        return touched
-    pool = Items.cat([slots.items(touched), arriving])
-    bins = slots.shape[1]
-    group = pool.feature * bins + bin_index(pool.value, exponent[pool.feature])
-    order, rank = ranked(group, [pool.key, pool.example, pool.position])
-    kept = rank < slots.shape[2]
-    keep = order[kept]
-    slots.fill(touched, group[keep] % bins, rank[kept], pool.take(keep))
-    return touched
+def descending(value: torch.Tensor) -> torch.Tensor:
+    """An int64 that sorts activations (float32, >= 0) from the highest: their bits are monotone."""
+    return (2**31 - 1) - value.contiguous().view(torch.int32).long()
+
+
+# How a list groups and orders its examples: ``order(pool, rows) -> (group, primary key)``.
+Order = Callable[[Places, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def top_order(pool: Places, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros_like(pool.example), descending(pool.value)
+
+
+def reservoir_order(exponent: torch.Tensor) -> Order:
+    """Quantile bins on the grid ``exponent[feature]``, each ordered by key."""
+    def order(pool: Places, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        group = bin_index(pool.value, exponent[rows].unsqueeze(1).expand_as(pool.example))
+        return group, (group << 32) | pool.key
+    return order
+
+
+def ranks(group: torch.Tensor, primary: torch.Tensor, corpus: torch.Tensor) -> torch.Tensor:
+    """Per row, each entry's rank within its ``group`` ordered by ``primary`` then ``corpus``
+    (``primary`` sorts group-major): two stable sorts, least significant first."""
+    rows, n = group.shape
+    order = torch.sort(corpus, dim=1, stable=True).indices
+    order = order.gather(1, torch.sort(primary.gather(1, order), dim=1, stable=True).indices)
+    sorted_group = group.gather(1, order)
+    index = torch.arange(n, device=group.device).expand(rows, n)
+    starts = torch.ones_like(sorted_group, dtype=torch.bool)
+    starts[:, 1:] = sorted_group[:, 1:] != sorted_group[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    return torch.empty_like(order).scatter_(1, order, index - first)
+
+
+def _nth_true(mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the column of its j-th True at ``[row, j]`` (one spare column at the end)."""
+    rows, n = mask.shape
+    slot = torch.where(mask, mask.long().cumsum(1) - 1, n)
+    return torch.full((rows, n + 1), n, dtype=torch.long, device=mask.device).scatter_(
+        1, slot, torch.arange(n, device=mask.device).expand(rows, n).clone())
+
+
+def merge_rows(held: Places, arriving: Places, rows: torch.Tensor, order: Order, cap: int
+               ) -> tuple[Places, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge ``arriving`` (``[len(rows), m]``) into the places of ``rows`` of ``held``, keeping
+    ``cap`` examples per group. Kept examples stay where they are; arriving ones take freed
+    places. Returns the rows' new places and, per example placed, its row (index into ``rows``),
+    its place and its ``source``."""
+    mine = held.rows(rows)
+    places = mine.shape[1]
+    pool = Places(*(torch.cat([a, b], 1) for a, b in zip(mine.columns(), arriving.columns())))
+    present = pool.held()
+    group, primary = order(pool, rows)
+    rank = ranks(torch.where(present, group, _EMPTY), torch.where(present, primary, _EMPTY),
+                 corpus_order(pool.example.clamp_min(0), pool.position))
+    kept = present & (rank < cap)
+    stay, new = kept[:, :places], kept[:, places:]
+    count = new.sum(1, keepdim=True)  # never more than the places freed
+    row, j = (torch.arange(new.shape[1], device=new.device) < count).nonzero(as_tuple=True)
+    place, src = _nth_true(~stay)[row, j], _nth_true(new)[row, j]
+    out = Places(*(torch.where(stay, c, e) for c, e in zip(mine.columns(), Places.empty(*mine.shape, new.device)
+                                                            .columns())))
+    for column, column_in in zip(out.columns(), arriving.columns()):
+        column[row, place] = column_in[row, src]
+    return out, row, place, arriving.source[row, src]
+
+
+def pack(feature: torch.Tensor, group: torch.Tensor, primary: torch.Tensor, cap: int, groups: int,
+         columns: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Places]:
+    """Flat examples (``feature``, ``group`` per example, ``columns`` = value, example, position,
+    key, source) as ``[len(rows), groups * cap]`` arriving places of ``rows`` (the features
+    present), at most ``cap`` per group, the first by ``primary`` (below 2**32 within a group)
+    then corpus order: what a merge would keep of them."""
+    corpus = corpus_order(columns[1], columns[2])
+    rows, row = torch.unique(feature, return_inverse=True)
+    flat = row * groups + group
+    rank = ranks(flat.unsqueeze(0), ((flat << 32) | primary).unsqueeze(0), corpus.unsqueeze(0))[0]
+    keep = (rank < cap).nonzero().squeeze(1)
+    arriving = Places.empty(len(rows), groups * cap, feature.device)
+    at = (row[keep], group[keep] * cap + rank[keep])
+    for column, values in zip(arriving.columns(), columns):
+        column[at] = values[keep]
+    return rows, arriving

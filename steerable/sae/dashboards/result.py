@@ -17,9 +17,8 @@ from steerable.errors import InvalidRequestError
 from steerable.sae.dashboards import files
 from steerable.sae.dashboards.grid import edges
 from steerable.sae.dashboards.logits import LOGIT_BINS, LogitTables
-from steerable.sae.dashboards.merge import Slots
 from steerable.sae.dashboards.settings import DashboardSettings
-from steerable.sae.dashboards.state import DashboardState
+from steerable.sae.dashboards.state import DashboardState, Pool
 
 
 @dataclass
@@ -144,34 +143,34 @@ class FeatureDashboards:
         groups = []
         if count and s.quantiles:
             bin_edges = edges(peak, s.quantiles)
+            sampled = self.state.quantile_places(row)
             for b in range(s.quantiles):
-                examples = self._examples(self.state.reservoir, row, b)
                 number = int(dense.qcount[row, b])
                 if number:
+                    examples = self._examples(self.state.reservoir, row, sampled.get(b, []))
                     groups.append(QuantileGroup(bin_edges[b], bin_edges[b + 1], number, examples))
         lg = self.logits
         lg_edges = torch.linspace(float(lg.low[row]), float(lg.high[row]), LOGIT_BINS + 1).tolist()
         return FeatureDashboard(
-            index=index, top=self._examples(self.state.top, row, 0), quantiles=groups, tokens=dense.tokens,
+            index=index, top=self._examples(self.state.top, row, self.state.top_places(row)), quantiles=groups,
+            tokens=dense.tokens,
             count=count, max=peak, mean=float(dense.total[row]) / count if count else 0.0, histogram=histogram,
             top_logits=self._logits(lg.top_ids[row], lg.top_values[row]),
             bottom_logits=self._logits(lg.bottom_ids[row], lg.bottom_values[row]),
             logits_histogram=Histogram(lg.hist[row].tolist(), lg_edges))
 
-    def _examples(self, slots: Slots, row: int, group: int) -> list[Example]:
+    def _examples(self, pool: Pool, row: int, places: list[int]) -> list[Example]:
         out = []
-        for place in range(slots.shape[2]):
-            corpus_index = int(slots.example[row, group, place])
-            if corpus_index < 0:
-                break
-            tokens = slots.tokens[row, group, place]
+        p = pool.places
+        for place in places:
+            tokens = pool.tokens[row, place]
             inside = tokens >= 0
             first = int(inside.nonzero()[0])
             ids = tokens[inside].tolist()
-            position = int(slots.position[row, group, place])
-            out.append(Example(ids, [self.token_str(t) for t in ids], slots.acts[row, group, place][inside].tolist(),
-                               corpus_index, position, position - self.settings.before + first,
-                               float(slots.value[row, group, place])))
+            position = int(p.position[row, place])
+            out.append(Example(ids, [self.token_str(t) for t in ids], pool.acts[row, place][inside].tolist(),
+                               int(p.example[row, place]), position, position - self.settings.before + first,
+                               float(p.value[row, place])))
         return out
 
     def _logits(self, ids: torch.Tensor, values: torch.Tensor) -> list[LogitEntry]:

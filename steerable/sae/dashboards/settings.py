@@ -38,6 +38,8 @@ class DashboardSettings:
     n_logits: int
     bins: int
     seed: int
+    exclude_positions: list[int]
+    exclude_tokens: list[int]
     num_texts: int
     corpus_sha256: str
     format: str = FORMAT
@@ -109,6 +111,16 @@ def check_features(features: Any, d_sae: int) -> list[int] | None:
     if len(set(features)) != len(features):
         raise InvalidRequestError("features: an index is named twice")
     return sorted(features)
+
+
+def check_indices(values: Any, name: str) -> list[int]:
+    """Distinct non-negative integers, ascending."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidRequestError(f"{name}: expected a list of integers >= 0, got {values!r}")
+    values = list(values)
+    if not all(is_int(v) and v >= 0 for v in values):
+        raise InvalidRequestError(f"{name}: expected integers >= 0, got {values!r}")
+    return sorted(set(values))
 
 
 def check_texts(texts: Any) -> Sequence[Any]:

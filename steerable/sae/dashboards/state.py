@@ -1,7 +1,7 @@
 """``DashboardState``: everything a pass has gathered about its features, on the host, in a form
 that merges exactly with another pass over other texts (another shard, or a resumed run's finished
 part): counts and sums add, maxima take the larger, histograms move to the common grid and add
-(``grid``), example lists merge (``merge``). Its size depends on the number of features and the
+(``grid``), example pools merge (``merge``). Its size depends on the number of features and the
 example counts asked for, never on the corpus.
 """
 
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from steerable.errors import InvalidRequestError
-from steerable.sae.dashboards.grid import NO_EXPONENT, grid_exponent, regrid
-from steerable.sae.dashboards.merge import Items, Slots, merge_reservoir, merge_top
+from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid
+from steerable.sae.dashboards.merge import Order, Places, merge_rows, reservoir_order, top_order
 
 
 @dataclass
@@ -50,63 +50,98 @@ class Dense:
                      + regrid(other.qcount, other.peak, peak, quantiles))
 
 
-class DashboardState:
-    """The dense statistics plus the example slots: ``top`` [F, 1, n_top] and ``reservoir``
-    [F, quantiles, n_quantile], the latter binned on ``reservoir_exponent`` [F]."""
+class Pool:
+    """One kind of example list of every feature: the places (``Places`` [F, n]) and, per place,
+    the window around its example: ``acts`` (float32, NaN outside the text) and ``tokens`` (int32,
+    -1 outside), ``[F, n, window]``."""
 
-    def __init__(self, dense: Dense, top: Slots, reservoir: Slots, reservoir_exponent: torch.Tensor):
-        self.dense = dense
-        self.top = top
-        self.reservoir = reservoir
-        self.reservoir_exponent = reservoir_exponent
+    def __init__(self, places: Places, acts: torch.Tensor, tokens: torch.Tensor):
+        self.places, self.acts, self.tokens = places, acts, tokens
+
+    @staticmethod
+    def empty(features: int, size: int, window: int) -> "Pool":
+        return Pool(Places.empty(features, size), torch.full((features, size, window), float("nan")),
+                    torch.full((features, size, window), -1, dtype=torch.int32))
+
+    def write(self, features: torch.Tensor, places: torch.Tensor, acts: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The windows of examples that just took places ``[features, places]``."""
+        self.acts[features, places] = acts
+        self.tokens[features, places] = tokens
+
+    def take_in(self, other: "Pool", order: Order, cap: int) -> None:
+        """Merge ``other``'s examples (of the same features, over other texts) in, with their windows."""
+        features, size = other.places.shape
+        arriving = Places(*other.places.columns()[:4], torch.arange(features * size).view(features, size))
+        rows = torch.arange(features)
+        new, row, place, source = merge_rows(self.places, arriving, rows, order, cap)
+        self.places.set_rows(rows, new)
+        window = other.acts.shape[-1]
+        self.write(rows[row], place, other.acts.view(-1, window)[source], other.tokens.view(-1, window)[source])
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {**self.places.state_dict(prefix), f"{prefix}.acts": self.acts, f"{prefix}.tokens": self.tokens}
+
+    @staticmethod
+    def from_state_dict(tensors: dict[str, torch.Tensor], prefix: str) -> "Pool":
+        return Pool(Places.from_state_dict(tensors, prefix), tensors[f"{prefix}.acts"], tensors[f"{prefix}.tokens"])
+
+
+class DashboardState:
+    """The dense statistics plus two example pools per feature: ``top`` (``n_top`` places) and
+    ``reservoir`` (``quantiles * n_quantile`` places, at most ``n_quantile`` per quantile bin)."""
+
+    def __init__(self, dense: Dense, top: Pool, reservoir: Pool, n_quantile: int):
+        self.dense, self.top, self.reservoir, self.n_quantile = dense, top, reservoir, n_quantile
 
     @staticmethod
     def empty(features: int, n_top: int, quantiles: int, n_quantile: int, bins: int, window: int) -> "DashboardState":
-        return DashboardState(Dense.zeros(features, bins, quantiles), Slots(features, 1, n_top, window),
-                              Slots(features, quantiles, n_quantile, window),
-                              torch.full((features,), NO_EXPONENT, dtype=torch.long))
+        return DashboardState(Dense.zeros(features, bins, quantiles), Pool.empty(features, n_top, window),
+                              Pool.empty(features, quantiles * n_quantile, window), n_quantile)
 
     @property
     def quantiles(self) -> int:
-        return self.reservoir.shape[1]
-
-    def add_examples(self, arriving: Items, peak: torch.Tensor) -> torch.Tensor:
-        """Merge candidate examples in, ``peak`` being the features' maxima over everything seen
-        with them (it fixes the quantile grid); returns the features whose lists changed."""
-        touched_top = merge_top(self.top, arriving)
-        if self.quantiles == 0 or self.reservoir.shape[2] == 0:
-            return touched_top
-        exponent = grid_exponent(peak, self.quantiles)
-        touched_res = merge_reservoir(self.reservoir, arriving, exponent, self.reservoir_exponent)
-        self.reservoir_exponent[touched_res] = exponent[touched_res]
-        return torch.unique(torch.cat([touched_top, touched_res]))
+        return self.dense.qcount.shape[1]
 
     def merge(self, other: "DashboardState") -> None:
-        """Take in a state of the same features over other texts; exact (see the module docstring)."""
-        if self.top.shape != other.top.shape or self.reservoir.shape != other.reservoir.shape:
-            raise InvalidRequestError(f"merge: states of different shapes ({self.top.shape}, {self.reservoir.shape} "
-                                      f"and {other.top.shape}, {other.reservoir.shape})")
+        """Take in a state of the same features over other texts; exact (see ``merge``)."""
+        if self.top.places.shape != other.top.places.shape or self.reservoir.places.shape != \
+                other.reservoir.places.shape or self.n_quantile != other.n_quantile:
+            raise InvalidRequestError("merge: the states hold different features or example counts")
         self.dense = self.dense.merged(other.dense)
-        everything = torch.arange(self.top.shape[0])
-        arriving = Items.cat([other.top.items(everything), other.reservoir.items(everything)]).unique()
-        self.add_examples(arriving, self.dense.peak)
+        self.top.take_in(other.top, top_order, self.top.places.shape[1])
+        if self.reservoir.places.shape[1]:
+            self.reservoir.take_in(other.reservoir, reservoir_order(grid_exponent(self.dense.peak, self.quantiles)),
+                                   self.n_quantile)
 
-    # ------------------------------------------------------------ thresholds for the device filter
+    # ------------------------------------------------------------ reading one feature
 
-    def thresholds(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For ``features``: the activation an example must reach to enter the top list (0 while it
-        is not full), the quantile grid, and per bin the key an example must not exceed (the last
-        place's key, ``KEY_EMPTY`` while the bin is not full)."""
-        return (self.top.value[features, 0, -1], self.reservoir_exponent[features],
-                self.reservoir.key[features, :, -1] if self.reservoir.shape[2] else
-                torch.zeros(len(features), self.quantiles, dtype=torch.long))
+    def top_places(self, row: int) -> list[int]:
+        """Feature ``row``'s top places, best first."""
+        p = self.top.places
+        held = p.held()[row].nonzero().squeeze(1).tolist()
+        return sorted(held, key=lambda j: (-float(p.value[row, j]), int(p.example[row, j]), int(p.position[row, j])))
+
+    def quantile_places(self, row: int) -> dict[int, list[int]]:
+        """Feature ``row``'s reservoir places by quantile bin (on the grid of its max), each by key."""
+        p = self.reservoir.places
+        held = p.held()[row].nonzero().squeeze(1)
+        if not len(held):
+            return {}
+        exponent = grid_exponent(self.dense.peak[row:row + 1], self.quantiles).expand(len(held))
+        bins = bin_index(p.value[row, held], exponent).tolist()
+        out: dict[int, list[int]] = {}
+        for b, j in sorted(zip(bins, held.tolist()),
+                           key=lambda bj: (bj[0], int(p.key[row, bj[1]]), int(p.example[row, bj[1]]),
+                                           int(p.position[row, bj[1]]))):
+            out.setdefault(b, []).append(j)
+        return out
 
     # ------------------------------------------------------------ files
 
     def tensors(self) -> dict[str, torch.Tensor]:
         d = self.dense
         return {"tokens": torch.tensor([d.tokens]), "count": d.count, "total": d.total, "peak": d.peak,
-                "hist": d.hist, "qcount": d.qcount, "reservoir_exponent": self.reservoir_exponent,
+                "hist": d.hist, "qcount": d.qcount, "n_quantile": torch.tensor([self.n_quantile]),
                 **self.top.state_dict("top"), **self.reservoir.state_dict("reservoir")}
 
     def save(self, path: str) -> None:
@@ -117,7 +152,7 @@ class DashboardState:
         try:
             t = load_file(path)
             dense = Dense(int(t["tokens"][0]), t["count"], t["total"], t["peak"], t["hist"], t["qcount"])
-            return DashboardState(dense, Slots.from_state_dict(t, "top"), Slots.from_state_dict(t, "reservoir"),
-                                  t["reservoir_exponent"])
+            return DashboardState(dense, Pool.from_state_dict(t, "top"), Pool.from_state_dict(t, "reservoir"),
+                                  int(t["n_quantile"][0]))
         except (OSError, KeyError, ValueError) as err:
             raise InvalidRequestError(f"{path}: not a readable dashboards state ({type(err).__name__}: {err})") from None
