@@ -18,9 +18,11 @@ what lets it load offline; its SAE is our SAE's weights as a SAELens folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import common
@@ -171,7 +173,8 @@ def main() -> None:
         llm.shutdown()
         del llm
         common.free_cuda()
-        theirs_s, peaks = sae_dashboard(path, sae, slice_texts, features, args)
+        with contextlib.redirect_stdout(sys.stderr):  # TransformerLens prints; stdout stays JSON lines
+            theirs_s, peaks = sae_dashboard(path, sae, slice_texts, features, args)
         slice_tokens = len(slice_texts) * args.text_len
         scale = (args.d_sae / features) * (tokens / slice_tokens)
         agree = max(abs(peaks[f] - ours[f].max) / max(ours[f].max, 1e-6) for f in range(features) if ours[f].count)

@@ -411,3 +411,18 @@ def test_activation_stream(cache_dir):
     ratio = r["ratio"][0]
     positive(ratio, "cache_tok_s", "stream_tok_s", "stream_over_cache")
     assert ratio["target"] == 0.70 and isinstance(ratio["meets"], bool)
+
+
+def test_dashboards_against_sparse_capture_and_sae_dashboard(cache_dir):
+    r = run("dashboards", cache_dir)
+    runs = {x["mode"]: x for x in r["run"]}
+    assert list(runs) == ["sparse_capture", "dashboards"]
+    for x in runs.values():
+        positive(x, "seconds", "prompt_tok_s")
+        assert x["tokens"] == r["sae"][0]["tokens"]
+    ratio = r["ratio"][0]
+    positive(ratio, "dashboards_vs_sparse_capture", "mean_l0")
+    assert abs(ratio["mean_l0"] - 64) < 16 and ratio["tokens_seen"] == r["sae"][0]["tokens"]
+    sd = r["sae_dashboard"][0]
+    positive(sd, "seconds", "ours_same_job_seconds", "scaled_to_all_seconds", "all_features_speedup")
+    assert sd["features"] == 64 and sd["max_rel_diff_of_feature_max"] < 0.05  # both found the same maxima

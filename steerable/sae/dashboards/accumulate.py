@@ -135,7 +135,10 @@ class DeviceAccumulator:
         act = self.encoder(chunk.rows.to(device, non_blocking=True))
         if chunk.excluded.any():
             act[chunk.excluded.nonzero().squeeze(1).to(device)] = 0.0
-        r, f = ((act > 0) & chunk.core.to(device).unsqueeze(1)).nonzero(as_tuple=True)
+        fires = act > 0
+        if not bool(chunk.core.all()):  # a long text's piece: its context rows are not counted here
+            fires &= chunk.core.to(device).unsqueeze(1)
+        r, f = fires.nonzero(as_tuple=True)
         v = act[r, f]
         self._fold(f, v, int(chunk.core.sum()))
         example, position = chunk.example.to(device)[r], chunk.position.to(device)[r]
