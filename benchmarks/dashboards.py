@@ -112,10 +112,8 @@ def sae_dashboard(path: str, sae, texts: list[list[int]], features: int, args) -
                        minibatch_size_tokens=args.sd_prompts_per_pass, device=device,
                        dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     data, seconds = timed(lambda: SaeVisRunner(cfg).run(encoder=lens, model=model, tokens=tokens))
-    peaks = {f: float(d.sequence_data.seq_group_data[0].title.split("= ")[-1]) for f, d in data.feature_data_dict.items()}
-    del model, lens, data
-    common.free_cuda()
-    return seconds, peaks
+    return seconds, {f: float(d.sequence_data.seq_group_data[0].title.split("= ")[-1])  # "TOP ACTIVATIONS<br>MAX = x"
+                     for f, d in data.feature_data_dict.items()}
 
 
 def main() -> None:

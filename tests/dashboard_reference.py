@@ -40,7 +40,8 @@ class RefExample:
     tokens: list[int]
 
 
-def window(acts: torch.Tensor, ids: list[int], f: int, p: int, before: int, after: int) -> tuple[list[float], list[int]]:
+def window(acts: torch.Tensor, ids: list[int], f: int, p: int, before: int, after: int
+           ) -> tuple[list[float], list[int]]:
     lo, hi = max(0, p - before), min(len(ids), p + after + 1)
     return acts[lo:hi, f].tolist(), ids[lo:hi]
 

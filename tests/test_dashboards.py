@@ -111,7 +111,8 @@ def assert_matches_reference(dash, ref, logits, features=None):
         top_ids, top_values, bottom_ids, bottom_values = logits[f]
         assert [e.token for e in ours.top_logits] == top_ids
         assert [e.token for e in ours.bottom_logits] == bottom_ids
-        assert max(abs(e.value - v) for e, v in zip(ours.top_logits + ours.bottom_logits, top_values + bottom_values)) < 1e-5
+        values = [e.value for e in ours.top_logits + ours.bottom_logits]
+        assert max(abs(a - b) for a, b in zip(values, top_values + bottom_values)) < 1e-5
         if not r["count"]:
             assert ours.dead and not ours.top and not ours.quantiles and f in dash.dead
             continue
@@ -370,8 +371,14 @@ def _sae_dashboard_feature(d, vocab_size: int, num_texts: int) -> dict:
     from our dashboard, then ``NeuronpediaConverter`` as its runner calls it)."""
     from types import SimpleNamespace
 
-    from sae_dashboard.components import (ActsHistogramData, LogitsHistogramData, LogitsTableData, SequenceData,
-                                          SequenceGroupData, SequenceMultiGroupData)
+    from sae_dashboard.components import (
+        ActsHistogramData,
+        LogitsHistogramData,
+        LogitsTableData,
+        SequenceData,
+        SequenceGroupData,
+        SequenceMultiGroupData,
+    )
     from sae_dashboard.feature_data import FeatureData
     from sae_dashboard.neuronpedia.neuronpedia_converter import NeuronpediaConverter
 
@@ -418,7 +425,9 @@ def _same_shape(ours, theirs, where: str) -> None:
 
 
 def test_export_matches_what_sae_dashboard_writes(setup, tmp_path):
-    from sae_dashboard.neuronpedia.neuronpedia_dashboard import NeuronpediaDashboardBatch
+    from sae_dashboard.neuronpedia.neuronpedia_dashboard import (
+        NeuronpediaDashboardBatch,
+    )
 
     llm, texts, *_ = setup
     dash = feature_dashboards(llm, texts, sae="res1", features=list(range(8)), **ARGS)

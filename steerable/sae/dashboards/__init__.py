@@ -8,8 +8,14 @@ side of the pass), ``merge`` (example lists), ``state`` (everything gathered, me
 (the directory), ``driver`` (the pass)."""
 
 from steerable.sae.dashboards.driver import feature_dashboards, run_shards
-from steerable.sae.dashboards.result import (Example, FeatureDashboard, FeatureDashboards, Histogram, LogitEntry,
-                                             QuantileGroup)
+from steerable.sae.dashboards.result import (
+    Example,
+    FeatureDashboard,
+    FeatureDashboards,
+    Histogram,
+    LogitEntry,
+    QuantileGroup,
+)
 from steerable.sae.dashboards.state import DashboardState
 
 __all__ = ["feature_dashboards", "run_shards", "FeatureDashboards", "FeatureDashboard", "Example", "QuantileGroup",

@@ -16,15 +16,17 @@ the merge would keep is dropped, so the pools come out as if every activation ha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from steerable.capture.features import sae_weights
 from steerable.sae.dashboards.grid import NO_EXPONENT, bin_index, grid_exponent, regrid, sample_keys
-from steerable.sae.dashboards.merge import (KEY_EMPTY, Places, descending, merge_rows, pack, reservoir_order,
-                                            top_order)
+from steerable.sae.dashboards.merge import KEY_EMPTY, Places, descending, merge_rows, pack, reservoir_order, top_order
 from steerable.sae.dashboards.state import DashboardState
 from steerable.sae.model import SAE
+from steerable.sae.worker_tables import _DeviceSae
 
 
 @dataclass
@@ -45,37 +47,23 @@ class Chunk:
 
 
 class FeatureEncoder:
-    """The SAE's activations of the features asked for, float32, as the engine's feature capture
-    computes them (``b_dec`` folded into the bias, products accumulated in float32). A top-k SAE
-    needs every pre-activation to know which ``k`` survive; the others encode only their columns."""
+    """The SAE's activations of the features asked for, float32, computed by the worker's own
+    encoder (the activations feature capture returns). A top-k SAE needs every pre-activation to
+    know which ``k`` survive; the others encode only their columns."""
 
     def __init__(self, sae: SAE, features: torch.Tensor, device: torch.device, dtype: torch.dtype):
-        self.k = sae.k if sae.architecture == "topk" else None
-        columns = slice(None) if self.k is not None else features
-        self.columns = features.to(device) if self.k is not None else None
-        W_enc = sae.W_enc.to(dtype)[:, columns]
-        bias = sae.b_enc.float()[columns]
-        if sae.apply_b_dec_to_input:  # (x - b) @ W + c == x @ W + (c - b @ W)
-            bias = bias - sae.b_dec.float() @ W_enc.float()
-        self.W_enc = W_enc.to(device)
-        self.bias = bias.to(device)
-        self.threshold = (None if sae.threshold is None else
-                          sae.threshold.float()[columns].to(device))
+        weights = sae_weights(sae, dtype)
+        self.k = sae.k if weights.architecture == "topk" else None
+        self.columns = features.to(device)
+        if self.k is None:
+            weights = dataclasses.replace(
+                weights, W_enc=weights.W_enc[:, features], b_enc=weights.b_enc[features],
+                threshold=None if weights.threshold is None else weights.threshold[features])
+        self.encoder = _DeviceSae(weights, device, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype != torch.float32:
-            pre = torch.mm(x, self.W_enc, out_dtype=torch.float32)
-        else:
-            pre = torch.mm(x, self.W_enc).float()
-        pre += self.bias
-        if self.threshold is not None:
-            pre.mul_(pre > self.threshold)
-        acts = pre.relu_()
-        if self.k is None:
-            return acts
-        top = torch.topk(acts, min(self.k, acts.shape[1]), dim=1)
-        kept = torch.zeros_like(acts).scatter_(1, top.indices, top.values)
-        return kept[:, self.columns]
+        acts = self.encoder.encode(x)
+        return acts if self.k is None else acts[:, self.columns]
 
 
 @dataclass
@@ -152,7 +140,8 @@ class DeviceAccumulator:
         picked = keep.nonzero().squeeze(1)
         if len(picked) == 0:
             return self._nothing(), self._nothing()
-        r, f, v, example, position, key = r[picked], f[picked], v[picked], example[picked], position[picked], key[picked]
+        r, f, v, key = r[picked], f[picked], v[picked], key[picked]
+        example, position = example[picked], position[picked]
         source = torch.arange(len(picked), device=device)
         columns = (v, example, position, key, source)
         rows, arriving = pack(f, torch.zeros_like(f), descending(v), self.n_top, 1, columns)

@@ -35,8 +35,15 @@ from steerable.sae.dashboards import files
 from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
 from steerable.sae.dashboards.logits import logit_tables, unembedding
 from steerable.sae.dashboards.result import FeatureDashboards
-from steerable.sae.dashboards.settings import (DashboardSettings, check_context, check_features, check_indices,
-                                               check_texts, corpus_hash, positive_int)
+from steerable.sae.dashboards.settings import (
+    DashboardSettings,
+    check_context,
+    check_features,
+    check_indices,
+    check_texts,
+    corpus_hash,
+    positive_int,
+)
 from steerable.sae.dashboards.state import DashboardState
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec

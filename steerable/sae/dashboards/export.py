@@ -11,7 +11,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the result module writes through this one
-    from steerable.sae.dashboards.result import Example, FeatureDashboard, FeatureDashboards
+    from steerable.sae.dashboards.result import (
+        Example,
+        FeatureDashboard,
+        FeatureDashboards,
+    )
 
 
 def _round(values: list[float]) -> list[float]:

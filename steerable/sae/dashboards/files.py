@@ -20,6 +20,7 @@ from steerable.sae.dashboards.export import neuronpedia_batches
 from steerable.sae.dashboards.logits import LogitTables
 from steerable.sae.dashboards.settings import DashboardSettings
 from steerable.sae.dashboards.state import DashboardState
+from steerable.sae.files import _read_config
 
 if TYPE_CHECKING:  # the result module reads and writes through this one
     from steerable.sae.dashboards.result import FeatureDashboards
@@ -50,15 +51,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 def read_index(out: Path) -> dict[str, Any] | None:
     path = out / INDEX
-    if not path.exists():
-        return None
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidRequestError(f"{path}: not a readable dashboards index ({err})") from None
-    if not isinstance(index, dict):
-        raise InvalidRequestError(f"{path}: not a dashboards index")
-    return index
+    return _read_config(path) if path.exists() else None
 
 
 # ---------------------------------------------------------------- resumable runs

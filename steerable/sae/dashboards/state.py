@@ -14,7 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from steerable.errors import InvalidRequestError
 from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid
-from steerable.sae.dashboards.merge import Order, Places, merge_rows, reservoir_order, top_order
+from steerable.sae.dashboards.merge import (
+    Order,
+    Places,
+    merge_rows,
+    reservoir_order,
+    top_order,
+)
 
 
 @dataclass
@@ -155,4 +161,5 @@ class DashboardState:
             return DashboardState(dense, Pool.from_state_dict(t, "top"), Pool.from_state_dict(t, "reservoir"),
                                   int(t["n_quantile"][0]))
         except (OSError, KeyError, ValueError) as err:
-            raise InvalidRequestError(f"{path}: not a readable dashboards state ({type(err).__name__}: {err})") from None
+            raise InvalidRequestError(f"{path}: not a readable dashboards state ({type(err).__name__}: {err})"
+                                      ) from None
