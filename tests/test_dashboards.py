@@ -222,6 +222,32 @@ def test_feature_subset_and_topk_sae(setup, capture_dirs):
         assert [e.token for e in gdash[f].top_logits] == glogits[f][0]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda(setup):
+    """float32 on CUDA equals the reference (several chunks on the accumulator's own stream, pinned
+    staging, graphs on); bfloat16 agrees with the engine's own feature capture of every feature."""
+    import steerable
+
+    llm, texts, sae, ref, logits, path = setup
+    gpu = LLM(path, device="cuda", dtype="float32", kv_cache_tokens=4096)
+    gpu.register_sae("res1", sae)
+    assert_matches_reference(feature_dashboards(gpu, texts, sae="res1", chunk_rows=64, **ARGS), ref, logits)
+    gpu.shutdown()
+    bf16 = LLM(path, device="cuda", dtype="bfloat16", kv_cache_tokens=4096)
+    bf16.register_sae("res1", sae)
+    dash = feature_dashboards(bf16, texts, sae="res1", chunk_rows=64, **ARGS)
+    rows = steerable.capture(bf16, texts, stream="sae_features", saes=["res1"], top_k=D_SAE,
+                             select="all_prompt").rows("res1").dense(D_SAE)
+    assert dash.tokens == len(rows)
+    for f in range(D_SAE):
+        count = int((rows[:, f] > 0).sum())
+        assert abs(dash[f].count - count) <= max(2, count // 100), f
+        if count:
+            assert abs(dash[f].max - float(rows[:, f].max())) <= 2e-2 * float(rows[:, f].max()), f
+    bf16.shutdown()
+
+
 # ---------------------------------------------------------------- the pieces, exactly
 
 
