@@ -35,6 +35,7 @@ BENCHMARKS = (
     "steering_cost",
     "capture_cost",
     "sae_cost",
+    "dashboards",
     "pattern_cost",
     "capture_corpus",
     "corpus_host",

@@ -1,4 +1,6 @@
-"""Feature dashboards of every feature in one pass against sparse corpus capture (the top-k features
+"""Feature dashboards of every feature in one pass, against sparse corpus capture and sae-dashboard.
+
+Feature dashboards of every feature in one pass against sparse corpus capture (the top-k features
 of every prompt row into shards) on the same engine, corpus and SAE, alternated in one process;
 then sae-dashboard 0.8 (TransformerLens, the Neuronpedia pipeline's tool) on a slice of the corpus
 and a subset of the features, its time scaled to every feature and the whole corpus, next to ours
@@ -9,7 +11,7 @@ The SAE is a random jumprelu of ``--d-sae`` features with unit decoder rows at `
 token on average (a random SAE's activations would otherwise be dense, which no trained SAE is).
 The corpus is ``--tokens`` tokens of random ids in texts of ``--text-len`` (Neuronpedia's 128).
 
-    PYTHONPATH=. python benchmarks/dashboards.py [--tokens 4000000] [--sae-dashboard-tokens 250000]
+    python -m benchmarks dashboards [--tokens 4000000] [--sae-dashboard-tokens 250000]
 
 sae-dashboard reads the model through TransformerLens, whose loader accepts only its own table of
 hub names: the local random checkpoint is passed through that lookup (a name for a path), which is
@@ -25,10 +27,11 @@ import shutil
 import sys
 import tempfile
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 
 def random_sae(llm, texts: list[list[int]], d_sae: int, layer: int, l0: int, seed: int):
@@ -116,7 +119,7 @@ def sae_dashboard(path: str, sae, texts: list[list[int]], features: int, args) -
                      for f, d in data.feature_data_dict.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.set_defaults(gpu_memory_utilization=0.6)  # room beside the KV cache for the encoder's chunk and TransformerLens
     p.add_argument("--d-sae", type=int, default=None, help="SAE width (default 65536; --smoke 512)")
@@ -132,7 +135,7 @@ def main() -> None:
                    help="sae-dashboard's slice (default 250,000 tokens; --smoke 384; 0: skip it)")
     p.add_argument("--sae-dashboard-features", type=int, default=None, help="its features (default 1024; --smoke 64)")
     p.add_argument("--sd-prompts-per-pass", type=int, default=64, help="sae-dashboard's minibatch_size_tokens")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     path = common.setup("dashboards", args, {"d_sae": (65536, 512), "layer": (14, 1), "tokens": (4_000_000, 3072),
                                              "text_len": (128, 24), "batch_size": (256, 16), "shard_size": (2048, 16),
                                              "sae_dashboard_tokens": (250_000, 384),
@@ -182,6 +185,3 @@ def main() -> None:
               "all_features_speedup": theirs_s * scale / common.median(times["dashboards"]),
               "max_rel_diff_of_feature_max": agree})
 
-
-if __name__ == "__main__":
-    main()
