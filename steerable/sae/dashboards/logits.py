@@ -18,7 +18,7 @@ from steerable.errors import InvalidRequestError
 from steerable.sae.model import SAE
 
 LOGIT_BINS = 50
-_FEATURES_AT_ONCE = 1024  # bounds the float32 [features, vocab] block
+_FEATURES_AT_ONCE = 256  # bounds the [features, vocab] blocks: 156 MB of float32 logits at 151,936 tokens
 
 
 @dataclass
@@ -73,6 +73,6 @@ def logit_tables(sae: SAE, features: torch.Tensor, W_U: torch.Tensor, scale: tor
         width = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
         index = ((logits - low.unsqueeze(1)) / width.unsqueeze(1) * LOGIT_BINS).long().clamp_(0, LOGIT_BINS - 1)
         hist = torch.zeros(len(rows), LOGIT_BINS, dtype=torch.long, device=device).scatter_add_(
-            1, index, torch.ones_like(index))
+            1, index, index.new_ones(()).expand_as(index))
         parts.append([t.cpu() for t in (top.indices, top.values, bottom.indices, bottom.values, hist, low, high)])
     return LogitTables(*(torch.cat(column) for column in zip(*parts)))
