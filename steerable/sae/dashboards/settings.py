@@ -14,6 +14,7 @@ import torch
 
 from steerable.checks import is_int
 from steerable.errors import InvalidRequestError
+from steerable.sae.dashboards.merge import POSITION_BITS
 
 FORMAT = "steerable-dashboards-v1"
 
@@ -88,6 +89,9 @@ def check_context(context: Any, max_model_len: int) -> tuple[int, int]:
         raise InvalidRequestError(f"context: expected (tokens before, tokens after), two integers >= 0, "
                                   f"got {context!r}")
     before, after = context
+    if max_model_len >= 2**POSITION_BITS:
+        raise InvalidRequestError(f"llm: dashboards order examples by position in 24 bits; the model's context of "
+                                  f"{max_model_len} tokens is longer")
     if before + 1 + after > max_model_len:
         raise InvalidRequestError(f"context: a window of {before} + 1 + {after} tokens is longer than the model's "
                                   f"context ({max_model_len} tokens)")
