@@ -45,6 +45,7 @@ from steerable.sae.dashboards.settings import (
     positive_int,
 )
 from steerable.sae.dashboards.state import DashboardState
+from steerable.sae.model import SAE
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
@@ -72,6 +73,8 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
     ``FeatureDashboards.save`` options for that directory; ``model``: the model's name recorded."""
     engine = llm.llm_engine
     found = engine.saes.get(sae, "sae")
+    if not isinstance(found, SAE):
+        raise InvalidRequestError(f"sae: {sae!r} is a {type(found).__name__}; feature dashboards are computed for SAEs")
     texts = check_texts(texts)
     positive_int(n_top, "n_top")
     before, after = check_context(context, engine.max_model_len)
