@@ -380,6 +380,14 @@ def test_bad_input_names_the_field(setup, tmp_path):
             feature_dashboards(llm, texts[:3], sae="res1", out=tmp_path / "d", **ARGS)
     finally:
         llm.unregister_sae("other")
+    from transcoder_helpers import random_transcoder
+
+    llm.register_sae("tc", random_transcoder(d=llm.llm_engine.model_config.hidden_size))
+    try:
+        with pytest.raises(ValueError, match="sae: 'tc' is a Transcoder"):
+            feature_dashboards(llm, texts[:3], sae="tc", **ARGS)
+    finally:
+        llm.unregister_sae("tc")
     llm.start_capture("hidden_states", layers=[0])
     try:
         with pytest.raises(ValueError, match="hidden_states capture stream is running"):
