@@ -15,8 +15,8 @@ from conftest import CORPUS, hf_model
 from dashboard_reference import ambiguous, hf_points, reference, reference_logits
 
 from steerable import LLM, SAE, feature_dashboards
-from steerable.sae.dashboards import DashboardState, run_shards
-from steerable.sae.dashboards.accumulate import FeatureEncoder
+from steerable.sae.dashboards import plan, run_shards
+from steerable.sae.dashboards.driver import empty_state
 from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid, sample_keys
 from steerable.sae.dashboards.merge import Places, descending, merge_rows, pack, reservoir_order, top_order
 
@@ -162,14 +162,8 @@ def test_batching_chunking_pieces_and_shards_change_nothing(setup):
     chunked.register_sae("res1", sae)
     assert_same(whole, feature_dashboards(chunked, texts, sae="res1", batch_size=5, chunk_rows=40, **ARGS))
     # Shards computed apart (as replicas would) and merged, in either order.
-    settings = whole.settings
-    encoder = FeatureEncoder(llm.llm_engine.saes.get("res1"), settings.feature_ids(), torch.device("cpu"),
-                             torch.float32)
-    states = []
-    for shards in ([0, 2], [1], [3, 4]):
-        state = DashboardState.empty(D_SAE, ARGS["n_top"], ARGS["quantiles"], ARGS["n_quantile"], ARGS["bins"],
-                                     settings.window)
-        states.append(run_shards(llm.llm_engine, texts, settings, encoder, state, shards, 5, 4, 64))
+    run = plan(llm, texts, "res1", shard_size=5, batch_size=4, chunk_rows=64, **ARGS)
+    states = [run_shards(llm, texts, run, empty_state(run), shards) for shards in ([0, 2], [1], [3, 4])]
     merged = states[2]
     merged.merge(states[0])
     merged.merge(states[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from steerable.entrypoints.cli.common import (
     CliError,
@@ -45,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--shard-size", type=int, default=20000,
                         help="texts between checkpoints of OUT (default: 20000)")
     parser.add_argument("--batch-size", type=int, default=256, help="texts in the engine at a time (default: 256)")
+    parser.add_argument("--ray", type=int, default=None, metavar="REPLICAS",
+                        help="run the shards on this many Ray replicas (an engine each, a GPU each where the cluster "
+                             "has GPUs; $RAY_ADDRESS names a cluster, else a local one starts); pip install "
+                             "'steerable[ray]'")
     group = parser.add_argument_group("dashboards")
     group.add_argument("--n-top", type=int, default=20, help="top examples per feature (default: 20)")
     group.add_argument("--context", type=_context, default=(24, 8), metavar="BEFORE,AFTER",
@@ -65,28 +70,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=lambda args: run_checked(dashboards, args))
 
 
+def _on_ray(args: argparse.Namespace, texts: list[str], name: str, engine: dict[str, Any], options: dict[str, Any]
+            ) -> Any:
+    try:
+        from steerable.ray.dashboards import feature_dashboards_on_ray
+    except ImportError as err:  # RayNotInstalled
+        raise CliError(f"--ray: {err}") from None
+    model = engine.pop("model")
+    return feature_dashboards_on_ray(model, texts, args.sae, replicas=args.ray, engine_kwargs=engine, sae_name=name,
+                                     **options)
+
+
 def dashboards(args: argparse.Namespace) -> int:
     from steerable import LLM
     from steerable.sae.dashboards import feature_dashboards
 
     for flag, value in (("--shard-size", args.shard_size), ("--batch-size", args.batch_size),
-                        ("--batch-features", args.batch_features)):
+                        ("--batch-features", args.batch_features), ("--ray", args.ray or 1)):
         if value < 1:
             raise CliError(f"{flag} must be >= 1")
     sae = load_sae(args.sae, "--sae")
     name = args.sae_name or os.path.basename(os.path.normpath(os.path.dirname(args.sae[0])
                                                               if os.path.isfile(args.sae[0]) else args.sae[0]))
     texts = read_texts(args.input, args.field)
-    with LLM(**engine_kwargs(args)) as llm:
-        llm.register_sae(name, sae)
-        dash = feature_dashboards(llm, texts, name, n_top=args.n_top, context=args.context, quantiles=args.quantiles,
-                                  n_quantile=args.n_quantile, n_logits=args.n_logits, bins=args.bins,
-                                  seed=args.sample_seed, features=args.features,
-                                  exclude_positions=args.exclude_positions, exclude_tokens=args.exclude_tokens,
-                                  batch_size=args.batch_size,
-                                  out=args.out, resume=args.resume, shard_size=args.shard_size, use_tqdm=True,
-                                  model=args.model, export=dict(batch_features=args.batch_features,
-                                                                model_id=args.model_id, dataset=args.dataset))
+    options = dict(n_top=args.n_top, context=args.context, quantiles=args.quantiles, n_quantile=args.n_quantile,
+                   n_logits=args.n_logits, bins=args.bins, seed=args.sample_seed, features=args.features,
+                   exclude_positions=args.exclude_positions, exclude_tokens=args.exclude_tokens,
+                   batch_size=args.batch_size, out=args.out, resume=args.resume, shard_size=args.shard_size,
+                   use_tqdm=True, export=dict(batch_features=args.batch_features, model_id=args.model_id,
+                                              dataset=args.dataset))
+    engine = engine_kwargs(args)
+    if args.ray is not None:
+        dash = _on_ray(args, texts, name, engine, options)
+    else:
+        with LLM(**engine) as llm:
+            llm.register_sae(name, sae)
+            dash = feature_dashboards(llm, texts, name, model=args.model, **options)
     print(f"{len(texts)} texts, {dash.tokens} tokens -> dashboards of {len(dash)} features ({len(dash.dead)} dead) "
           f"in {args.out}")
     return 0

@@ -7,7 +7,7 @@ side of the pass), ``merge`` (example lists), ``state`` (everything gathered, me
 ``logits`` (logit tables), ``result`` (what users read), ``export`` (Neuronpedia JSON), ``files``
 (the directory), ``driver`` (the pass)."""
 
-from steerable.sae.dashboards.driver import feature_dashboards, run_shards
+from steerable.sae.dashboards.driver import DashboardRun, feature_dashboards, plan, run_shards
 from steerable.sae.dashboards.result import (
     Example,
     FeatureDashboard,
@@ -18,5 +18,5 @@ from steerable.sae.dashboards.result import (
 )
 from steerable.sae.dashboards.state import DashboardState
 
-__all__ = ["feature_dashboards", "run_shards", "FeatureDashboards", "FeatureDashboard", "Example", "QuantileGroup",
-           "Histogram", "LogitEntry", "DashboardState"]
+__all__ = ["feature_dashboards", "plan", "run_shards", "DashboardRun", "FeatureDashboards", "FeatureDashboard",
+           "Example", "QuantileGroup", "Histogram", "LogitEntry", "DashboardState"]

@@ -8,9 +8,10 @@ examples placed to the host state.
 Nothing of the corpus is kept: a text's rows are dropped once its chunk is processed.
 
 With ``out`` the run is resumable: after each shard of ``shard_size`` texts the state is written
-(``files.checkpoint``) and a resumed run skips the shards it lists. ``run_shards`` is the part a
-data-parallel driver would call per shard and replica, merging the returned states with
-``DashboardState.merge`` (exact), which is how a Ray job plugs in.
+(``files.checkpoint``) and a resumed run skips the shards it lists. ``plan`` checks a run,
+``run_shards`` folds shards into a state and ``logits`` makes the logit tables: the parts a
+data-parallel driver runs on its replicas (``steerable.ray.dashboards``), merging their states
+with ``DashboardState.merge`` (exact).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from steerable.errors import EngineError, InvalidRequestError
 from steerable.hook_points import HIDDEN_STATES
 from steerable.sae.dashboards import files
 from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
-from steerable.sae.dashboards.logits import logit_tables, unembedding
+from steerable.sae.dashboards.logits import LogitTables, logit_tables, unembedding
 from steerable.sae.dashboards.result import FeatureDashboards
 from steerable.sae.dashboards.settings import (
     DashboardSettings,
@@ -54,23 +55,27 @@ CHUNK_ELEMENTS = 2**28
 MAX_CHUNK_ROWS = 8192
 
 
-def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 20,
-                       context: tuple[int, int] = (24, 8), quantiles: int = 10, n_quantile: int = 5,
-                       n_logits: int = 10, bins: int = 40, seed: int = 0, features: Any = None, *,
-                       exclude_positions: Sequence[int] = (), exclude_tokens: Sequence[int] = (),
-                       batch_size: int = 64, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
-                       resume: bool = False, shard_size: int | None = None, use_tqdm: bool = False,
-                       model: str | None = None, export: dict[str, Any] | None = None) -> FeatureDashboards:
-    """Dashboards of ``features`` (None: all) of the registered SAE ``sae`` over ``texts`` (strings
-    or token-id lists): per feature the ``n_top`` highest activations with ``context`` =
-    ``(before, after)`` tokens around each, ``n_quantile`` seeded samples from each of ``quantiles``
-    bins, statistics, a ``bins``-bin histogram and the ``n_logits`` top and bottom logits.
+@dataclass(frozen=True)
+class DashboardRun:
+    """A checked run: its settings, and how the pass reads the corpus (texts per shard, texts in
+    the engine at a time, rows encoded at once); none of the three changes the result."""
 
-    ``batch_size``: texts in the engine at a time; ``chunk_rows``: rows encoded at once (default from
-    the feature count); neither changes the result. ``out``: also write a finished dashboards
-    directory there, checkpointing every ``shard_size`` texts (default: the corpus is one shard) so
-    ``resume=True`` continues a killed run; the result equals an uninterrupted run's. ``export``:
-    ``FeatureDashboards.save`` options for that directory; ``model``: the model's name recorded."""
+    settings: DashboardSettings
+    shard_size: int
+    batch_size: int
+    chunk_rows: int
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.settings.num_texts // self.shard_size)
+
+
+def plan(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 20, context: tuple[int, int] = (24, 8),
+         quantiles: int = 10, n_quantile: int = 5, n_logits: int = 10, bins: int = 40, seed: int = 0,
+         features: Any = None, *, exclude_positions: Sequence[int] = (), exclude_tokens: Sequence[int] = (),
+         batch_size: int = 64, chunk_rows: int | None = None, shard_size: int | None = None,
+         model: str | None = None) -> DashboardRun:
+    """Every argument of ``feature_dashboards`` checked against ``llm`` and its SAE ``sae``, before any work."""
     engine = llm.llm_engine
     found = engine.saes.get(sae, "sae")
     if not isinstance(found, SAE):
@@ -91,9 +96,8 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
         exclude_positions=check_indices(exclude_positions, "exclude_positions"),
         exclude_tokens=check_indices(exclude_tokens, "exclude_tokens"), num_texts=len(texts),
         corpus_sha256=corpus_hash(texts))
-    feature_ids = settings.feature_ids()
     if chunk_rows is None:
-        per_row = found.d_sae if found.architecture == "topk" else len(feature_ids)
+        per_row = found.d_sae if found.architecture == "topk" else len(settings.feature_ids())
         chunk_rows = max(before + after + 1, min(MAX_CHUNK_ROWS, CHUNK_ELEMENTS // per_row))
     elif not is_int(chunk_rows) or chunk_rows < before + after + 1:
         raise InvalidRequestError(f"chunk_rows: must be an integer >= {before + after + 1} (a window), got "
@@ -102,44 +106,82 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
     if engine.capture_status(HIDDEN_STATES)["enabled"]:
         raise InvalidRequestError("feature_dashboards: the hidden_states capture stream is running; stop it first "
                                   "(dashboards read the SAE's point through that stream)")
-    W_U, scale = unembedding(engine)
+    unembedding(engine)  # refused now, not after the pass, on an engine whose head is elsewhere
+    return DashboardRun(settings, shard_size, batch_size, chunk_rows)
 
+
+def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 20,
+                       context: tuple[int, int] = (24, 8), quantiles: int = 10, n_quantile: int = 5,
+                       n_logits: int = 10, bins: int = 40, seed: int = 0, features: Any = None, *,
+                       exclude_positions: Sequence[int] = (), exclude_tokens: Sequence[int] = (),
+                       batch_size: int = 64, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
+                       resume: bool = False, shard_size: int | None = None, use_tqdm: bool = False,
+                       model: str | None = None, export: dict[str, Any] | None = None) -> FeatureDashboards:
+    """Dashboards of ``features`` (None: all) of the registered SAE ``sae`` over ``texts`` (strings
+    or token-id lists): per feature the ``n_top`` highest activations with ``context`` =
+    ``(before, after)`` tokens around each, ``n_quantile`` seeded samples from each of ``quantiles``
+    bins, statistics, a ``bins``-bin histogram and the ``n_logits`` top and bottom logits.
+    ``exclude_positions`` (positions in a text, e.g. ``[0]``: a first-token attention sink) and
+    ``exclude_tokens`` (token ids, e.g. BOS, as sae-dashboard's ``ignore_tokens``) are tokens whose
+    activations are taken as 0: seen, never firing, never an example.
+
+    ``batch_size``: texts in the engine at a time; ``chunk_rows``: rows encoded at once (default from
+    the feature count); neither changes the result. ``out``: also write a finished dashboards
+    directory there, checkpointing every ``shard_size`` texts (default: the corpus is one shard) so
+    ``resume=True`` continues a killed run; the result equals an uninterrupted run's. ``export``:
+    ``FeatureDashboards.save`` options for that directory; ``model``: the model's name recorded."""
+    run = plan(llm, texts, sae, n_top, context, quantiles, n_quantile, n_logits, bins, seed, features,
+               exclude_positions=exclude_positions, exclude_tokens=exclude_tokens, batch_size=batch_size,
+               chunk_rows=chunk_rows, shard_size=shard_size, model=model)
     state, done = None, []
     if out is not None:
-        finished, state, done = files.open_run(Path(out), settings, shard_size, resume)
+        finished, state, done = files.open_run(Path(out), run.settings, run.shard_size, resume)
         if finished:
             return FeatureDashboards.load(out)
-    if state is None:
-        state = DashboardState.empty(len(feature_ids), n_top, quantiles, n_quantile, bins, settings.window)
-    todo = [k for k in range(-(-len(texts) // shard_size)) if k not in set(done)]
+    state = state if state is not None else empty_state(run)
 
     def shard_done(k: int, finished_state: DashboardState) -> None:
         done.append(k)
         if out is not None:
-            files.checkpoint(Path(out), settings, shard_size, sorted(done), finished_state)
+            files.checkpoint(Path(out), run.settings, run.shard_size, sorted(done), finished_state)
 
-    encoder = FeatureEncoder(found, feature_ids, engine.device, engine.dtype)
-    run_shards(engine, texts, settings, encoder, state, todo, shard_size, batch_size, chunk_rows, shard_done,
+    run_shards(llm, texts, run, state, [k for k in range(run.num_shards) if k not in set(done)], shard_done,
                use_tqdm)
-    tables = logit_tables(found, feature_ids, W_U, scale, n_logits)
+    tables, vocab_size = logits(llm, run)
     tokenizer = llm.get_tokenizer()
     decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: f"<{t}>")  # a model without one
-    result = FeatureDashboards(settings, state, tables, functools.lru_cache(maxsize=None)(decode), W_U.shape[0])
+    result = FeatureDashboards(run.settings, state, tables, functools.lru_cache(maxsize=None)(decode), vocab_size)
     if out is not None:
         result.save(out, **(export or {}))
     return result
 
 
-def run_shards(engine: Any, texts: Sequence[Any], settings: DashboardSettings, encoder: FeatureEncoder,
-               state: DashboardState, shards: list[int], shard_size: int, batch_size: int, chunk_rows: int,
+def empty_state(run: DashboardRun) -> DashboardState:
+    s = run.settings
+    return DashboardState.empty(len(s.feature_ids()), s.n_top, s.quantiles, s.n_quantile, s.bins, s.window)
+
+
+def logits(llm: Any, run: DashboardRun) -> tuple[LogitTables, int]:
+    """The run's logit tables and the vocabulary size."""
+    engine = llm.llm_engine
+    W_U, scale = unembedding(engine)
+    return logit_tables(engine.saes.get(run.settings.sae), run.settings.feature_ids(), W_U, scale,
+                        run.settings.n_logits), W_U.shape[0]
+
+
+def run_shards(llm: Any, texts: Sequence[Any], run: DashboardRun, state: DashboardState, shards: list[int],
                shard_done: Any = None, use_tqdm: bool = False) -> DashboardState:
-    """Fold shards ``shards`` (of ``shard_size`` texts, corpus indices global) into ``state`` and return
-    it; ``shard_done(k, state)`` is called as each finishes, in order. One pass: the engine's
-    hidden_states stream must be free."""
+    """Fold shards ``shards`` (of ``run.shard_size`` texts, corpus indices global) into ``state``
+    and return it; ``shard_done(k, state)`` is called as each finishes, in order. One pass over
+    them: the engine's hidden_states stream must be free. The part a data-parallel driver runs on
+    each replica (``steerable.ray.dashboards``), merging the states with ``DashboardState.merge``."""
+    engine = llm.llm_engine
+    settings = run.settings
+    encoder = FeatureEncoder(engine.saes.get(settings.sae), settings.feature_ids(), engine.device, engine.dtype)
     accumulator = DeviceAccumulator(encoder, settings.feature_ids(), state, settings.n_top, settings.before,
                                     settings.after, settings.seed, engine.device)
     with tqdm(desc="Dashboards", unit="tok", unit_scale=True, disable=not use_tqdm) as bar:
-        _Pass(engine, texts, settings, accumulator, state, shards, shard_size, batch_size, chunk_rows,
+        _Pass(engine, texts, settings, accumulator, state, shards, run.shard_size, run.batch_size, run.chunk_rows,
               shard_done, bar).run()
     return state
 

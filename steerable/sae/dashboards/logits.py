@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from safetensors.torch import load, save
 
 from steerable.errors import InvalidRequestError
 from steerable.sae.model import SAE
@@ -40,6 +41,13 @@ class LogitTables:
     @staticmethod
     def from_state_dict(tensors: dict[str, torch.Tensor]) -> "LogitTables":
         return LogitTables(*(tensors[f"logits.{f.name}"] for f in fields(LogitTables)))
+
+    def to_bytes(self) -> bytes:
+        return save({k: t.contiguous() for k, t in self.state_dict().items()})
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "LogitTables":
+        return LogitTables.from_state_dict(load(data))
 
 
 def unembedding(engine: Any) -> tuple[torch.Tensor, torch.Tensor]:

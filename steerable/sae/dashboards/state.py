@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from steerable.errors import InvalidRequestError
 from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid
@@ -153,13 +153,24 @@ class DashboardState:
     def save(self, path: str) -> None:
         save_file({name: t.contiguous() for name, t in self.tensors().items()}, path)
 
+    def to_bytes(self) -> bytes:
+        """The state as safetensors bytes (what a replica sends back; nothing is pickled)."""
+        return save({name: t.contiguous() for name, t in self.tensors().items()})
+
+    @staticmethod
+    def from_tensors(t: dict[str, torch.Tensor]) -> "DashboardState":
+        dense = Dense(int(t["tokens"][0]), t["count"], t["total"], t["peak"], t["hist"], t["qcount"])
+        return DashboardState(dense, Pool.from_state_dict(t, "top"), Pool.from_state_dict(t, "reservoir"),
+                              int(t["n_quantile"][0]))
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "DashboardState":
+        return DashboardState.from_tensors(load(data))
+
     @staticmethod
     def load(path: str) -> "DashboardState":
         try:
-            t = load_file(path)
-            dense = Dense(int(t["tokens"][0]), t["count"], t["total"], t["peak"], t["hist"], t["qcount"])
-            return DashboardState(dense, Pool.from_state_dict(t, "top"), Pool.from_state_dict(t, "reservoir"),
-                                  int(t["n_quantile"][0]))
+            return DashboardState.from_tensors(load_file(path))
         except (OSError, KeyError, ValueError) as err:
             raise InvalidRequestError(f"{path}: not a readable dashboards state ({type(err).__name__}: {err})"
                                       ) from None
