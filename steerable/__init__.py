@@ -40,4 +40,5 @@ def __getattr__(name: str):
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "LowRank", "Affine", "When", "RouterBias", "SAE", "Transcoder",
            "Feature", "FeatureClamp", "CaptureSpec", "capture", "capture_batches", "StructuredOutputsParams",
-           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream", "feature_dashboards", "__version__"]
+           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream", "feature_dashboards",
+           "__version__"]
