@@ -40,3 +40,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, Logprob entries of the token and the k most
     # likely ones at its position; None for the first token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Prompt tokens the prefix cache served when the request was first scheduled (vLLM's field;
+    # the server's usage.prompt_tokens_details.cached_tokens). None until then.
+    num_cached_tokens: int | None = None

@@ -53,6 +53,7 @@ class Request:
         self.block_ids: list[list[int]] = []  # one list per KV group (steerable.kv_groups); [] holds none
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first scheduling
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -96,7 +96,7 @@ def test_an_increment_carries_only_what_is_new(engine):
         "long", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), stream=True,
         increments=True)})
     first, later = reports[0][0], reports[2][0]
-    assert first[2] == (None, prompt, None) and later[2] is None  # the prompt once
+    assert first[2] == (None, prompt, None, 0) and later[2] is None  # the prompt once (no prefix-cache hit)
     assert len(later[3][0][2]) == 1 and later[3][0][1] == 2  # one token, written after the two before it
     assert len(pickle.dumps(later)) < 200
 
@@ -172,7 +172,7 @@ def test_sender_folds_outputs_queued_behind_a_slow_reader(engine):
     sender.send(("result", 7, "value", None))
     for increment, _ in run[5:]:
         sender.send_outputs([(increment, True)])
-    apart = [(("s", False, (None, [1], None), ((0, at, [4 + at], at, "ab"[at], 0, None, None, None, None, None, None),),
+    apart = [(("s", False, (None, [1], None, 0), ((0, at, [4 + at], at, "ab"[at], 0, None, None, None, None, None, None),),
                None, None), False) for at in (0, 1)]
     sender.send_outputs(apart[:1])
     sender.send_outputs(apart[1:])

@@ -22,6 +22,7 @@ from server_harness import (ADMIN, MAX_BODY_BYTES, SERVED_NAME, USER, USER_KEY, 
                             metrics, wait_idle)
 
 from steerable import LLM, Add, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec
+from steerable.entrypoints.openai.launcher import free_port
 from steerable.capture import deserialize_captured, match_capture_request_id
 
 PROMPTS = ["Hello world", "The quick brown fox jumps", "Steering vectors shift", "Paged attention stores keys"]
@@ -432,8 +433,9 @@ def test_serve_cli_help_and_flags_checked_before_loading(capsys):
                  "--max-capture-bytes", "--chat-template", "--dtype", "--device", "--max-num-seqs", "--max-model-len",
                  "--kv-cache-tokens", "--enforce-eager"):
         assert flag in help_text, flag
+    port = str(free_port())  # the engine's flags are checked once the port is held
     for args, field in ((["--port", "0"], "--port"), (["--max-capture-bytes", "0"], "--max-capture-bytes"),
-                        (["--api-key", ""], "--api-key"), (["--max-num-seqs", "0"], "max_num_seqs")):
+                        (["--api-key", ""], "--api-key"), (["--max-num-seqs", "0", "--port", port], "max_num_seqs")):
         assert main(["serve", "no-such-model", *args]) == 2
         assert field in capsys.readouterr().err
 

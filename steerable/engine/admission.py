@@ -98,7 +98,8 @@ class Admission:
                           ("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
             bad = [t for t in ids or [] if t >= vocab]
             if bad:
-                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are out of vocabulary "
+                                          f"(ids are in [0, {vocab}))")
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise InvalidRequestError(f"prompt_logprobs: {params.prompt_logprobs} exceeds the vocabulary size {vocab}")
 
@@ -219,7 +220,7 @@ class Admission:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"prompt: token ids {bad[:5]} are out of vocabulary (ids are in [0, {vocab}))")
         if not continuation and len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
                                       "(at least one token must be generated)")

@@ -119,7 +119,7 @@ class OutputProcessor:
         captures, capture_meta = _merge_captures(group.children) if finished and group.cancelled is None else ({}, {})
         prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
         return RequestOutput(group.client_id, first.prompt, first.prompt_token_ids, completions, finished, captures,
-                             capture_meta, prompt_logprobs)
+                             capture_meta, prompt_logprobs, first.num_cached_tokens)
 
     @staticmethod
     def increment(group: RequestGroup) -> tuple:
@@ -129,7 +129,7 @@ class OutputProcessor:
         at C speed, and carries only the completions that changed.
 
         ``(client_id, finished, prompt, completions, captures, capture_meta)``: ``prompt`` is
-        ``(text, token_ids, prompt_logprobs)`` in a completion's first increment (its prefill is
+        ``(text, token_ids, prompt_logprobs, num_cached_tokens)`` in a completion's first increment (its prefill is
         done by then; after a streaming-input chunk restarted it, too), else None; each completion is ``(index, tokens_at, tokens, text_at,
         text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative_logprob, captures,
         capture_meta)``, each part written from its ``*_at`` on. Tokens and logprobs only grow, text
@@ -137,7 +137,8 @@ class OutputProcessor:
         """
         children = group.children
         first = children[0]
-        prompt = (first.prompt, first.prompt_token_ids, first.prompt_logprobs) if first.reported is None else None
+        prompt = ((first.prompt, first.prompt_token_ids, first.prompt_logprobs, first.num_cached_tokens)
+                  if first.reported is None else None)
         completions = tuple(_completion_increment(r) for r in group.changed.values())
         group.changed = {}
         finished = group.finished

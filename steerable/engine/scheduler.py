@@ -93,6 +93,8 @@ class Scheduler:
             self.kv.record_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))

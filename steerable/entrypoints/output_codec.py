@@ -50,7 +50,7 @@ class OutputDecoder:
             for c in outputs:
                 self._held.pop((rid, c.index), None)
         return RequestOutput(rid, prompt[0], prompt[1], outputs, finished, captures or {}, capture_meta or {},
-                             prompt[2])
+                             prompt[2], prompt[3])
 
     def _completion(self, rid: str, increment: tuple) -> CompletionOutput:
         (index, tokens_at, tokens, text_at, text, logprobs_at, logprobs, finish_reason, stop_reason, cumulative,

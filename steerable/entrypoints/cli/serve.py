@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "the batch, a few)")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, "
                        "used instead of the tokenizer's")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="read tool calls out of the model's output when a request lets it choose (tool_choice "
+                            "'auto', the default with tools); needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes, SmolLM), llama3_json "
+                            "(Llama 3.1-3.3), mistral, qwen3_coder (Qwen3-Coder, Qwen3.5)")
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="move the model's <think> reasoning into reasoning_content: qwen3, deepseek_r1")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: info)")
     group.add_argument("--sae", action="append", type=named_sae_file, default=[], metavar="NAME=PATH[:LAYER[:HOOK]]",
@@ -69,6 +81,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    check_flags(args)
+    listener = listen(args.host, args.port)  # a taken port fails now, not after the model has loaded
+    try:
+        return _serve(args, listener)
+    finally:
+        listener.close()
+
+
+def _serve(args: argparse.Namespace, listener: socket.socket) -> int:
     settings = server_settings(args)
     kwargs = {**engine_kwargs(args), "max_n": args.max_n, "max_fanout_seqs": args.max_fanout_seqs}
     steering = control_vector(args)
@@ -90,11 +111,12 @@ def serve(args: argparse.Namespace) -> int:
                 raise CliError(f"--sae {name}: {err}") from None
         settings.dashboards = attach_dashboards(saes, dashboards, llm.dtype)
         app = build_app(llm, settings)
-        print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port}",
-              file=sys.stderr, flush=True)
-        run_server(app, args.host, args.port, args.log_level)
+        print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port} "
+              "(Ctrl-C stops it)", file=sys.stderr, flush=True)
+        run_server(app, listener, args.log_level)
     finally:
         llm.shutdown()
+    print("steerable: stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -124,23 +146,63 @@ def attach_dashboards(saes: dict[str, Any], dashboards: list[tuple[str, Any]], d
     return out
 
 
-def server_settings(args: argparse.Namespace) -> "ServerSettings":
-    """The server's settings from the flags, checked before the model loads (CliError). The web
-    stack is imported here, not at ``steerable --help``."""
-    from steerable.entrypoints.openai.state import ServerSettings
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening (connections wait there until the server
+    starts, as vLLM's do); CliError when the address is taken or cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise CliError(f"--host: cannot resolve {host!r} ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to take
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise CliError(f"--port: {host}:{port} is already in use (another server?); stop it or choose "
+                           "another --port") from None
+        raise CliError(f"--host/--port: cannot listen on {host}:{port} ({err.strerror})") from None
+    return sock
 
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' own checks (CliError), before anything is imported, bound or loaded."""
     if not 0 < args.port < 65536:
         raise CliError(f"--port: {args.port} is not a TCP port")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CliError("--enable-auto-tool-choice needs --tool-call-parser NAME (the model's tool-call format)")
     for flag in ("max_body_bytes", "max_capture_bytes", "max_n", "max_fanout_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
-    keys = args.api_key or ([os.environ["STEERABLE_API_KEY"]] if os.environ.get("STEERABLE_API_KEY") else [])
-    if any(not key for key in keys) or args.admin_api_key == "":
+    if any(not key for key in _api_keys(args)) or args.admin_api_key == "":
         raise CliError("--api-key / --admin-api-key must not be empty")
+
+
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    return args.api_key or ([os.environ["STEERABLE_API_KEY"]] if os.environ.get("STEERABLE_API_KEY") else [])
+
+
+def server_settings(args: argparse.Namespace) -> "ServerSettings":
+    """The server's settings from the flags (CliError), before the model loads. The web stack is
+    imported here, not at ``steerable --help``."""
+    from steerable.entrypoints.openai.reasoning import REASONING_PARSERS
+    from steerable.entrypoints.openai.state import ServerSettings
+    from steerable.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    for flag, name, known in (("--tool-call-parser", args.tool_call_parser, TOOL_PARSERS),
+                              ("--reasoning-parser", args.reasoning_parser, REASONING_PARSERS)):
+        if name is not None and name not in known:
+            raise CliError(f"{flag}: unknown parser {name!r}; one of {sorted(known)}")
     template = args.chat_template
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
             template = f.read()
-    return ServerSettings(served_model_name=args.served_model_name or args.model, api_keys=keys,
+    return ServerSettings(served_model_name=args.served_model_name or args.model, api_keys=_api_keys(args),
                           admin_api_key=args.admin_api_key, max_body_bytes=args.max_body_bytes,
-                          max_capture_bytes=args.max_capture_bytes, chat_template=template)
+                          max_capture_bytes=args.max_capture_bytes, chat_template=template,
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          reasoning_parser=args.reasoning_parser,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)

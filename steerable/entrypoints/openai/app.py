@@ -3,6 +3,8 @@ under uvicorn. Further route modules (e.g. control vectors) plug in through ``RO
 
 from __future__ import annotations
 
+import logging
+import socket
 import sys
 import time
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 
 import steerable
 from steerable.entrypoints.async_llm import AsyncLLM
@@ -29,7 +32,8 @@ Scope = dict[str, Any]
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """A FastAPI app serving ``llm``; the caller runs it and shuts ``llm`` down afterwards."""
-    app = FastAPI(title="steerable", version=steerable.__version__)
+    # /docs and /redoc with their scripts served from the package, not a CDN: they work offline.
+    app = FastAPIOffline(title="steerable", version=steerable.__version__)
     metrics = Metrics()
     app.state.server = ServerState(llm, settings, Keys(settings.api_keys, settings.admin_api_key), metrics,
                                    capture_info(llm), int(time.time()))
@@ -61,12 +65,16 @@ def capture_info(llm: AsyncLLM) -> CaptureInfo:
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; requests in flight get a few seconds to finish."""
+def run_server(app: FastAPI, listener: socket.socket, log_level: str = "info") -> None:
+    """Serve on ``listener`` (bound and listening) until SIGINT/SIGTERM; requests in flight get a
+    few seconds to finish. Below ``debug`` uvicorn's own start and stop lines are left out: the
+    caller says where it serves and when it stopped, one line each."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+    if log_level != "debug":
+        logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLevelName(log_level.upper())))
     freeze_startup_heap()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 class _BodyLimit:

@@ -69,8 +69,8 @@ class Completion(Generation):
         text = self.prompt_text(index // self.body.n) + completion.text if echo else completion.text
         return {"index": index, "text": text, "logprobs": self._logprobs(completion, 0, out if echo else None)}
 
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int,
-              out: RequestOutput) -> dict[str, Any]:
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int, out: RequestOutput,
+              may_skip: bool) -> dict[str, Any]:
         echo = self.body.echo and start == 0  # the prompt rides on a choice's first chunk
         if echo:
             text = self.prompt_text(index // self.body.n) + text
@@ -82,7 +82,8 @@ class Completion(Generation):
         echoing (the first has no logprob); offsets count from the start of the choice's text."""
         if completion.logprobs is None:
             return None
-        entries = token_logprobs(completion.token_ids[start:], completion.logprobs[start:])
+        top = self.body.logprobs or 0
+        entries = token_logprobs(completion.token_ids[start:], completion.logprobs[start:], top)
         if echo is None and not entries:
             return None
         name = self.token_name
@@ -97,12 +98,11 @@ class Completion(Generation):
             tops.append(None)
             offsets.append(0)
             offset += len(tokens[0])
-            entries = token_logprobs(echo.prompt_token_ids[1:], echo.prompt_logprobs[1:]) + entries
-        top = self.body.logprobs or 0
+            entries = token_logprobs(echo.prompt_token_ids[1:], echo.prompt_logprobs[1:], top) + entries
         for token, sampled, ranked in entries:
             tokens.append(name(token, sampled))
             values.append(sampled.logprob)
-            tops.append({name(t, lp): lp.logprob for t, lp in ranked if lp.rank <= top or t == token})
+            tops.append({name(t, lp): lp.logprob for t, lp in ranked})
             offsets.append(offset)
             offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -62,17 +62,37 @@ def classify(err: BaseException) -> tuple[int, str, str | None]:
     return 500, f"internal error: {type(err).__name__}: {err}", None
 
 
+def validation_message(error: dict[str, Any]) -> tuple[str, str]:
+    """(field, message) of pydantic's first error: the field's path, pydantic's words and its error
+    type, which clients of vLLM match on (``seed: Input should be less than or equal to ...
+    [type=less_than_equal]``)."""
+    field = ".".join(str(part) for part in error.get("loc", ()) if part != "body") or "body"
+    kind = f" [type={error['type']}]" if error.get("type") else ""
+    return field, f"{field}: {error.get('msg', 'invalid value')}{kind}"
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app raises answers in the OpenAI shape."""
 
-    async def on_validation(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", "")
             return error_response(400, f"body: malformed JSON ({detail})", "body")
-        field = ".".join(loc) or "body"
-        return error_response(400, f"{field}: {first.get('msg', 'invalid value')}", field)
+        content_type = request.headers.get("content-type")
+        if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
+            # FastAPI reads a body as JSON only when it says so (a browser's form post must not
+            # drive the API without a CORS preflight), as vLLM's server does.
+            sent = f"'Content-Type: {content_type}'" if content_type else "no Content-Type"
+            return error_response(400, f"body: send it as JSON with 'Content-Type: application/json' (the "
+                                       f"request has {sent}, so the body was not read as JSON)", "body")
+        field, message = validation_message(first)
+        return error_response(400, message, field)
 
     async def on_http(_: Request, err: StarletteHTTPException) -> JSONResponse:
         message = "route not found" if err.status_code == 404 else str(err.detail)

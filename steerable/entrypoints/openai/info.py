@@ -80,5 +80,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str
     vocab = state.llm.model_config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
-        raise InvalidRequestError(f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab})")
+        raise InvalidRequestError(f"tokens: {bad[:5]} are out of vocabulary (ids are in [0, {vocab}))")
     return {"prompt": state.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from steerable.entrypoints.openai.auth import require_user
 from steerable.entrypoints.openai.chat import Chat
 from steerable.entrypoints.openai.completions import Completion
+from steerable.entrypoints.openai.errors import validation_message
 from steerable.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from steerable.entrypoints.openai.state import server_state
 from steerable.errors import InvalidRequestError
@@ -31,7 +32,5 @@ async def invocations(request: Request) -> Response:
     try:
         parsed = model.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        raise InvalidRequestError(f"{field}: {first.get('msg', 'invalid value')}") from None
+        raise InvalidRequestError(validation_message(err.errors()[0])[1]) from None
     return await flow(server_state(request), parsed, request).respond()

@@ -16,6 +16,7 @@ from steerable.sampling_params import SamplingParams, StructuredOutputsParams
 from steerable.steering.wire import steering_from_json
 
 MAX_LOGPROBS = 20  # as OpenAI and vLLM
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 # Bounds of the vector-toolkit routes: each pair or item is one prompt's forward pass (per scale,
 # for a sweep), so these keep one request's work near that of a long completions batch.
 MAX_TRAIN_PAIRS = 256
@@ -43,7 +44,7 @@ class GenerationRequest(OpenAIBase):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # pydantic's wording, as vLLM's
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -110,7 +111,8 @@ class GenerationRequest(OpenAIBase):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: vLLM sends it only when ``include_usage`` is set too."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(GenerationRequest):
@@ -138,11 +140,10 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    include_reasoning: bool = True  # False: reasoning is split off and dropped (--reasoning-parser)
+
     def check(self) -> None:
         super().check()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError(f"tool_choice: only 'none' and 'auto' are supported ({self.tool_choice!r} "
-                                      "needs tool-call parsing of the output, which this server does not do yet)")
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message: needs add_generation_prompt=false")
         if self.continue_final_message and (not self.messages or self.messages[-1].get("role") != "assistant"):

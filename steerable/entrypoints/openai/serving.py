@@ -34,6 +34,7 @@ class ChoiceState:
 
     chars: int = 0
     tokens: int = 0
+    started: bool = False  # its first chunk is out (it carries the prompt's fields)
     finished: bool = False
 
 
@@ -80,13 +81,23 @@ class Generation(abc.ABC):
         """A finished choice of the non-streaming answer."""
 
     @abc.abstractmethod
-    def delta(self, index: int, text: str, completion: CompletionOutput, start: int,
-              out: RequestOutput) -> dict[str, Any]:
-        """One choice's part of a stream chunk: ``text`` is new since the last one, tokens from ``start``."""
+    def delta(self, index: int, text: str, completion: CompletionOutput, start: int, out: RequestOutput,
+              may_skip: bool) -> dict[str, Any] | None:
+        """One choice's part of a stream chunk: ``text`` is new since the last one, tokens from
+        ``start``. None (only when ``may_skip``: nothing else is due) when nothing of it can be
+        shown yet (a parser holds it back)."""
+
+    def finish_reason(self, index: int, completion: CompletionOutput) -> str | None:
+        """A finished choice's ``finish_reason`` (chat: ``tool_calls`` where it called tools)."""
+        return completion.finish_reason
 
     def opening(self) -> list[list[dict[str, Any]]]:
         """The choices of the chunks sent before any output (chat: each choice's role)."""
         return []
+
+    def opening_fields(self) -> dict[str, Any]:
+        """Top-level fields of each opening chunk (chat: the prompt's token ids)."""
+        return {}
 
     # ------------------------------------------------------------ the flow
 
@@ -188,13 +199,13 @@ class Generation(abc.ABC):
         states: dict[tuple[int, int], ChoiceState] = {}
         try:
             for choices in self.opening():
-                yield _event(self._stream_chunk(choices, timers))
+                yield _event({**self._stream_chunk(choices, timers), **self.opening_fields()})
             async for i, out in _merged(streams):
                 timers[i].update(out)
                 for choice in self._deltas(i, out, states):  # one choice per chunk, as vLLM sends them
                     yield _event(self._stream_chunk([choice], timers))
             if self.body.include_usage:
-                yield _event({**self._chunk([]), "usage": self._usage([t.last for t in timers])})
+                yield _event({**self._chunk([]), "usage": self._usage([t.last for t in timers], details=True)})
         except Exception as err:
             status, message, param = classify(err)
             self.state.metrics.error(status)
@@ -221,25 +232,31 @@ class Generation(abc.ABC):
             if end == state.chars and not token_news and not finished:
                 continue
             index = i * self.body.n + completion.index
-            choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens, out)
+            choice = self.delta(index, completion.text[state.chars:end], completion, state.tokens, out,
+                                may_skip=not token_news and not finished)
+            if choice is None:
+                state.chars, state.tokens = end, tokens
+                continue
             if self.body.return_token_ids:  # in a stream, each chunk's new tokens
                 choice["token_ids"] = completion.token_ids[state.tokens:tokens]
-            if state.tokens == 0 and self.prompt_fields_on_choice and self.body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
-            state.chars, state.tokens, state.finished = end, tokens, finished
+            if not state.started and self.prompt_fields_on_choice:  # vLLM: on a choice's first chunk
+                if self.body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
+                if self.body.return_token_ids:
+                    choice["prompt_token_ids"] = self.prompts[i]
+            state.chars, state.tokens, state.started, state.finished = end, tokens, True, finished
             if finished:
-                choice.update(self._final_fields(completion, i, whole=False))
+                choice.update(self._final_fields(completion, i, index, whole=False))
             choices.append(choice)
         return choices
 
-    def _final_fields(self, completion: CompletionOutput, i: int, whole: bool = True) -> dict[str, Any]:
+    def _final_fields(self, completion: CompletionOutput, i: int, index: int, whole: bool = True) -> dict[str, Any]:
         """What a finished choice adds: why it ended, its captures, and (``whole``: not streamed) its tokens."""
-        fields: dict[str, Any] = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        fields: dict[str, Any] = {"finish_reason": self.finish_reason(index, completion),
+                                  "stop_reason": completion.stop_reason}
         if completion.captures:
             fields["captures"] = self.state.capture.to_json(completion)
         if not whole:
-            if self.body.return_token_ids:
-                fields["prompt_token_ids"] = self.prompts[i]
             return fields
         fields["token_ids"] = list(completion.token_ids) if self.body.return_token_ids else None
         if self.prompt_fields_on_choice:
@@ -258,10 +275,14 @@ class Generation(abc.ABC):
                 "model": self.state.settings.served_model_name, "choices": choices}
 
     def _response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{**self.choice(i * self.body.n + c.index, c, out), **self._final_fields(c, i)}
+        n = self.body.n
+        choices = [{**self.choice(i * n + c.index, c, out), **self._final_fields(c, i, i * n + c.index)}
                    for i, out in enumerate(outputs) for c in out.outputs]
+        # The fields vLLM always serialises, null where unused, so model_dump()s compare equal.
         answer = {"id": self.id, "object": self.object_name, "created": self.created,
-                  "model": self.state.settings.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+                  "model": self.state.settings.served_model_name, "choices": choices, "service_tier": None,
+                  "system_fingerprint": None, "usage": self._usage(outputs, details=True),
+                  "kv_transfer_params": None}
         if self.prompt_fields_on_choice:
             for choice, out in zip(choices, [out for out in outputs for _ in out.outputs]):
                 choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
@@ -270,20 +291,34 @@ class Generation(abc.ABC):
             answer["prompt_token_ids"] = self.prompts[0] if self.body.return_token_ids else None
         return answer
 
-    def _usage(self, outputs: list[RequestOutput | None]) -> dict[str, int]:
+    def _usage(self, outputs: list[RequestOutput | None], details: bool = False) -> dict[str, Any]:
+        """Token counts; ``details`` (an answer's or a stream's last usage): with
+        ``--enable-prompt-tokens-details``, the prompt tokens the prefix cache served."""
         prompt = sum(map(len, self.prompts))
         completion = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                                 "completion_tokens": completion}
+        if details:
+            usage["prompt_tokens_details"] = None
+            if self.state.settings.enable_prompt_tokens_details:
+                cached = sum(out.num_cached_tokens or 0 for out in outputs if out is not None)
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
 
 # ---------------------------------------------------------------- logprobs, both formats
 
-def token_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
+def token_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int
                    ) -> list[tuple[int, Logprob, list[tuple[int, Logprob]]]]:
-    """(token, its logprob, (id, logprob) alternatives by rank) for tokens with logprob entries."""
+    """(token, its logprob, alternatives) for tokens with logprob entries. The alternatives are
+    vLLM's order: the token itself first, then the ``top`` most likely others by rank (so k + 1
+    entries when the token is not among the top k); a format that shows k entries shows the
+    first k."""
     out = []
     for token, entries in zip(token_ids, logprobs):
-        out.append((token, entries[token], sorted(entries.items(), key=lambda kv: kv[1].rank)))
+        others = sorted(((t, lp) for t, lp in entries.items() if t != token and lp.rank <= top),
+                        key=lambda kv: kv[1].rank)
+        out.append((token, entries[token], [(token, entries[token]), *others]))
     return out
 
 

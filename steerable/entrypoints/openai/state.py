@@ -24,6 +24,9 @@ class ServerSettings:
     max_capture_bytes: int = 64 * 2**20
     chat_template: str | None = None  # overrides the tokenizer's
     dashboards: dict[str, Any] = field(default_factory=dict)  # SAE name -> FeatureDashboards (--dashboards)
+    tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME
+    reasoning_parser: str | None = None  # --reasoning-parser NAME
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass
