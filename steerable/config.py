@@ -10,6 +10,13 @@ import torch
 
 from steerable.checks import FLOAT_DTYPES
 
+GPU_STEP_TOKENS = 8192  # vLLM's default token budget of a step
+# A CPU step costs about its tokens times the multiply-adds of the linear layers per token: 256
+# tokens of SmolLM2-135M take ~0.3 s on two cores. A CPU engine's budget keeps its steps near that,
+# so an abort, or a request that just came, waits well under a second for the step in progress.
+CPU_STEP_MULTIPLY_ADDS = 256 * 135_000_000
+CPU_STEP_TOKENS_RANGE = (64, GPU_STEP_TOKENS)
+
 
 @dataclass
 class EngineConfig:
@@ -19,7 +26,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: GPU_STEP_TOKENS on a GPU, sized by the model on a CPU
     max_model_len: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -64,7 +71,7 @@ class EngineConfig:
         if not isinstance(self.enable_shared_prefix_attention, bool):
             raise ValueError(f"enable_shared_prefix_attention must be a bool, got {self.enable_shared_prefix_attention!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "shared_prefix_min_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shared_prefix_min_requests < 2:
             raise ValueError(f"shared_prefix_min_requests must be >= 2, got {self.shared_prefix_min_requests}")
@@ -94,6 +101,17 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_step_tokens(self, device: torch.device, model: "ModelConfig") -> int:
+        """``max_num_batched_tokens``: as given, else vLLM's 8192 on a GPU and, on a CPU, the power
+        of two (64 to 8192) whose step costs about ``CPU_STEP_MULTIPLY_ADDS``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if device.type != "cpu":
+            return GPU_STEP_TOKENS
+        low, high = CPU_STEP_TOKENS_RANGE
+        tokens = CPU_STEP_MULTIPLY_ADDS // max(model.multiply_adds_per_token(), 1)
+        return max(low, min(high, 1 << max(tokens.bit_length() - 1, 0)))
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: the model's, or float8 e4m3 (values / scale, saturated at ±448)."""
@@ -140,6 +158,13 @@ class ModelConfig:
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention (None: full); families mixing both override it."""
         return self.sliding_window
+
+    def multiply_adds_per_token(self) -> int:
+        """Weights a token passes through in the linear layers (attention projections, a gated MLP,
+        the LM head): the cost of a token in a step, as an estimate for sizing steps."""
+        attention = self.hidden_size * self.head_dim * 2 * (self.num_heads + self.num_kv_heads)
+        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size) + (
+            self.vocab_size * self.hidden_size)
 
     @property
     def attention_scale(self) -> float:

@@ -68,6 +68,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         model_cls, self.model_config = resolve_model_config(hf_config)  # unknown ones fail before allocating
         self.layout = model_cls.hook_layout(self.model_config)
         self.device = config.resolve_device()
+        config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config)
         self.dtype = config.resolve_dtype(hf_config, self.device)
         if self.device.type == "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
             cpu_threads.apply(config.cpu_threads)

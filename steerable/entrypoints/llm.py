@@ -24,7 +24,7 @@ class LLM:
     """Load a model once, then generate, chat, steer and capture."""
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, block_size: int = 16,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None,

@@ -51,6 +51,12 @@ class MoeConfig(ModelConfig):
     def router_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_sparse_layer(i)]
 
+    def multiply_adds_per_token(self) -> int:
+        """A sparse layer's token passes through its routed experts, not a dense MLP."""
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        routed = 3 * self.hidden_size * self.moe_intermediate_size * self.num_experts_per_tok
+        return super().multiply_adds_per_token() + len(self.router_layers) * (routed - dense_mlp)
+
 
 def qwen3_moe_config(hf: Any) -> MoeConfig:
     base = vars(qwen3_config(hf))

@@ -165,7 +165,10 @@ def vectors_from_json(value: Any, where: str) -> dict:
 
 def _layers_from_json(layers: Any, where: str) -> dict:
     if not isinstance(layers, Mapping):
-        raise InvalidRequestError(f"{where}: expected {{layer: vector}}, got {type(layers).__name__}")
+        # Reached under a key that is not a layer number: a hook name, or a layer misspelt.
+        raise InvalidRequestError(f"{where}: expected {{layer: vector}} under a hook name, got "
+                                  f"{type(layers).__name__}; layer keys are integers (\"12\": [...]), other keys "
+                                  "name hooks (\"post_mlp\": {\"12\": [...]})")
     out = {}
     for layer, entry in layers.items():
         here = f"{where}[{layer}]"

@@ -33,8 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype"
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt plus output, in tokens (default: the model's, capped by the KV cache)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch at most (default: 256)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                       help="tokens in one step at most; longer prefills are chunked (default: 8192)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens in one step at most; longer prefills are chunked (default: 8192 on a GPU; on a "
+                            "CPU sized by the model so a step takes well under a second, 256 for SmolLM2-135M)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations and the KV cache (default: 0.9)")

@@ -111,9 +111,10 @@ class Chat(Generation):
             kwargs["tools"] = body.tools
         prompt = apply_template(self.state, body.messages, body.add_generation_prompt, kwargs)
         reasoning = None
-        if settings.reasoning_parser is not None and body._structured is None:  # a grammar holds the whole answer
+        if settings.reasoning_parser is not None and constraint is None:  # a forced call's grammar is JSON only
             tail = self.state.llm.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-            reasoning = REASONING_PARSERS[settings.reasoning_parser](tail, body.chat_template_kwargs)
+            reasoning = REASONING_PARSERS[settings.reasoning_parser](tail, body.chat_template_kwargs,
+                                                                     needs_start=body._structured is not None)
         self.assistant = AssistantText(reasoning, tools, body.include_reasoning, forced=constraint is not None)
         self.streams: dict[int, AssistantStream] = {}
         self.called: set[int] = set()  # choices whose message calls tools

@@ -17,9 +17,13 @@ from steerable.entrypoints.openai.tool_parsers.base import held_back
 class ThinkReasoningParser:
     start, end = "<think>", "</think>"
 
-    def __init__(self, prompt_tail: str, chat_template_kwargs: dict[str, Any] | None = None):
-        """``prompt_tail``: the last words of the prompt as text (the template's generation prompt)."""
+    def __init__(self, prompt_tail: str, chat_template_kwargs: dict[str, Any] | None = None,
+                 needs_start: bool = False):
+        """``prompt_tail``: the last words of the prompt as text (the template's generation prompt).
+        ``needs_start``: reasoning only where the answer opens with the start tag (a grammar holds
+        the answer, and thinks only where it allows the tag)."""
         self.thinking = self.thinks(prompt_tail, chat_template_kwargs or {})
+        self.needs_start = needs_start
 
     def thinks(self, prompt_tail: str, chat_template_kwargs: dict[str, Any]) -> bool:
         """Whether the answer opens with reasoning."""
@@ -34,6 +38,8 @@ class ThinkReasoningParser:
             body = len(text) - len(lead) + len(self.start)
         elif not final and self.start.startswith(lead):
             return "", ""  # nothing yet, or the opening tag on its way
+        elif self.needs_start:
+            return "", text
         else:
             body = 0
         close = text.find(self.end, body)
