@@ -4,6 +4,7 @@ under uvicorn. Further route modules (e.g. control vectors) plug in through ``RO
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import time
@@ -74,7 +75,25 @@ def run_server(app: FastAPI, listener: socket.socket, log_level: str = "info") -
     if log_level != "debug":
         logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLevelName(log_level.upper())))
     freeze_startup_heap()
-    uvicorn.Server(config).run(sockets=[listener])
+    # uvicorn shuts down on the signal, then raises it again for the handler it found: ours ends
+    # the run like any return (Python's would print a KeyboardInterrupt traceback for Ctrl-C, and
+    # SIGTERM's default would kill the process before the engine is shut down).
+    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run(sockets=[listener])
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM, once uvicorn has shut down."""
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise _Stopped()
 
 
 class _BodyLimit:

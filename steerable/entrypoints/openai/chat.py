@@ -102,7 +102,7 @@ class Chat(Generation):
         if constraint is not None:  # required or named: the tools' schemas hold the output
             if body._structured is not None:
                 raise InvalidRequestError(f"tool_choice: a forced tool call cannot be combined with "
-                                          f"{body._structured.field_name()}")
+                                          f"{body._structured.field_name}")
             body._structured = constraint
         if tools is not None and not tools.skip_special_tokens:
             body.skip_special_tokens = False  # the call markers are special tokens

@@ -68,8 +68,10 @@ def _named(choice: Any) -> str:
 
 
 def _json_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The schema as a constraint, without the free whitespace JSON allows (a call needs none, and a
+    model unsure what comes next must not spend its tokens on spaces)."""
     try:
-        params = StructuredOutputsParams(json=schema)
+        params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except InvalidRequestError as err:
         raise InvalidRequestError(f"tools: a tool's parameters are not a usable JSON schema ({err})") from None
     params._field = "tool_choice"
