@@ -173,13 +173,13 @@ def test_chat_continue_final_message_tools_and_echo(http, offline):
                                                return_dict=False)
     r = http.post("/tokenize", json={"messages": MESSAGES, "tools": tools}, headers=USER).json()
     assert r["tokens"] == list(with_tools)
-    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, "tool_choice": "auto",
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, "tool_choice": "none",
                                                 "max_tokens": 2, "return_token_ids": True}, headers=USER)
     assert r.status_code == 200 and r.json()["prompt_token_ids"] == list(with_tools)
-    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, "tool_choice": "required"},
+    # "auto" needs --enable-auto-tool-choice, as on vLLM (tests/test_vllm_compat3.py serves with it).
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, "tool_choice": "auto"},
                   headers=USER)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    assert "parsing" in r.json()["error"]["message"]
 
 
 def test_invocations_route(http, offline):
