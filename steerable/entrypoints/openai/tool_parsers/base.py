@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,3 +105,31 @@ def visible_content(text: str, final: bool, markers: tuple[str, ...], after_call
     if not final:
         return text[:len(text) - held_back(text, markers)].rstrip()
     return text
+
+
+def parse_tagged(text: str, final: bool, tags: tuple[str, str],
+                 read_block: Callable[[str, int, int], tuple[list[ParsedCall], bool]]) -> ParsedText:
+    """Calls in ``start ... end`` blocks and the content around them. ``read_block(text, body, end)``
+    reads the block whose body starts at ``body`` (``end``: its closing tag's index, -1 while it is
+    not written): its calls so far and whether they are complete; MalformedJSON if it is no call."""
+    start_tag, end_tag = tags
+    out = ParsedText()
+    pos, after_call = 0, False
+    while True:
+        start = text.find(start_tag, pos)
+        piece = text[pos:] if start < 0 else text[pos:start]
+        out.content += visible_content(piece, final, (start_tag,), after_call, before_call=start >= 0)
+        if start < 0:
+            return out
+        body = start + len(start_tag)
+        end = text.find(end_tag, body)
+        try:
+            calls, complete = read_block(text, body, end)
+        except MalformedJSON:
+            out.malformed = final
+            return out
+        out.calls.extend(calls)
+        if not complete or end < 0:  # unfinished, or the closing tag is still to come (or never came)
+            out.malformed = final and not complete
+            return out
+        pos, after_call = end + len(end_tag), True

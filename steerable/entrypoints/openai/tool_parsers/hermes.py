@@ -4,34 +4,24 @@ writes them."""
 
 from __future__ import annotations
 
-from steerable.entrypoints.openai.tool_parsers.base import ParsedText, ToolParser, calls_from_json, visible_content
-from steerable.entrypoints.openai.tool_parsers.json_prefix import MalformedJSON
+from steerable.entrypoints.openai.tool_parsers.base import (
+    ParsedCall,
+    ParsedText,
+    ToolParser,
+    calls_from_json,
+    parse_tagged,
+)
 
 
 class HermesToolParser(ToolParser):
-    start, end = "<tool_call>", "</tool_call>"
+    tags = ("<tool_call>", "</tool_call>")
 
     def parse(self, text: str, final: bool) -> ParsedText:
-        out = ParsedText()
-        pos, after_call = 0, False
-        while True:
-            start = text.find(self.start, pos)
-            piece = text[pos:] if start < 0 else text[pos:start]
-            out.content += visible_content(piece, final, (self.start,), after_call, before_call=start >= 0)
-            if start < 0:
-                return out
-            body = start + len(self.start)
-            end = text.find(self.end, body)
-            try:
-                calls, stop = calls_from_json(text if end < 0 else text[:end], body)
-            except MalformedJSON:
-                out.malformed = final
-                return out
-            out.calls.extend(calls)
-            if stop is None or (end >= 0 and text[stop:end].strip()):
-                out.malformed = final  # a block whose JSON is unfinished, or followed by more than whitespace
-                return out
-            if end < 0:  # the closing tag is still to come (or never came)
-                out.malformed = final and text[stop:].strip() != ""
-                return out
-            pos, after_call = end + len(self.end), True
+        return parse_tagged(text, final, self.tags, self._block)
+
+    @staticmethod
+    def _block(text: str, body: int, end: int) -> tuple[list[ParsedCall], bool]:
+        """The block's JSON, complete when nothing but whitespace follows it in the block."""
+        closed = end if end >= 0 else len(text)
+        calls, stop = calls_from_json(text[:closed], body)
+        return calls, stop is not None and not text[stop:closed].strip()

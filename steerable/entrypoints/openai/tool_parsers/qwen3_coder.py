@@ -18,33 +18,22 @@ import json
 import re
 from typing import Any
 
-from steerable.entrypoints.openai.tool_parsers.base import ParsedCall, ParsedText, ToolParser, visible_content
+from steerable.entrypoints.openai.tool_parsers.base import ParsedCall, ParsedText, ToolParser, parse_tagged
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>")
 
 
 class Qwen3CoderToolParser(ToolParser):
-    start, end = "<tool_call>", "</tool_call>"
+    tags = ("<tool_call>", "</tool_call>")
     function_end, parameter_end = "</function>", "</parameter>"
 
     def parse(self, text: str, final: bool) -> ParsedText:
-        out = ParsedText()
-        pos, after_call = 0, False
-        while True:
-            start = text.find(self.start, pos)
-            piece = text[pos:] if start < 0 else text[pos:start]
-            out.content += visible_content(piece, final, (self.start,), after_call, before_call=start >= 0)
-            if start < 0:
-                return out
-            end = text.find(self.end, start)
-            call, complete = self._call(text[start + len(self.start):end if end >= 0 else len(text)])
-            if call is not None:
-                out.calls.append(call)
-            if not complete or end < 0:
-                out.malformed = final and not complete
-                return out
-            pos, after_call = end + len(self.end), True
+        return parse_tagged(text, final, self.tags, self._block)
+
+    def _block(self, text: str, body: int, end: int) -> tuple[list[ParsedCall], bool]:
+        call, complete = self._call(text[body:end if end >= 0 else len(text)])
+        return ([] if call is None else [call]), complete
 
     def _call(self, block: str) -> tuple[ParsedCall | None, bool]:
         """The call of one block's text (so far), and whether its function closed."""
