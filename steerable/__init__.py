@@ -11,6 +11,7 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 # The public names load on first use (PEP 562), so ``steerable --help`` answers before torch is imported.
 _EXPORTS = {
     "capture": "steerable.capture", "CaptureSpec": "steerable.capture", "capture_batches": "steerable.capture",
+    "capture_corpus": "steerable.capture.corpus",
     "AsyncLLM": "steerable.entrypoints.async_llm", "StreamingInput": "steerable.entrypoints.async_llm",
     "LLM": "steerable.entrypoints.llm", "CompletionOutput": "steerable.outputs", "Logprob": "steerable.outputs",
     "RequestOutput": "steerable.outputs", "SamplingParams": "steerable.sampling_params",
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "LowRank", "Affine", "When", "RouterBias", "SAE", "Transcoder",
-           "Feature", "FeatureClamp", "CaptureSpec", "capture", "capture_batches", "StructuredOutputsParams",
-           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream", "feature_dashboards",
+           "Feature", "FeatureClamp", "CaptureSpec", "capture", "capture_batches", "capture_corpus",
+           "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "ActivationStream",
+           "feature_dashboards",
            "__version__"]

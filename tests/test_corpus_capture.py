@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import steerable
 from steerable import LLM, SamplingParams
-from steerable.capture import corpus
+from steerable.capture import shard_stores
 from steerable.capture import shard_file as corpus_files
 from steerable.capture.corpus import capture_corpus
 from steerable.capture.shard_buffer import ShardRouter
@@ -189,7 +189,7 @@ def shard_bytes(out) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
 
-class ShortOfSpace(corpus.ShardFile):
+class ShortOfSpace(shard_stores.ShardFile):
     """The third shard's file runs out of space after its first chunk of rows."""
     made = 0
 
@@ -222,7 +222,7 @@ def test_resume_after_a_shard_runs_out_of_space(llm, tmp_path, monkeypatch):
     kwargs = dict(layers=[0, 1, 2], select="all_prompt", shard_size=2, batch_size=2)
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
     ShortOfSpace.made = 0
-    monkeypatch.setattr(corpus, "ShardFile", ShortOfSpace)
+    monkeypatch.setattr(shard_stores, "ShardFile", ShortOfSpace)
     with pytest.raises(OSError, match="could not be reserved"):  # reserved in a thread, raised where rows wait
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)
     index = json.loads((tmp_path / "cut" / "index.json").read_text())
@@ -244,7 +244,7 @@ def test_resume_after_a_failure_mid_shard_while_the_next_file_is_allocated(llm, 
     capture_corpus(llm, TEXTS, tmp_path / "whole", **kwargs)
     real_step, events = llm.engine.step, []
 
-    class Slow(corpus.ShardFile):
+    class Slow(shard_stores.ShardFile):
         made = 0
 
         def allocate(self, chunk_rows=4096):
@@ -261,7 +261,7 @@ def test_resume_after_a_failure_mid_shard_while_the_next_file_is_allocated(llm, 
             raise RuntimeError("device lost")
         return real_step()
 
-    monkeypatch.setattr(corpus, "ShardFile", Slow)
+    monkeypatch.setattr(shard_stores, "ShardFile", Slow)
     monkeypatch.setattr(llm.engine, "step", failing_step)
     with pytest.raises(RuntimeError, match="device lost"):
         capture_corpus(llm, TEXTS, tmp_path / "cut", **kwargs)

@@ -1,0 +1,206 @@
+"""``replicas=R`` (``--replicas R``): R engine processes on one machine, one per GPU (or per
+``tensor_parallel_size`` GPUs); on CPU, each pinned to its own share of the cores. Each takes whole
+shards from this process, the driver, and captures them with the same loop a single engine runs
+(``corpus_run.capture_shards``); the driver alone commits (renames into place and lists), so the
+output is the same dataset, shard for shard and row for row, as one engine's.
+
+Protocol, one duplex pipe per replica: the replica asks ``want`` when idle (the driver answers
+with a shard, ``exit`` once everything is committed, or later, when a shard comes free) and
+``more`` while capturing (answered at once: a shard or ``none``, so its engine never waits on the
+driver); it reports ``done`` with each finished shard's staged file and ``error`` with the
+traceback of an exception, which stops the run. A replica that dies (killed, out of memory) is
+noticed through its process sentinel: the shards it held go back to the queue, ahead of the rest,
+and another replica redoes them; its unfinished files are removed at the end. Nothing is written
+twice or lost, because a shard is listed only when the driver commits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from steerable.capture.corpus_run import ShardSpec, capture_shards
+from steerable.capture.shard_stores import Commit, ShardTask
+from steerable.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Replica:
+    rid: int
+    proc: Any
+    conn: Connection
+    held: list[int] = field(default_factory=list)  # shards handed to it, not committed yet
+    idle: bool = False  # waiting for a shard
+    alive: bool = True
+
+
+def placements(engine_config: dict[str, Any], replicas: int) -> list[dict[str, Any]]:
+    """Per replica: the environment and cores it runs with (GPUs by CUDA_VISIBLE_DEVICES; on
+    CPU a contiguous share of this process's cores and as many intra-op threads)."""
+    import torch
+
+    per = engine_config.get("tensor_parallel_size", 1) * engine_config.get("pipeline_parallel_size", 1)
+    on_gpu = engine_config.get("device", "auto") != "cpu" and torch.cuda.is_available()
+    if on_gpu:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if replicas * per > len(gpus):
+            raise InvalidRequestError(f"replicas: {replicas} replicas of {per} GPU(s) each need {replicas * per} GPUs; "
+                                      f"{len(gpus)} are visible")
+        return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])}, "cores": None}
+                for i in range(replicas)]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = max(1, len(cores) // replicas)
+    return [{"env": {}, "cores": cores[(i * share) % len(cores):][:share] or cores[:share]} for i in range(replicas)]
+
+
+def capture_on_replicas(plan: Any, todo: list[int], engine_config: dict[str, Any], sae: tuple[str, Any] | None,
+                        replicas: int, commit: Commit) -> dict[str, Any]:
+    """Capture shards ``todo`` of ``plan`` on ``replicas`` processes; ``commit`` each finished one."""
+    ctx = mp.get_context("spawn")
+    pending = deque(todo)
+    spec: ShardSpec = plan.spec
+    workers: list[_Replica] = []
+    stats = {"replicas": replicas, "replicas_died": 0, "shards_redone": 0}
+    try:
+        for rid, place in enumerate(placements(engine_config, replicas)):
+            config = dict(engine_config)
+            if place["cores"] is not None and config.get("cpu_threads") is None:
+                config["cpu_threads"] = len(place["cores"])
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_replica_main, args=(theirs, config, sae, spec, place), daemon=True,
+                               name=f"steerable-replica-{rid}")
+            proc.start()
+            theirs.close()
+            workers.append(_Replica(rid, proc, ours))
+        remaining = len(todo)
+        while remaining:
+            live = [w for w in workers if w.alive]
+            if not live:
+                codes = [w.proc.exitcode for w in workers]
+                raise RuntimeError(f"capture_corpus: every replica died (exit codes {codes}); the shards committed "
+                                   "so far are kept: run again with --resume")
+            ready = wait([w.conn for w in live] + [w.proc.sentinel for w in live])
+            for w in live:
+                if w.conn in ready or w.proc.sentinel in ready:
+                    remaining -= _serve(w, pending, plan, commit, stats)
+            for w in workers:
+                if w.alive and w.idle and pending:
+                    w.idle = False
+                    _hand(w, pending, plan)
+        for w in workers:
+            if w.alive:
+                w.conn.send(("exit",))
+    finally:
+        for w in workers:
+            w.proc.join(timeout=30)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join()
+            w.conn.close()
+        plan.run_dir.remove_parts()  # what dead replicas left half-written
+    return stats
+
+
+def _hand(w: _Replica, pending: deque[int], plan: Any) -> None:
+    k = pending.popleft()
+    w.held.append(k)
+    w.conn.send(("task", plan.task(k)))
+
+
+def _serve(w: _Replica, pending: deque[int], plan: Any, commit: Commit, stats: dict[str, Any]) -> int:
+    """Answer what replica ``w`` said (or bury it); returns the shards committed meanwhile."""
+    committed = 0
+    try:
+        while w.conn.poll():
+            message = w.conn.recv()
+            kind = message[0]
+            if kind == "done":
+                entry, part = message[1], message[2]
+                commit(entry, part)
+                w.held.remove(entry["shard"])
+                committed += 1
+            elif kind == "more":
+                if pending:
+                    _hand(w, pending, plan)
+                else:
+                    w.conn.send(("none",))
+            elif kind == "want":
+                if pending:
+                    _hand(w, pending, plan)
+                else:  # answered when a shard comes free, or with exit
+                    w.idle = True
+            elif kind == "error":
+                raise RuntimeError(f"capture_corpus: replica {w.rid} failed:\n{message[1]}")
+    except (EOFError, OSError):  # its end of the pipe is closed: it has died or is dying
+        w.proc.join(timeout=10)
+    if not w.proc.is_alive():
+        w.alive = False
+        if w.held:
+            logger.warning("capture_corpus: replica %d died (exit code %s) holding shard(s) %s; another replica "
+                           "redoes them", w.rid, w.proc.exitcode, w.held)
+            stats["shards_redone"] += len(w.held)
+            pending.extendleft(sorted(w.held, reverse=True))
+            w.held.clear()
+        stats["replicas_died"] += 1
+    return committed
+
+
+def _replica_main(conn: Connection, engine_config: dict[str, Any], sae: tuple[str, Any] | None, spec: ShardSpec,
+                  place: dict[str, Any]) -> None:
+    """One replica: its own engine, capturing the shards the driver hands it until told to exit."""
+    os.environ.update(place["env"])
+    if place["cores"] is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, place["cores"])
+    sending = threading.Lock()  # the store commits from its writer thread
+
+    def send(*message: Any) -> None:
+        with sending:
+            conn.send(message)
+
+    def ask(kind: str) -> ShardTask | None:
+        send(kind)
+        reply = conn.recv()
+        if reply[0] == "exit":
+            raise _Exit
+        return reply[1] if reply[0] == "task" else None
+
+    llm = None
+    try:
+        from steerable.entrypoints.llm import LLM
+
+        llm = LLM(**engine_config)
+        if sae is not None:
+            llm.register_sae(*sae)
+        while True:
+            first = ask("want")
+
+            def tasks(first: ShardTask = first) -> Any:
+                task: ShardTask | None = first
+                while task is not None:
+                    yield task
+                    task = ask("more")
+
+            capture_shards(llm.llm_engine, spec, tasks(), lambda entry, part: send("done", entry, part))
+    except _Exit:
+        pass
+    except BaseException:
+        send("error", traceback.format_exc())
+        raise
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        conn.close()
+
+
+class _Exit(Exception):
+    """The driver has no more shards."""
