@@ -39,6 +39,7 @@ class _Replica:
     proc: Any
     conn: Connection
     held: list[int] = field(default_factory=list)  # shards handed to it, not committed yet
+    lifeline: Connection | None = None
     idle: bool = False  # waiting for a shard
     alive: bool = True
 
@@ -77,11 +78,13 @@ def capture_on_replicas(plan: Any, todo: list[int], engine_config: dict[str, Any
             if place["cores"] is not None and config.get("cpu_threads") is None:
                 config["cpu_threads"] = len(place["cores"])
             ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_replica_main, args=(theirs, config, sae, spec, place), daemon=True,
+            life_end, life_hold = ctx.Pipe(duplex=False)  # the held end closes when this process dies, however
+            proc = ctx.Process(target=_replica_main, args=(theirs, life_end, config, sae, spec, place), daemon=True,
                                name=f"steerable-replica-{rid}")
             proc.start()
             theirs.close()
-            workers.append(_Replica(rid, proc, ours))
+            life_end.close()
+            workers.append(_Replica(rid, proc, ours, lifeline=life_hold))
         remaining = len(todo)
         while remaining:
             live = [w for w in workers if w.alive]
@@ -107,12 +110,14 @@ def capture_on_replicas(plan: Any, todo: list[int], engine_config: dict[str, Any
                 w.proc.kill()
                 w.proc.join()
             w.conn.close()
+            w.lifeline.close()
         plan.run_dir.remove_parts()  # what dead replicas left half-written
     return stats
 
 
 def _hand(w: _Replica, pending: deque[int], plan: Any) -> None:
     k = pending.popleft()
+    logger.debug("replica %d (pid %d) takes shard %d", w.rid, w.proc.pid, k)
     w.held.append(k)
     w.conn.send(("task", plan.task(k)))
 
@@ -155,9 +160,10 @@ def _serve(w: _Replica, pending: deque[int], plan: Any, commit: Commit, stats: d
     return committed
 
 
-def _replica_main(conn: Connection, engine_config: dict[str, Any], sae: tuple[str, Any] | None, spec: ShardSpec,
-                  place: dict[str, Any]) -> None:
+def _replica_main(conn: Connection, lifeline: Connection, engine_config: dict[str, Any], sae: tuple[str, Any] | None,
+                  spec: ShardSpec, place: dict[str, Any]) -> None:
     """One replica: its own engine, capturing the shards the driver hands it until told to exit."""
+    threading.Thread(target=_exit_with_driver, args=(lifeline,), daemon=True, name="driver-lifeline").start()
     os.environ.update(place["env"])
     if place["cores"] is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, place["cores"])
@@ -200,6 +206,16 @@ def _replica_main(conn: Connection, engine_config: dict[str, Any], sae: tuple[st
         if llm is not None:
             llm.shutdown()
         conn.close()
+
+
+def _exit_with_driver(lifeline: Connection) -> None:
+    """End this replica at once when the driver is gone (killed too): nothing it would write
+    could be committed, and a resumed run must not find it still writing."""
+    try:
+        lifeline.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
 
 
 class _Exit(Exception):

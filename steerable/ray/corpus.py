@@ -37,7 +37,7 @@ def check_ray(address: Any) -> str:
         raise InvalidRequestError("ray: Ray is not installed; pip install 'steerable[ray]'") from None
     if not isinstance(address, str) or not address:
         raise InvalidRequestError(f"ray: expected 'local', 'auto' or a cluster address, got {address!r}")
-    if address == "local" or ray.is_initialized():
+    if address == "local" or (address == "auto" and ray.is_initialized()):
         return address
     target = address
     if address == "auto":
@@ -96,7 +96,7 @@ def capture_on_ray(address: str, plan: Any, todo: list[int], engine_config: dict
     import ray
     from ray.exceptions import RayActorError
 
-    started_here = not ray.is_initialized()
+    started_here = not ray.is_initialized()  # else: the cluster this process is connected to
     if started_here:
         ray.init(address=None if address == "local" else address, log_to_driver=False)
     stats = {"actors": 0, "actors_lost": 0, "shards_redone": 0}
