@@ -54,7 +54,7 @@ def hf_hidden(path, windows):
 
 
 def files(out):
-    return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+    return {name: (out / name).read_bytes() if (out / name).is_file() else None for name in sorted(os.listdir(out))}
 
 
 def test_windows_are_saelens_windows():
@@ -198,6 +198,33 @@ def test_cli_saelens_from_texts_token_windows_and_a_dataset_dir(engines, capture
             k: v for k, v in files(tmp_path / "api").items() if k.endswith(".arrow")}
 
 
+def test_cli_delphi_from_an_saelens_sae_directory(engines, capture_dirs, tmp_path):
+    """``--format delphi --sae DIR``: an SAE as SAELens saves it, the cache as the Python call writes it."""
+    from sae_lens import TopKSAE, TopKSAEConfig
+
+    cfg = TopKSAEConfig(d_in=64, d_sae=48, k=4)
+    cfg.metadata.hook_name = "blocks.1.hook_resid_post"
+    lens = TopKSAE(cfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for param in lens.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    lens.save_model(tmp_path / "sae")
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    assert main(["capture", capture_dirs["llama"], "--input", str(tmp_path / "corpus.jsonl"), "--format", "delphi",
+                 "--sae", str(tmp_path / "sae"), "--context-size", str(N), "--n-splits", "2", "--device", "cpu",
+                 "--kv-cache-tokens", "2048", "--out", str(tmp_path / "cli")]) == 0
+    llm = engines("llama")
+    steerable.capture_corpus(llm, TEXTS, tmp_path / "api", format="delphi", sae=SAE.load(str(tmp_path / "sae")),
+                             context_size=N, n_splits=2, source=str(tmp_path / "corpus.jsonl"))
+    assert llm.list_saes() == {}  # an SAE object is registered for the run only
+    hookpoint = "blocks.1.hook_resid_post"
+    cli, api = files(tmp_path / "cli" / hookpoint), files(tmp_path / "api" / hookpoint)
+    assert sorted(cli) == [".steerable", "0_23.safetensors", "24_47.safetensors", "config.json"]
+    assert {k: v for k, v in cli.items() if k != ".steerable"} == {k: v for k, v in api.items() if k != ".steerable"}
+    assert json.loads(cli["config.json"])["model_name"] == capture_dirs["llama"]
+
+
 def test_saelens_run_killed_then_resumed_is_the_uninterrupted_dataset(engines, capture_dirs, tmp_path):
     """A process killed mid-run leaves only whole, listed shards and no dataset metadata (not a
     dataset yet); ``--resume`` completes it to the same bytes as a run never interrupted."""
@@ -262,6 +289,8 @@ def test_an_output_directory_with_other_files_is_refused(engines, tmp_path):
 
 def test_ray_missing_or_unreachable_is_answered_at_once(engines, tmp_path, monkeypatch):
     import socket
+
+    pytest.importorskip("ray")
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ OPTIONS = dict(format="saelens", context_size=N, layers=[0, 2], shard_size=2, ba
 
 
 def files(out):
-    return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+    return {name: (out / name).read_bytes() if (out / name).is_file() else None for name in sorted(os.listdir(out))}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,9 @@ def one_engine(engine_kwargs, tmp_path_factory):
 
 def test_two_replicas_write_the_one_engine_dataset(engine_kwargs, one_engine, tmp_path):
     index = steerable.capture_corpus(engine_kwargs, TEXTS, tmp_path, replicas=2, **OPTIONS)
-    assert index["stats"] == {"replicas": 2, "replicas_died": 0, "shards_redone": 0}
+    stats = index["stats"]
+    assert (stats["replicas"], stats["replicas_died"], stats["shards_redone"]) == (2, 0, 0)
+    assert stats["step_seconds"] > 0 and stats["scheduling_seconds"] >= 0  # both replicas reported their times
     assert files(tmp_path) == one_engine
 
 
@@ -113,3 +115,17 @@ def test_ray_local_writes_the_one_engine_dataset_to_a_url(engine_kwargs, one_eng
                                      **OPTIONS)
     assert index["stats"]["actors"] == 2 and index["stats"]["actors_lost"] == 0
     assert files(tmp_path / "out") == one_engine
+
+
+def test_delphi_on_replicas_is_the_one_engine_cache(engine_kwargs, tmp_path):
+    """The SAE travels to each replica; the latent cache is the one a single engine writes."""
+    from test_corpus_formats import random_topk_sae
+
+    options = dict(format="delphi", sae=random_topk_sae(layer=1), context_size=N, shard_size=3, n_splits=2)
+    steerable.capture_corpus(engine_kwargs, TEXTS, tmp_path / "one", **options)
+    index = steerable.capture_corpus(engine_kwargs, TEXTS, tmp_path / "two", replicas=2, **options)
+    assert index["stats"]["replicas"] == 2 and index["complete"]
+    hookpoint = "blocks.1.hook_resid_post"
+    one, two = (files(tmp_path / run / hookpoint) for run in ("one", "two"))
+    assert sorted(one) == [".steerable", "0_47.safetensors", "48_95.safetensors", "config.json"]
+    assert {k: v for k, v in one.items() if k != ".steerable"} == {k: v for k, v in two.items() if k != ".steerable"}

@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
+import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
@@ -66,12 +67,10 @@ def placements(engine_config: dict[str, Any], replicas: int) -> list[dict[str, A
 
 def capture_on_replicas(plan: Any, todo: list[int], engine_config: dict[str, Any], sae: tuple[str, Any] | None,
                         replicas: int, commit: Commit) -> dict[str, Any]:
-    """Capture shards ``todo`` of ``plan`` on ``replicas`` processes; ``commit`` each finished one."""
+    """Capture shards ``todo`` of ``plan`` on ``replicas`` processes; ``commit`` each finished one.
+    Returns counts (replicas, deaths, shards redone) and the replicas' summed ``RunStats`` times."""
     ctx = mp.get_context("spawn")
-    pending = deque(todo)
-    spec: ShardSpec = plan.spec
-    workers: list[_Replica] = []
-    stats = {"replicas": replicas, "replicas_died": 0, "shards_redone": 0}
+    driver = _Driver(plan, todo, commit, replicas)
     try:
         for rid, place in enumerate(placements(engine_config, replicas)):
             config = dict(engine_config)
@@ -79,32 +78,15 @@ def capture_on_replicas(plan: Any, todo: list[int], engine_config: dict[str, Any
                 config["cpu_threads"] = len(place["cores"])
             ours, theirs = ctx.Pipe(duplex=True)
             life_end, life_hold = ctx.Pipe(duplex=False)  # the held end closes when this process dies, however
-            proc = ctx.Process(target=_replica_main, args=(theirs, life_end, config, sae, spec, place), daemon=True,
-                               name=f"steerable-replica-{rid}")
+            proc = ctx.Process(target=_replica_main, args=(theirs, life_end, config, sae, plan.spec, place),
+                               daemon=True, name=f"steerable-replica-{rid}")
             proc.start()
             theirs.close()
             life_end.close()
-            workers.append(_Replica(rid, proc, ours, lifeline=life_hold))
-        remaining = len(todo)
-        while remaining:
-            live = [w for w in workers if w.alive]
-            if not live:
-                codes = [w.proc.exitcode for w in workers]
-                raise RuntimeError(f"capture_corpus: every replica died (exit codes {codes}); the shards committed "
-                                   "so far are kept: run again with --resume")
-            ready = wait([w.conn for w in live] + [w.proc.sentinel for w in live])
-            for w in live:
-                if w.conn in ready or w.proc.sentinel in ready:
-                    remaining -= _serve(w, pending, plan, commit, stats)
-            for w in workers:
-                if w.alive and w.idle and pending:
-                    w.idle = False
-                    _hand(w, pending, plan)
-        for w in workers:
-            if w.alive:
-                w.conn.send(("exit",))
+            driver.workers.append(_Replica(rid, proc, ours, lifeline=life_hold))
+        driver.run()
     finally:
-        for w in workers:
+        for w in driver.workers:
             w.proc.join(timeout=30)
             if w.proc.is_alive():
                 w.proc.kill()
@@ -112,52 +94,89 @@ def capture_on_replicas(plan: Any, todo: list[int], engine_config: dict[str, Any
             w.conn.close()
             w.lifeline.close()
         plan.run_dir.remove_parts()  # what dead replicas left half-written
-    return stats
+    return driver.stats
 
 
-def _hand(w: _Replica, pending: deque[int], plan: Any) -> None:
-    k = pending.popleft()
-    logger.debug("replica %d (pid %d) takes shard %d", w.rid, w.proc.pid, k)
-    w.held.append(k)
-    w.conn.send(("task", plan.task(k)))
+class _Driver:
+    """Hands shards out, commits what comes back, buries the dead; runs until every replica has
+    exited (told to once every shard is committed, after reporting its times)."""
 
+    def __init__(self, plan: Any, todo: list[int], commit: Commit, replicas: int):
+        self.plan, self.commit = plan, commit
+        self.pending = deque(todo)
+        self.remaining = len(todo)
+        self.workers: list[_Replica] = []
+        self.stats: dict[str, Any] = {"replicas": replicas, "replicas_died": 0, "shards_redone": 0}
 
-def _serve(w: _Replica, pending: deque[int], plan: Any, commit: Commit, stats: dict[str, Any]) -> int:
-    """Answer what replica ``w`` said (or bury it); returns the shards committed meanwhile."""
-    committed = 0
-    try:
-        while w.conn.poll():
-            message = w.conn.recv()
-            kind = message[0]
-            if kind == "done":
-                entry, part = message[1], message[2]
-                commit(entry, part)
-                w.held.remove(entry["shard"])
-                committed += 1
-            elif kind == "more":
-                if pending:
-                    _hand(w, pending, plan)
-                else:
-                    w.conn.send(("none",))
-            elif kind == "want":
-                if pending:
-                    _hand(w, pending, plan)
-                else:  # answered when a shard comes free, or with exit
-                    w.idle = True
-            elif kind == "error":
-                raise RuntimeError(f"capture_corpus: replica {w.rid} failed:\n{message[1]}")
-    except (EOFError, OSError):  # its end of the pipe is closed: it has died or is dying
-        w.proc.join(timeout=10)
-    if not w.proc.is_alive():
+    def run(self) -> None:
+        while True:
+            live = [w for w in self.workers if w.alive]
+            if not live:
+                if self.remaining:
+                    codes = [w.proc.exitcode for w in self.workers]
+                    raise RuntimeError(f"capture_corpus: every replica died (exit codes {codes}); the shards "
+                                       "committed so far are kept: run again with --resume")
+                return
+            ready = wait([w.conn for w in live] + [w.proc.sentinel for w in live])
+            for w in live:
+                if w.conn in ready or w.proc.sentinel in ready:
+                    self._serve(w)
+            for w in self.workers:
+                if w.alive and w.idle and (self.pending or not self.remaining):
+                    w.idle = False
+                    self._answer_want(w)
+
+    def _hand(self, w: _Replica) -> None:
+        k = self.pending.popleft()
+        logger.debug("replica %d (pid %d) takes shard %d", w.rid, w.proc.pid, k)
+        w.held.append(k)
+        w.conn.send(("task", self.plan.task(k)))
+
+    def _answer_want(self, w: _Replica) -> None:
+        if self.pending:
+            self._hand(w)
+        elif not self.remaining:
+            w.conn.send(("exit",))
+        else:  # answered when a dead replica's shard comes free, or with exit
+            w.idle = True
+
+    def _serve(self, w: _Replica) -> None:
+        """Answer what replica ``w`` said, or bury it."""
+        try:
+            while w.conn.poll():
+                message = w.conn.recv()
+                kind = message[0]
+                if kind == "done":
+                    entry, part = message[1], message[2]
+                    self.commit(entry, part)
+                    w.held.remove(entry["shard"])
+                    self.remaining -= 1
+                elif kind == "more":
+                    if self.pending:
+                        self._hand(w)
+                    else:
+                        w.conn.send(("none",))
+                elif kind == "want":
+                    self._answer_want(w)
+                elif kind == "stats":  # where a replica's time went, after each of its runs
+                    for key, value in message[1].items():
+                        self.stats[key] = self.stats.get(key, 0.0) + value
+                elif kind == "error":
+                    raise RuntimeError(f"capture_corpus: replica {w.rid} failed:\n{message[1]}")
+        except (EOFError, OSError):  # its end of the pipe is closed: it has exited or died
+            w.proc.join(timeout=10)
+        if w.proc.is_alive():
+            return
         w.alive = False
+        if w.proc.exitcode == 0 and not w.held:
+            return
         if w.held:
             logger.warning("capture_corpus: replica %d died (exit code %s) holding shard(s) %s; another replica "
                            "redoes them", w.rid, w.proc.exitcode, w.held)
-            stats["shards_redone"] += len(w.held)
-            pending.extendleft(sorted(w.held, reverse=True))
+            self.stats["shards_redone"] += len(w.held)
+            self.pending.extendleft(sorted(w.held, reverse=True))
             w.held.clear()
-        stats["replicas_died"] += 1
-    return committed
+        self.stats["replicas_died"] += 1
 
 
 def _replica_main(conn: Connection, lifeline: Connection, engine_config: dict[str, Any], sae: tuple[str, Any] | None,
@@ -173,9 +192,14 @@ def _replica_main(conn: Connection, lifeline: Connection, engine_config: dict[st
         with sending:
             conn.send(message)
 
+    waited = [0.0]  # seconds the engine's thread waited for the driver's answer to "more"
+
     def ask(kind: str) -> ShardTask | None:
+        started = time.perf_counter()
         send(kind)
         reply = conn.recv()
+        if kind == "more":
+            waited[0] += time.perf_counter() - started
         if reply[0] == "exit":
             raise _Exit
         return reply[1] if reply[0] == "task" else None
@@ -196,7 +220,10 @@ def _replica_main(conn: Connection, lifeline: Connection, engine_config: dict[st
                     yield task
                     task = ask("more")
 
-            capture_shards(llm.llm_engine, spec, tasks(), lambda entry, part: send("done", entry, part))
+            run = capture_shards(llm.llm_engine, spec, tasks(), lambda entry, part: send("done", entry, part))
+            send("stats", {"step_seconds": run.step_seconds, "shard_seconds": run.shard_seconds,
+                           "scheduling_seconds": waited[0], **run.store})
+            waited[0] = 0.0
     except _Exit:
         pass
     except BaseException:

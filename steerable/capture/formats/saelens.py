@@ -129,7 +129,8 @@ def finish_dataset(out: OutputDir, files: list[str], columns: list[str], context
 
 class ArrowShards:
     """Shard storage of the saelens format. A shard's rows land in a host buffer ``[layers, rows,
-    width]`` (reused from shard to shard, so its pages are touched once); once complete, one
+    width]`` (made ahead in the background and reused from shard to shard, so its pages are
+    faulted in once, off the engine's and the sink's threads); once complete, one
     background thread writes it as an Arrow file under a ``.part`` name, checks that every row
     holds the token it should, stages it and calls ``commit``, while the engine captures the next
     shards. When writes fall behind, ``prepare`` waits for one (the engine then waits for the disk)."""
@@ -143,6 +144,7 @@ class ArrowShards:
         self.schema = arrow_schema(columns, spec.context_size, width, spec.dtype)
         self.pending: deque[tuple[Job, Future]] = deque()
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="saelens-writer")
+        self.buffers = ThreadPoolExecutor(1, thread_name_prefix="saelens-buffers")
         self.writes: deque[Future] = deque()
         self.free: list[torch.Tensor] = []
         self.in_use = 0
@@ -156,24 +158,30 @@ class ArrowShards:
         if rows != len(task.prompts) * self.spec.context_size:
             raise RuntimeError("saelens shards hold every position of every window")
         self._settle(block=self.in_use >= self.MAX_BUFFERS)
-        data = self._buffer(rows)
-        file = SimpleNamespace(data=data, labels=np.empty((3, rows), np.int64), wait_rows=None)
-        self.pending.append((Job(task, counts, file=file, extra={"data": data, "labels": file.labels}), self.done))
+        with self.lock:
+            self.in_use += 1
+        self.pending.append((Job(task, counts), self.buffers.submit(self._buffer, rows)))
 
     def take(self) -> tuple[Job, Future]:
-        return self.pending.popleft()
+        """The oldest shard prepared, its buffer ready (allocated and touched in the background)."""
+        job, buffer = self.pending.popleft()
+        data = buffer.result()
+        job.file = SimpleNamespace(data=data, labels=np.empty((3, data.shape[1]), np.int64), wait_rows=None)
+        job.extra.update(data=data, labels=job.file.labels)
+        return job, self.done
 
     def finish(self, job: Job, allocation: Future, entry: dict[str, Any]) -> None:
         self.writes.append(self.writer.submit(self._write, job, entry))
         self._settle(block=False)
 
     def _buffer(self, rows: int) -> torch.Tensor:
+        """A free buffer of that size, or a new one whose pages are touched here (a page fault
+        each, which on the capture's sink thread would hold the engine up)."""
         with self.lock:
-            self.in_use += 1
             for i, buf in enumerate(self.free):
                 if buf.shape[1] == rows:
                     return self.free.pop(i)
-        return torch.empty(len(self.spec.layers), rows, self.width, dtype=self.dtype)
+        return torch.zeros(len(self.spec.layers), rows, self.width, dtype=self.dtype)
 
     def _settle(self, block: bool) -> None:
         """Raise a failed write; with ``block``, wait for the oldest write in flight (if any)."""
@@ -215,6 +223,7 @@ class ArrowShards:
                     with contextlib.suppress(Exception):
                         future.result()
         finally:
+            self.buffers.shutdown(wait=True)
             self.writer.shutdown(wait=True)
             for part in self.parts:
                 with contextlib.suppress(FileNotFoundError):
