@@ -5,15 +5,13 @@ and resumed writes the same shards as an uninterrupted one."""
 import errno
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 from conftest import CORPUS
+from corpus_harness import kill_after_first_shard
 from safetensors.torch import load_file
 
 import steerable
@@ -24,7 +22,6 @@ from steerable.capture.corpus import capture_corpus
 from steerable.capture.shard_buffer import ShardRouter
 from steerable.entrypoints.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"{i}: {CORPUS[i % 7]}" for i in range(11)]
 
 
@@ -281,18 +278,7 @@ def test_resume_after_the_process_is_killed(capture_dirs, tmp_path):
     args = ["capture", "--model", capture_dirs["llama"], "--input", str(tmp_path / "texts.jsonl"), "--field",
             "body", "--layers", "0-2", "--select", '{"prompt": "all"}', "--shard-size", "1", "--batch-size", "1",
             "--device", "cpu", "--kv-cache-tokens", "1024"]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "steerable.entrypoints.cli", *args, "--out", str(tmp_path / "cut")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    index_path = tmp_path / "cut" / "index.json"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if index_path.exists() and json.loads(index_path.read_text())["shards"]:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    cut = json.loads(index_path.read_text())
+    cut = kill_after_first_shard([*args, "--out", str(tmp_path / "cut")], tmp_path / "cut" / "index.json")
     assert 1 <= len(cut["shards"]) < len(texts) and not cut["complete"]  # killed mid-run
     assert main([*args, "--out", str(tmp_path / "cut"), "--resume"]) == 0
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0

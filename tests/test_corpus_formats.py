@@ -6,7 +6,6 @@ latent cache loads with delphi's ``LatentDataset`` and holds the SAE's latents o
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CORPUS, hf_model
+from corpus_harness import kill_after_first_shard
 from sae_lens.tokenization_and_batching import concat_and_batch_sequences
 
 import steerable
@@ -233,18 +233,7 @@ def test_saelens_run_killed_then_resumed_is_the_uninterrupted_dataset(engines, c
     args = ["capture", capture_dirs["llama"], "--input", str(tmp_path / "corpus.jsonl"), "--format", "saelens",
             "--context-size", str(N), "--layers", "0-2", "--shard-size", "2", "--batch-size", "2", "--device", "cpu",
             "--kv-cache-tokens", "1024"]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "steerable.entrypoints.cli", *args, "--out", str(tmp_path / "cut")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    index_path = tmp_path / "cut" / "index.json"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if index_path.exists() and json.loads(index_path.read_text())["shards"]:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    cut = json.loads(index_path.read_text())
+    cut = kill_after_first_shard([*args, "--out", str(tmp_path / "cut")], tmp_path / "cut" / "index.json")
     assert 1 <= len(cut["shards"]) < -(-cut["num_examples"] // 2) and not cut["complete"]
     present = {n for n in os.listdir(tmp_path / "cut") if n.startswith("data-")}
     assert present == {e["file"] for e in cut["shards"]}  # nothing half-written under a shard's name
@@ -311,3 +300,27 @@ def test_import_steerable_never_imports_ray():
             "steerable.capture_corpus; assert 'ray' not in sys.modules, 'ray imported'")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_dtype, store", [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "float16")])
+def test_saelens_cache_on_the_gpu(capture_dirs, tmp_path, model_dtype, store):
+    """The pinned copies, the sink thread and CUDA graphs feeding the writer: the cache holds what
+    the engine captures for each window alone (float32: HF's hidden states too)."""
+    llm = LLM(capture_dirs["qwen3"], dtype=model_dtype, device="cuda", kv_cache_tokens=8192)
+    texts = TEXTS * 8
+    steerable.capture_corpus(llm, texts, tmp_path, format="saelens", context_size=N, layers=[1], dtype=store,
+                             shard_size=5, batch_size=16)
+    rows = datasets.load_from_disk(str(tmp_path)).with_format("torch")[:]
+    windows = saelens_windows(llm.get_tokenizer(), texts, N)
+    assert torch.equal(rows["token_ids"].long(), windows)
+    alone = steerable.capture(llm, windows[:6].tolist(), layers=[1], select="all", dtype=store).rows(1).float()
+    ours = rows["blocks.1.hook_resid_post"][:6].reshape(-1, 64)
+    if model_dtype == "float32":  # batch invariant: each window as if alone
+        assert torch.equal(ours, alone)
+        reference = hf_hidden(capture_dirs["qwen3"], windows)[2]
+        assert (rows["blocks.1.hook_resid_post"] - reference).abs().max() <= 1e-4  # TF32-free fp32, other orders
+    else:  # bfloat16 GEMMs may tile a batch otherwise than one window
+        assert (ours - alone).abs().max() <= 2e-2 * alone.abs().max()
+    llm.shutdown()

@@ -6,19 +6,16 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 from conftest import CORPUS
+from corpus_harness import kill_after_first_shard
 
 import steerable
 from steerable.entrypoints.cli import main
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"{i}: {CORPUS[i % 7]}" for i in range(48)]
 N = 16
 OPTIONS = dict(format="saelens", context_size=N, layers=[0, 2], shard_size=2, batch_size=4, dtype="float32")
@@ -86,18 +83,8 @@ def test_replicas_killed_with_their_driver_then_resumed(engine_kwargs, one_engin
     args = ["capture", engine_kwargs["model"], "--input", str(tmp_path / "corpus.jsonl"), "--format", "saelens",
             "--context-size", str(N), "--layers", "0,2", "--shard-size", "2", "--batch-size", "4", "--dtype", "float32",
             "--device", "cpu", "--kv-cache-tokens", "1024", "--replicas", "2", "--out", str(tmp_path / "out")]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "steerable.entrypoints.cli", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    index_path = tmp_path / "out" / "index.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if index_path.exists() and json.loads(index_path.read_text())["shards"]:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)  # its replicas end with it (their lifeline pipe closes)
-    proc.wait()
-    assert not json.loads(index_path.read_text())["complete"]
+    cut = kill_after_first_shard(args, tmp_path / "out" / "index.json")  # its replicas end with it
+    assert cut["shards"] and not cut["complete"]
     assert main([*args, "--resume"]) == 0
     assert files(tmp_path / "out") == one_engine
 

@@ -19,8 +19,9 @@ recomputing only the shards the index does not list; the result is the same as a
 run, and the same whether one engine or many wrote it (each shard is whole work of one engine).
 
 Speed: the rows go through one capture stream whose sink places them in their shard's storage
-(``corpus_run.py``), each row copied once on the host, on the capture session's sink thread while
-the engine runs the next steps; the engine gets the examples without a pause between shards.
+(``corpus_run.py``) on the capture session's sink thread while the engine runs the next steps: the
+pages of steerable's shard files themselves, or a SAELens shard's buffer, which a background thread
+then writes as an Arrow file. The engine gets the examples without a pause between shards.
 """
 
 from __future__ import annotations

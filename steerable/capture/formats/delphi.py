@@ -16,9 +16,9 @@ Layout, as delphi's ``LatentCache.save_splits`` / ``save_config`` write it:
 
 The capture itself runs as a sparse corpus capture (steerable's resumable shards of the top-k
 ``indices``/``values`` per row) in ``DIR/<hookpoint>/.steerable``; ``finish_cache`` turns those
-shards into the split files, one latent range at a time (memory: one range's entries, the
-shards read once per range), writes
-``config.json`` last (until then delphi refuses the directory) and removes the shards.
+shards into the split files, one latent range at a time (memory: one range's entries; the shards
+are read once per range), and writes ``config.json`` last (until then delphi refuses the
+directory); the run then removes its shards.
 """
 
 from __future__ import annotations
