@@ -38,6 +38,8 @@ BENCHMARKS = (
     "dashboards",
     "pattern_cost",
     "capture_corpus",
+    "saelens_cache",
+    "corpus_shards",
     "corpus_host",
     "cold_start",
     "parallel",

@@ -10,7 +10,7 @@ overlapped (an upper bound). The same windows are also captured as one single sh
 (``--shard-windows``), alternating ``--repeats`` times: the extra wall time per extra shard is the
 end-to-end check.
 
-    PYTHONPATH=. python benchmarks/corpus_shards.py [--model smollm2] [--windows 128] [--shard-windows 16]
+    python -m benchmarks corpus_shards [--model smollm2] [--windows 128] [--shard-windows 16]
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import os
 import shutil
 import tempfile
 
-import common
 import numpy as np
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 
 def overhead(stats: dict, shards: int) -> dict:

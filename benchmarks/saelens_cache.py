@@ -12,7 +12,7 @@ disk), over several batch sizes; the best one counts. ``--repeats`` alternates p
 capture runs and compares medians. Records: ``prefill``, ``saelens`` (with the run's stats),
 ``hf`` (one per batch size), ``check`` (the dataset's shape and token ids) and ``ratio``.
 
-    PYTHONPATH=. python benchmarks/saelens_cache.py [--windows 4096] [--layer 14] [--store-dtype float32]
+    python -m benchmarks saelens_cache [--windows 4096] [--layer 14] [--store-dtype float32]
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import os
 import shutil
 import tempfile
 
-import common
 import numpy as np
 import torch
-from common import emit, timed
+
+from . import common
+from .common import emit, timed
 
 
 def storage_root(args, tokens: int, width: int) -> str:
@@ -110,8 +111,6 @@ def run_hf(args, path: str, windows: np.ndarray, layer: int, dtype: torch.dtype)
                       "tok_s": ids.numel() / seconds}
             emit(record)
             best = record if best is None or record["tok_s"] > best["tok_s"] else best
-    del base
-    common.free_cuda()
     return best
 
 

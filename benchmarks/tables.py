@@ -121,6 +121,16 @@ def corpus_detail(run: Run, r: dict) -> str | None:
     return f"{ours['seconds']:.2f} s against HF {hf['seconds']:.2f} s" if ours and hf else None
 
 
+def writer_detail(run: Run, r: dict) -> str:
+    return (f"{r['saelens_tok_s']:,.0f} tok/s against {r['prefill_tok_s']:,.0f} prefill, HF "
+            f"{r['hf_best_tok_s']:,.0f} at batch {r['hf_best_batch_size']}; {r['store_dtype']}")
+
+
+def shard_parts(run: Run, r: dict) -> str:
+    return (f"{r['capture_ms_per_shard'] / 1e3:.1f} s capture a shard; scheduling {r['scheduling_ms_per_shard']:.1f}, "
+            f"write {r['write_ms_per_shard']:.1f}, commit {r['commit_ms_per_shard']:.1f} ms")
+
+
 def chat_detail(run: Run, r: dict) -> str | None:
     off, on, shared = (run.first("run", mode=m) for m in ("cache_off", "cache_on", "shared"))
     if not (off and on and shared):
@@ -174,6 +184,7 @@ DENSE = {"shape": "qwen3-0.6b", "num_requests": 256, "enforce_eager": False}
 BF16 = {**DENSE, "kv_cache_dtype": "auto"}
 STEERING = {"shape": "qwen3-0.6b", "num_requests": 256}
 CHAT = {"shape": "qwen3-0.6b", "num_requests": 512, "system_len": 1200}
+SAELENS = {"shape": "qwen3-0.6b", "context_size": 128}
 
 
 def _throughput(shape: str, **where) -> dict:
@@ -217,6 +228,12 @@ TARGETS = Table("targets", (
            at_least(10, "≥ 10×")),
     Figure("MoE, Qwen3-30B-A3B shape", "throughput", "steerable", "output_tok_s", tok_s,
            _throughput("qwen3-30b-a3b"), runs_and_roofline, at_least(5_000, "≥ 5k"), H200),
+    Figure("SAELens cache, one layer, windows of 128, of the engine's own prefill", "saelens_cache", "ratio",
+           "of_prefill", pct, SAELENS, writer_detail, at_least(0.8, "≥ 80 %")),
+    Figure("… over HF `output_hidden_states` at its best batch size", "saelens_cache", "ratio", "over_hf", times,
+           SAELENS, writer_detail, at_least(3, "≥ 3×")),
+    Figure("corpus shard overhead (scheduling, write, commit), of its capture time", "corpus_shards", "run",
+           "overhead_fraction", pct, {"mode": "many"}, shard_parts, at_most(0.02, "≤ 2 %"), "CPU"),
     Figure("512 chats sharing a 1,200-token system prompt, over caching off", "chat", "ratio",
            "speedup_vs_cache_off", times, CHAT, chat_ratio_detail, at_least(2, "≥ 2×")),
     Figure("SAE (65,536 features) top-32 capture of every token", "sae_cost", "run", "cost_pct", cost,
@@ -314,6 +331,19 @@ CAPTURE_CORPUS = Table("capture_corpus", (
            {"shape": "qwen3-0.6b"}, corpus_detail),
 ))
 
+SAELENS_CACHE = Table("saelens_cache", (
+    Figure("one layer, windows of 128, of the engine's own prefill", "saelens_cache", "ratio", "of_prefill", pct,
+           SAELENS, writer_detail),
+    Figure("… over HF `output_hidden_states` at its best batch size", "saelens_cache", "ratio", "over_hf", times,
+           SAELENS, writer_detail),
+))
+
+CORPUS_SHARDS = Table("corpus_shards", (
+    Figure("a shard's overhead in one engine, of its capture time", "corpus_shards", "run", "overhead_fraction", pct,
+           {"mode": "many"}, shard_parts),
+    Figure("… on two replicas", "corpus_shards", "replicas", "overhead_fraction", pct, {"replicas": 2}, shard_parts),
+))
+
 CORPUS_HOST = Table("corpus_host", (
     Figure("a shard delivered into its mapped file", "corpus_host", "shard", "seconds", seconds, {"mode": "mapped"},
            shard),
@@ -379,4 +409,5 @@ HOST_STEP_COST = Table("host_step_cost", (
 ))
 
 TABLES = (TARGETS, THROUGHPUT, LATENCY, SERVE, STEERING_COST, CAPTURE_COST, SAE_COST, PATTERN_COST, CAPTURE_CORPUS,
-          CORPUS_HOST, COLD_START, PARALLEL, CHAT_TABLE, KV_MEMORY, KV_FIDELITY, OUTPUT_CODEC, HOST_STEP_COST)
+          SAELENS_CACHE, CORPUS_SHARDS, CORPUS_HOST, COLD_START, PARALLEL, CHAT_TABLE, KV_MEMORY, KV_FIDELITY,
+          OUTPUT_CODEC, HOST_STEP_COST)

@@ -203,6 +203,32 @@ def test_capture_corpus_with_hf_baseline(cache_dir):
     assert ratio["repeats"] == 2 and ratio["hf_median_s"] == min(x["seconds"] for x in runs["hf"])
 
 
+def test_saelens_cache_with_prefill_and_hf_baselines(cache_dir):
+    """The SAELens writer against the engine's own prefill and HF at each batch size; the script
+    itself checks the kept dataset's rows and token ids."""
+    r = run("saelens_cache", cache_dir, "--repeats", "2")
+    assert [x["repeat"] for x in r["prefill"]] == [x["repeat"] for x in r["saelens"]] == [0, 1]
+    for x in r["prefill"] + r["saelens"]:
+        positive(x, "seconds", "tok_s", "tokens")
+    assert r["saelens"][0]["tokens"] == r["prefill"][0]["tokens"] == 12 * 16 and r["saelens"][0]["gb_written"] > 0
+    assert [x["batch_size"] for x in r["hf"]] == [2, 4]
+    assert r["check"][0]["token_ids_ok"] and r["check"][0]["rows"] == 12 and r["check"][0]["has_state"]
+    ratio = r["ratio"][0]
+    positive(ratio, "of_prefill", "over_hf")
+    assert ratio["hf_best_tok_s"] == max(x["tok_s"] for x in r["hf"])
+
+
+def test_corpus_shards_overhead(cache_dir):
+    """Per-shard overhead in one engine and on two replicas, each part reported."""
+    r = run("corpus_shards", cache_dir)
+    assert [x["shards"] for x in r["run"]] == [1, 4]
+    for x in r["run"] + r["replicas"]:
+        positive(x, "capture_ms_per_shard", "overhead_fraction")
+        assert {"scheduling_ms_per_shard", "write_ms_per_shard", "commit_ms_per_shard"} <= set(x)
+    assert r["replicas"][0]["stats"]["replicas"] == 2 and r["replicas"][0]["shards"] == 4
+    assert r["wall"][0]["shards"] == [1, 4]
+
+
 def test_corpus_host(cache_dir):
     """Corpus capture's host side without a model (the script itself checks that the mapped shard
     holds save_file's tensors)."""
