@@ -1,7 +1,9 @@
-"""SAELens activation cache (issue 46, DESIGN.md §6): prompt tokens/s of ``capture_corpus(...,
-format="saelens")`` writing one layer's activations for windows of 128 tokens, against the engine's
-own prefill of the same windows with no capture (target >= 80 %) and HF ``output_hidden_states`` at
-its best batch size on the same windows (target >= 3x), all in one run.
+"""SAELens activation cache of one layer, against the engine's own prefill and HF ``output_hidden_states``.
+
+Issue 46, DESIGN.md §6: prompt tokens/s of ``capture_corpus(..., format="saelens")`` writing one
+layer's activations for windows of 128 tokens, against the engine's own prefill of the same windows
+with no capture (target >= 80 %) and HF ``output_hidden_states`` at its best batch size on the same
+windows (target >= 3x), all in one run.
 
 The windows are random token ids (BOS first, seeded), 128 tokens each by default. The prefill
 baseline is ``LLM.generate`` of every window with ``max_tokens=1`` (what a capture run computes, no
