@@ -12,6 +12,7 @@ only prompt rows are computed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -123,13 +124,16 @@ class CorpusRun:
         self.select = SelectSpec.from_wire(spec.select)
         self.router = ShardRouter()
         self.open: deque[_OpenShard] = deque()  # oldest first
-        self.in_engine: dict[str, _OpenShard] = {}  # client id -> its shard
+        self.in_engine: dict[str, _OpenShard] = {}  # client id -> its shard, while queued or running
+        self.queued: list[Any] = []  # the engine's QueuedPrompts of each shard, for their admission errors
 
     def run(self, tasks: Iterator[ShardTask]) -> None:
-        ahead = 0
+        """Each shard's examples are queued in the engine (admitted as the scheduler has room,
+        while the device runs the steps before, as ``LLM.generate`` admits its prompts) once fewer
+        than ``batch_size`` examples are queued or running, so the next shard is always there."""
+        prepared = 0
         for _ in range(FILES_AHEAD):
-            ahead += self._prepare(next(tasks, None))
-        feed = self._examples(ahead, tasks)
+            prepared += self._prepare(next(tasks, None))
         engine, spec = self.engine, self.spec
         if spec.sae is None:
             engine.start_capture(HIDDEN_STATES, list(spec.layers), spec.dtype, "all", self.select, None, spec.hook,
@@ -138,15 +142,30 @@ class CorpusRun:
             engine.start_capture(SAE_FEATURES, None, None, "all", self.select, None, spec.hook,
                                  sink=_SplitFeatures(self.router), saes=[spec.sae], top_k=spec.top_k)
         try:
+            self._loop(tasks, prepared)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the shards already whole are kept for a resumed run
+                self._finish_ready()
+            raise
+        self._finish_ready()
+        for shard in self.open:  # every request is done and every row delivered
+            shard.buffer.check_complete()
+
+    def _loop(self, tasks: Iterator[ShardTask], prepared: int) -> None:
+        engine, spec = self.engine, self.spec
+        try:
             try:
                 while True:
-                    while len(self.in_engine) < spec.batch_size and self._add(next(feed, None)):
-                        pass
+                    while prepared and len(self.in_engine) < spec.batch_size:
+                        prepared += self._open(next(tasks, None))
                     if not self.in_engine:
                         break
                     started = time.perf_counter()
                     outputs = engine.step()
                     self.stats.step_seconds += time.perf_counter() - started
+                    for batch in self.queued:
+                        if batch.error is not None:
+                            raise batch.error
                     for out in outputs:
                         if out.finished and out.request_id in self.in_engine:
                             self.in_engine.pop(out.request_id).unfinished -= 1
@@ -155,48 +174,45 @@ class CorpusRun:
                     self._finish_ready()
                 engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
             except BaseException:
-                engine.abort_request(list(self.in_engine))
+                engine.abort_request(list(self.in_engine))  # queued ones too
                 raise
         finally:
             engine.stop_capture(spec.stream)  # returns once the sink thread has stored every row
-        self._finish_ready()
-        for shard in self.open:  # every request is done and every row delivered
-            shard.buffer.check_complete()
 
     def _prepare(self, task: ShardTask | None) -> int:
         if task is None:
             return 0
         started = time.perf_counter()
         if any(isinstance(p, str) for p in task.prompts):  # texts: tokenized as add_request would
-            task = ShardTask(task.shard, task.first, [self.engine.tokenize(p) for p in task.prompts])
-        self.store.prepare(task, [len(self.select.prompt_positions_selected(p)) for p in task.prompts])
+            prompts = [self.engine.tokenize(p) for p in task.prompts]
+        else:
+            prompts = task.prompts.tolist() if hasattr(task.prompts, "tolist") else [list(p) for p in task.prompts]
+        task = ShardTask(task.shard, task.first, prompts)
+        self.store.prepare(task, [len(self.select.prompt_positions_selected(p)) for p in prompts])
         self.stats.shard_seconds += time.perf_counter() - started
         return 1
 
-    def _examples(self, prepared: int, tasks: Iterator[ShardTask]) -> Iterator[tuple[_OpenShard, int, Any]]:
-        """(shard, example index, prompt) in corpus order, opening each shard as its turn comes."""
-        while prepared:
-            job, allocation = self.store.take()
-            prepared += self._prepare(next(tasks, None)) - 1  # set up while earlier shards are captured
-            started = time.perf_counter()
-            task = job.task
-            buffer = ShardBuffer(task.first, job.counts, job.file.data, job.file.labels, job.file.wait_rows)
-            job.file = None  # the storage goes with the buffer
-            shard = _OpenShard(job, allocation, buffer, len(task.prompts))
-            self.open.append(shard)
-            self.stats.shard_seconds += time.perf_counter() - started
-            for i, prompt in enumerate(task.prompts):
-                yield shard, task.first + i, prompt
-
-    def _add(self, item: tuple[_OpenShard, int, Any] | None) -> bool:
-        if item is None:
-            return False
-        shard, example, prompt = item
-        prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
-        group = self.engine.add_request(f"corpus-{example}", prompt, self.PARAMS)
-        self.in_engine[group.client_id] = shard
-        self.router.expect(group.children[0].request_id, shard.buffer, example)
-        return True
+    def _open(self, upcoming: ShardTask | None) -> int:
+        """Open the oldest prepared shard and queue its examples, then prepare ``upcoming`` (set up
+        while earlier shards are captured); returns the change in prepared shards."""
+        job, allocation = self.store.take()
+        prepared = self._prepare(upcoming) - 1
+        started = time.perf_counter()
+        task = job.task
+        buffer = ShardBuffer(task.first, job.counts, job.file.data, job.file.labels, job.file.wait_rows)
+        job.file = None  # the storage goes with the buffer
+        shard = _OpenShard(job, allocation, buffer, len(task.prompts))
+        self.open.append(shard)
+        requests = []
+        for i, prompt in enumerate(task.prompts):
+            client_id = f"corpus-{task.first + i}"
+            self.router.expect_client(client_id, buffer, task.first + i)
+            self.in_engine[client_id] = shard
+            requests.append((client_id, prompt, self.PARAMS))
+        self.queued = [b for b in self.queued if b.entries or b.error is not None]
+        self.queued.append(self.engine.queue_requests(requests))
+        self.stats.shard_seconds += time.perf_counter() - started
+        return prepared
 
     def _finish_ready(self) -> None:
         """Finish the oldest shards that are complete, then raise a later shard's storage failure:

@@ -113,24 +113,43 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> Iterable[tuple[int, int, int]]:
 class ShardRouter:
     """The sink of a whole corpus run: each request's rows go to its shard's buffer, so one
     capture stream serves every shard and the engine never drains between them. A step's rows
-    usually belong to one shard; where they straddle two, each gets its own slice."""
+    usually belong to one shard; where they straddle two, each gets its own slice.
+
+    A request is known by its engine id (``expect``) or, when the engine admits it later from a
+    queue, by its client id (``expect_client``): its first rows then tie its engine id, the client
+    id plus ``-`` and 8 hex digits, to the example."""
 
     threaded = True
 
     def __init__(self) -> None:
         self.buffer_of: dict[str, ShardBuffer] = {}  # engine request id -> its shard's buffer
+        self.by_client: dict[str, tuple[ShardBuffer, int]] = {}  # queued client id -> (buffer, example)
 
     def expect(self, request_id: str, buffer: ShardBuffer, example: int) -> None:
         self.buffer_of[request_id] = buffer
         buffer.expect(request_id, example)
 
+    def expect_client(self, client_id: str, buffer: ShardBuffer, example: int) -> None:
+        self.by_client[client_id] = (buffer, example)
+
     def forget(self, buffer: ShardBuffer) -> None:
         """A finished shard's requests."""
         for request_id in buffer.example_of:
             self.buffer_of.pop(request_id, None)
+        for client_id in [c for c, (b, _) in self.by_client.items() if b is buffer]:
+            self.by_client.pop(client_id, None)
+
+    def _claim(self, request_id: str) -> ShardBuffer | None:
+        """The buffer of a queued request's first rows (engine id = client id + "-" + 8 hex)."""
+        claimed = self.by_client.pop(request_id.rpartition("-")[0], None)
+        if claimed is None:
+            return None
+        buffer, example = claimed
+        self.expect(request_id, buffer, example)
+        return buffer
 
     def append(self, rows: StreamRows) -> None:
-        owners = [self.buffer_of.get(rid) for rid in rows.request_ids]
+        owners = [self.buffer_of.get(rid) or self._claim(rid) for rid in rows.request_ids]
         if None in owners:
             rid = rows.request_ids[owners.index(None)]
             raise RuntimeError(f"corpus capture: rows of request {rid!r}, which is not one of this run's")
