@@ -20,7 +20,7 @@ from sae_lens.tokenization_and_batching import concat_and_batch_sequences
 
 import steerable
 from steerable import LLM, SAE
-from steerable.capture.windows import pack_windows
+from steerable.capture.windows import corpus_windows, token_windows
 from steerable.entrypoints.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,9 +68,23 @@ def test_windows_are_saelens_windows():
         ref = list(concat_and_batch_sequences(iter(torch.tensor(d, dtype=torch.long) for d in docs), context_size=n,
                                               begin_batch_token_id=bos, begin_sequence_token_id=None,
                                               sequence_separator_token_id=bos))
-        ours = pack_windows(docs, n, bos)
-        assert ours.dtype == np.int32 and ours.shape == (len(ref), n)
-        assert all(torch.equal(torch.from_numpy(ours[i]).long(), r) for i, r in enumerate(ref))
+        ours = list(token_windows(docs, n, bos))
+        assert len(ours) == len(ref) and all(torch.equal(torch.tensor(w), r) for w, r in zip(ours, ref))
+
+
+def test_corpus_windows_of_texts_and_of_token_ids(engines, monkeypatch):
+    """Texts packed a chunk of windows at a time (here two) into one int32 array; token-id windows
+    taken as given; anything else refused naming ``texts``."""
+    from steerable.capture import windows
+
+    tok = engines("llama").get_tokenizer()
+    monkeypatch.setattr(windows, "TOKENIZE_BATCH", 2)
+    packed = corpus_windows(TEXTS, N, tok, 384)
+    assert packed.dtype == np.int32 and torch.equal(torch.from_numpy(packed).long(), saelens_windows(tok, TEXTS, N))
+    assert np.array_equal(corpus_windows(packed.tolist(), N, tok, 384), packed)
+    for bad in ([[1, 2]], [packed[0].tolist(), "text"], [[999] * N]):
+        with pytest.raises(ValueError, match="texts"):
+            corpus_windows(bad, N, tok, 384)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
@@ -324,3 +338,26 @@ def test_saelens_cache_on_the_gpu(capture_dirs, tmp_path, model_dtype, store):
     else:  # bfloat16 GEMMs may tile a batch otherwise than one window
         assert (ours - alone).abs().max() <= 2e-2 * alone.abs().max()
     llm.shutdown()
+
+
+def test_a_cross_layer_transcoder_in_corpus_capture(engines, tmp_path):
+    """A transcoder reading two layers: each row keeps its top features over both (flat indices),
+    in steerable's shards as in the per-request capture, and delphi's cache holds them too."""
+    from safetensors.torch import load_file
+    from transcoder_helpers import random_transcoder
+
+    llm = engines("llama")
+    tc = random_transcoder(layers=2, layer=0, cross_layer=True, architecture="topk", k=5)
+    llm.register_sae("clt", tc)
+    index = steerable.capture_corpus(llm, TEXTS[:5], tmp_path / "shards", sae="clt", top_k=6, select="all_prompt",
+                                     shard_size=2)
+    assert index["layers"] == [0, 1] and index["hook"] == "mlp_in"
+    shards = [load_file(tmp_path / "shards" / e["file"]) for e in index["shards"]]
+    alone = steerable.capture(llm, TEXTS[:5], stream="sae_features", saes=["clt"], top_k=6,
+                              select="all_prompt").rows("clt")
+    assert torch.equal(torch.cat([s["indices"] for s in shards]), alone.indices)
+    assert torch.equal(torch.cat([s["values"] for s in shards]), alone.values)
+    assert int(alone.indices.max()) >= tc.d_sae // 2  # features of the second layer are among them
+    steerable.capture_corpus(llm, TEXTS, tmp_path / "delphi", format="delphi", sae="clt", context_size=N, top_k=10)
+    assert sorted(os.listdir(tmp_path / "delphi")) == ["blocks.0.ln2.hook_normalized"]
+    llm.unregister_sae("clt")
