@@ -69,6 +69,11 @@ def pct(v: float) -> str:
     return f"{v * 100:.1f} %"
 
 
+def pct_fine(v: float) -> str:
+    """A small share (an overhead): two decimals."""
+    return f"{v * 100:.2f} %"
+
+
 # ---------------------------------------------------------------- details from the same run
 
 def runs_and_roofline(run: Run, r: dict) -> str:
@@ -233,7 +238,7 @@ TARGETS = Table("targets", (
     Figure("… over HF `output_hidden_states` at its best batch size", "saelens_cache", "ratio", "over_hf", times,
            SAELENS, writer_detail, at_least(3, "≥ 3×")),
     Figure("corpus shard overhead (scheduling, write, commit), of its capture time", "corpus_shards", "run",
-           "overhead_fraction", pct, {"mode": "many"}, shard_parts, at_most(0.02, "≤ 2 %"), "CPU"),
+           "overhead_fraction", pct_fine, {"mode": "many"}, shard_parts, at_most(0.02, "≤ 2 %"), "CPU"),
     Figure("512 chats sharing a 1,200-token system prompt, over caching off", "chat", "ratio",
            "speedup_vs_cache_off", times, CHAT, chat_ratio_detail, at_least(2, "≥ 2×")),
     Figure("SAE (65,536 features) top-32 capture of every token", "sae_cost", "run", "cost_pct", cost,
@@ -339,9 +344,10 @@ SAELENS_CACHE = Table("saelens_cache", (
 ))
 
 CORPUS_SHARDS = Table("corpus_shards", (
-    Figure("a shard's overhead in one engine, of its capture time", "corpus_shards", "run", "overhead_fraction", pct,
-           {"mode": "many"}, shard_parts),
-    Figure("… on two replicas", "corpus_shards", "replicas", "overhead_fraction", pct, {"replicas": 2}, shard_parts),
+    Figure("a shard's overhead in one engine, of its capture time", "corpus_shards", "run", "overhead_fraction",
+           pct_fine, {"mode": "many"}, shard_parts),
+    Figure("… on two replicas", "corpus_shards", "replicas", "overhead_fraction", pct_fine, {"replicas": 2},
+           shard_parts),
 ))
 
 CORPUS_HOST = Table("corpus_host", (
