@@ -316,30 +316,6 @@ def test_import_steerable_never_imports_ray():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("model_dtype, store", [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "float16")])
-def test_saelens_cache_on_the_gpu(capture_dirs, tmp_path, model_dtype, store):
-    """The pinned copies, the sink thread and CUDA graphs feeding the writer: the cache holds what
-    the engine captures for each window alone (float32: HF's hidden states too)."""
-    llm = LLM(capture_dirs["qwen3"], dtype=model_dtype, device="cuda", kv_cache_tokens=8192)
-    texts = TEXTS * 8
-    steerable.capture_corpus(llm, texts, tmp_path, format="saelens", context_size=N, layers=[1], dtype=store,
-                             shard_size=5, batch_size=16)
-    rows = datasets.load_from_disk(str(tmp_path)).with_format("torch")[:]
-    windows = saelens_windows(llm.get_tokenizer(), texts, N)
-    assert torch.equal(rows["token_ids"].long(), windows)
-    alone = steerable.capture(llm, windows[:6].tolist(), layers=[1], select="all", dtype=store).rows(1).float()
-    ours = rows["blocks.1.hook_resid_post"][:6].reshape(-1, 64)
-    if model_dtype == "float32":  # batch invariant: each window as if alone
-        assert torch.equal(ours, alone)
-        reference = hf_hidden(capture_dirs["qwen3"], windows)[2]
-        assert (rows["blocks.1.hook_resid_post"] - reference).abs().max() <= 1e-4  # TF32-free fp32, other orders
-    else:  # bfloat16 GEMMs may tile a batch otherwise than one window
-        assert (ours - alone).abs().max() <= 2e-2 * alone.abs().max()
-    llm.shutdown()
-
-
 def test_a_cross_layer_transcoder_in_corpus_capture(engines, tmp_path):
     """A transcoder reading two layers: each row keeps its top features over both (flat indices),
     in steerable's shards as in the per-request capture, and delphi's cache holds them too."""
