@@ -114,8 +114,8 @@ class HookLayout:
 class SiteWrite:
     """Every steering write at one site in a step, as table lookups by each token's row ``index``:
     ``h += add[index]``, then for each clamp slot k (float32 math)
-    ``p = h·d; h += strength * (clip(p, lo, hi) - p) * d`` with ``d = clamp_dir[index, k]`` and
-    ``(lo, hi, strength) = clamp_bounds[index, k]``. Where a feature clamp acts, ``clamp_write``
+    ``p = h·d; h += strength * (clip(factor * p, lo, hi) - p) * d`` with ``d = clamp_dir[index, k]``
+    and ``(lo, hi, strength, factor) = clamp_bounds[index, k]``. Where a feature clamp acts, ``clamp_write``
     and ``clamp_gate`` are set too: the read becomes ``p = h·d + bias``, gated to ``p if p >
     threshold else 0`` (``(bias, threshold) = clamp_gate[index, k]``), and the write goes along
     ``clamp_write[index, k]`` instead of ``d``. Row 0 of every table changes nothing."""
@@ -123,7 +123,7 @@ class SiteWrite:
     index: torch.Tensor  # int64 [>= T]
     add: torch.Tensor | None = None  # [rows, H]
     clamp_dir: torch.Tensor | None = None  # [rows, slots, H] read directions
-    clamp_bounds: torch.Tensor | None = None  # float32 [rows, slots, 3]
+    clamp_bounds: torch.Tensor | None = None  # float32 [rows, slots, 4]
     clamp_write: torch.Tensor | None = None  # [rows, slots, H] write directions
     clamp_gate: torch.Tensor | None = None  # float32 [rows, slots, 2]
 

@@ -98,17 +98,18 @@ class SamplingInput:
         return bool(self.top_k.any() or (self.top_p < 1.0).any() or self.min_p.any())
 
 
-NO_CLAMP = (-math.inf, math.inf, 0.0)  # lo, hi, strength of an unused clamp slot: it changes nothing
+NO_CLAMP = (-math.inf, math.inf, 0.0, 1.0)  # lo, hi, strength, factor of an unused clamp slot: it changes nothing
+CLAMP_PARAMS = len(NO_CLAMP)  # bounds per clamp slot
 NO_GATE = (0.0, -math.inf)  # bias, threshold of a projection clamp: it reads a = h·d
 
 
 @dataclass
 class TableWrite:
     """Where one site's new rows lie in a ``SteeringUpdate``. ``table``: "add" (``n`` vectors) or
-    "clamp" (``n * slots`` read directions and as many bounds -- lo, hi, strength; with ``split``,
-    as many write directions after the read ones and gates -- bias, threshold -- after the bounds)
-    or "tclamp" (a transcoder clamp: a split clamp whose slots each write ``span`` directions, one per
-    ``mlp_out`` from the source layer on)."""
+    "clamp" (``n * slots`` read directions and as many bounds -- lo, hi, strength, factor; with
+    ``split``, as many write directions after the read ones and gates -- bias, threshold -- after the
+    bounds) or "tclamp" (a transcoder clamp: a split clamp whose slots each write ``span`` directions,
+    one per ``mlp_out`` from the source layer on)."""
 
     table: str
     point: str
@@ -143,13 +144,14 @@ class TableWrite:
 
     @property
     def bound_span(self) -> slice:
-        """Its clamp bounds among the update's params (three per slot)."""
-        return slice(self.params, self.params + 3 * self.count)
+        """Its clamp bounds among the update's params (``CLAMP_PARAMS`` per slot)."""
+        return slice(self.params, self.params + CLAMP_PARAMS * self.count)
 
     @property
     def gate_span(self) -> slice:
         """Its gates among the update's params (two per slot, after the bounds)."""
-        return slice(self.params + 3 * self.count, self.params + 5 * self.count)
+        start = self.params + CLAMP_PARAMS * self.count
+        return slice(start, start + 2 * self.count)
 
 
 @dataclass
@@ -206,9 +208,9 @@ class SteeringUpdate:
             block.reshape(write.n, write.slots, self.hidden)
 
     def bounds(self, write: TableWrite) -> np.ndarray:
-        """float32 [n, slots, 3]: a clamp's lo, hi, strength."""
+        """float32 [n, slots, CLAMP_PARAMS]: a clamp's lo, hi, strength, factor."""
         _, params, _ = self.split(self.data)
-        return params[write.bound_span].reshape(write.n, write.slots, 3)
+        return params[write.bound_span].reshape(write.n, write.slots, CLAMP_PARAMS)
 
 
 @dataclass(frozen=True)

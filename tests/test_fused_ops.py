@@ -18,6 +18,7 @@ from steerable.hook_points import SiteWrite  # noqa: E402
 from steerable.layers import fused, gemv  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
 from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
+from steerable.step import NO_CLAMP  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -68,9 +69,12 @@ def _site_write(g, rows, width, dtype, add, clamps, split=False):
         directions = torch.nn.functional.normalize(torch.randn(4, clamps, width, generator=g), dim=-1).to(DEVICE, dtype)
         directions[0] = 0
         lo = torch.randn(4, clamps, generator=g)
-        bounds = torch.stack([lo, lo + torch.rand(4, clamps, generator=g), torch.rand(4, clamps, generator=g) + 0.5], -1)
-        bounds[0] = torch.tensor([-float("inf"), float("inf"), 0.0])
+        bounds = torch.stack([lo, lo + torch.rand(4, clamps, generator=g), torch.rand(4, clamps, generator=g) + 0.5,
+                              torch.ones(4, clamps)], -1)
+        bounds[0] = torch.tensor(NO_CLAMP)
         bounds[1, 0, :2] = 0.0  # an ablation: min = max = 0
+        bounds[3, :, :2] = torch.tensor([-float("inf"), float("inf")])  # projection scalings (factor != 1)
+        bounds[3, :, 3] = torch.randn(clamps, generator=g) * 2
         bounds = bounds.to(DEVICE)
     if not split:
         return SiteWrite(index, table, directions, bounds)
@@ -88,7 +92,7 @@ def _torch_steer(h, write):
     if write.clamp_dir is not None:
         b = write.clamp_bounds
         h = clamp_rows(h, write.clamp_dir, b[..., 0], b[..., 1], b[..., 2], write.index[:len(h)], write.clamp_write,
-                       write.clamp_gate)
+                       write.clamp_gate, b[..., 3])
     return h
 
 
@@ -215,7 +219,7 @@ def test_feature_clamp_sets_the_activation():
     zeros = torch.zeros(1, 1, width)
     write = SiteWrite(torch.ones(6, dtype=torch.int64, device=DEVICE), None,
                       torch.cat([zeros, e[None, None]]).to(DEVICE),
-                      torch.tensor([[[-float("inf"), float("inf"), 0.0]], [[0.7, 0.7, 1.0]]]).to(DEVICE),
+                      torch.tensor([[NO_CLAMP], [[0.7, 0.7, 1.0, 1.0]]]).to(DEVICE),
                       torch.cat([zeros, wdir[None, None]]).to(DEVICE),
                       torch.tensor([[[0.0, -float("inf")]], [[0.3, 0.5]]]).to(DEVICE))
     p = h.cpu() @ e + 0.3
@@ -232,12 +236,29 @@ def test_clamp_kernel_clips_the_projection():
     h = (torch.randn(6, width, generator=g) * 4).to(DEVICE)
     d = torch.nn.functional.normalize(torch.randn(width, generator=g), dim=0)
     directions = torch.stack([torch.zeros(1, width), d[None]]).to(DEVICE)
-    bounds = torch.tensor([[[-float("inf"), float("inf"), 0.0]], [[-0.5, 0.25, 1.0]]]).to(DEVICE)
+    bounds = torch.tensor([[NO_CLAMP], [[-0.5, 0.25, 1.0, 1.0]]]).to(DEVICE)
     out = fused.steer(h, SiteWrite(torch.ones(6, dtype=torch.int64, device=DEVICE), None, directions, bounds))
     p = out.cpu() @ d
     assert ((p >= -0.5 - 1e-5) & (p <= 0.25 + 1e-5)).all()
     orth = out.cpu() - p[:, None] * d
     assert torch.allclose(orth, h.cpu() - (h.cpu() @ d)[:, None] * d, atol=1e-5)  # nothing else moved
+
+
+@pytest.mark.parametrize("factor, hi", [(0.25, float("inf")), (-1.5, float("inf")), (3.0, 2.0)])
+def test_clamp_kernel_scales_the_projection(factor, hi):
+    """A factor scales the projection before the clip: ``p' = clip(factor * p, lo, hi)``, so
+    ``factor`` alone is Neuronpedia's ORTHOGONAL_DECOMP, ``h + (factor - 1) p d``."""
+    g = torch.Generator().manual_seed(8)
+    width = 64
+    h = (torch.randn(6, width, generator=g) * 4).to(DEVICE)
+    d = torch.nn.functional.normalize(torch.randn(width, generator=g), dim=0)
+    directions = torch.stack([torch.zeros(1, width), d[None]]).to(DEVICE)
+    bounds = torch.tensor([[NO_CLAMP], [[-float("inf"), hi, 1.0, factor]]]).to(DEVICE)
+    out = fused.steer(h, SiteWrite(torch.ones(6, dtype=torch.int64, device=DEVICE), None, directions, bounds)).cpu()
+    p = h.cpu() @ d
+    expected = h.cpu() + ((factor * p).clamp(max=hi) - p)[:, None] * d
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert not torch.allclose(out, h.cpu(), atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -331,7 +331,7 @@ def test_table_rows_reused_after_a_clear_hold_only_the_new_values():
     ledger.write(1, first)
     tables.apply(ledger.take_update())
     assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8
-    assert tables.clamp_bounds[("post_mlp", 1)][1, 0].tolist() == [-math.inf, 0.5, 1.0]
+    assert tables.clamp_bounds[("post_mlp", 1)][1, 0].tolist() == [-math.inf, 0.5, 1.0, 1.0]
     ledger.clear(1)
     ledger.write(1, _interventions(parser, {"pre_attn": {2: [3.0] * 8}}))
     assert tables.add[("post_mlp", 0)][1].tolist() == [1.0] * 8  # nothing moves before the update

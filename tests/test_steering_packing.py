@@ -52,8 +52,8 @@ def test_one_copy_per_update_sets_every_table_as_written(monkeypatch):
     unit1, unit2 = d1 / d1.norm(), d2 / d2.norm()
     assert torch.equal(tables.clamp_dir[site][1], torch.stack([unit1, unit2]).double())
     assert torch.equal(tables.clamp_dir[site][2], torch.stack([unit2, torch.zeros(H)]).double())
-    assert tables.clamp_bounds[site][1].tolist() == [[-1.0, 1.0, 1.0], [-math.inf, 0.5, 0.5]]
-    assert tables.clamp_bounds[site][2].tolist() == [[0.0, 0.0, 1.0], list(NO_CLAMP)]
+    assert tables.clamp_bounds[site][1].tolist() == [[-1.0, 1.0, 1.0, 1.0], [-math.inf, 0.5, 0.5, 1.0]]
+    assert tables.clamp_bounds[site][2].tolist() == [[0.0, 0.0, 1.0, 1.0], list(NO_CLAMP)]
     feature = ("post_mlp", 3)
     assert torch.equal(tables.clamp_write[feature][2, 0], d2.double())
     assert torch.equal(tables.clamp_dir[feature][2, 0], d1.double())
@@ -151,7 +151,7 @@ def test_transcoder_clamps_pack_their_writes_per_output_layer():
     assert torch.equal(tables.tclamp_write[site][1, 0], wide.double())
     assert torch.equal(tables.tclamp_write[site][1, 1], torch.cat([narrow, torch.zeros(2, H)]).double())
     assert torch.equal(tables.tclamp_write[site][2, 1], torch.zeros(3, H).double())  # an unused slot
-    assert tables.tclamp_bounds[site][2].tolist() == [[1.0, 1.0, 1.0], list(NO_CLAMP)]
+    assert tables.tclamp_bounds[site][2].tolist() == [[1.0, 1.0, 1.0, 1.0], list(NO_CLAMP)]
     assert tables.tclamp_gate[site][1].tolist() == [[0.5, 0.0], [0.5, 0.0]]
     assert tables.tclamp_gate[site][2, 1].tolist() == list(NO_GATE)
     ledger.clear(2)

@@ -127,11 +127,11 @@ if triton is not None:
                     SPLIT: tl.constexpr):
         """The steering writes of one hook point on one row of float32 ``x`` (holding values of the
         activation dtype): add the row's table vector ``add``, then each projection clamp slot
-        ``x += strength * (clip(x.d, lo, hi) - x.d) * d`` in float32, rounding where the separate
-        ops round. With SPLIT (a feature clamp at the site) a slot reads ``a = p if p > threshold
-        else 0`` for ``p = x.d + bias`` and writes along its own direction ``w``:
-        ``x += strength * (clip(a, lo, hi) - a) * w``. Standalone and fused kernels share it, so
-        they agree bit for bit."""
+        ``x += strength * (clip(factor * x.d, lo, hi) - x.d) * d`` in float32, rounding where the
+        separate ops round. With SPLIT (a feature clamp at the site) a slot reads ``a = p if p >
+        threshold else 0`` for ``p = x.d + bias`` and writes along its own direction ``w``:
+        ``x += strength * (clip(factor * a, lo, hi) - a) * w``. Standalone and fused kernels share
+        it, so they agree bit for bit."""
         if ADD:
             x = (x + add).to(dtype).to(tl.float32)
         if CLAMPS > 0:
@@ -139,9 +139,10 @@ if triton is not None:
             for k in tl.static_range(CLAMPS):
                 d = tl.load(dir_ptr + r * stride_dir_row + k * stride_dir_slot + offs, mask=mask,
                             other=0.0).to(tl.float32)
-                lo = tl.load(bounds_ptr + (r * CLAMPS + k) * 3)
-                hi = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 1)
-                strength = tl.load(bounds_ptr + (r * CLAMPS + k) * 3 + 2)
+                lo = tl.load(bounds_ptr + (r * CLAMPS + k) * 4)
+                hi = tl.load(bounds_ptr + (r * CLAMPS + k) * 4 + 1)
+                strength = tl.load(bounds_ptr + (r * CLAMPS + k) * 4 + 2)
+                factor = tl.load(bounds_ptr + (r * CLAMPS + k) * 4 + 3)
                 p = tl.sum(x * d, axis=0)
                 w = d
                 if SPLIT:
@@ -149,7 +150,7 @@ if triton is not None:
                                 other=0.0).to(tl.float32)
                     p = p + tl.load(gate_ptr + (r * CLAMPS + k) * 2)
                     p = tl.where(p > tl.load(gate_ptr + (r * CLAMPS + k) * 2 + 1), p, 0.0)
-                x = x + (strength * (tl.minimum(tl.maximum(p, lo), hi) - p)) * w
+                x = x + (strength * (tl.minimum(tl.maximum(factor * p, lo), hi) - p)) * w
             x = x.to(dtype).to(tl.float32)
         return x
 
@@ -313,7 +314,7 @@ def _site_args(write: SiteWrite | None, like: torch.Tensor) -> tuple[list, bool,
     add, directions, bounds = write.add, write.clamp_dir, write.clamp_bounds
     clamps = directions.shape[1] if directions is not None else 0
     if bounds is not None and not bounds.is_contiguous():
-        raise ValueError("clamp bounds must be contiguous [rows, slots, 3]")
+        raise ValueError("clamp bounds must be contiguous [rows, slots, 4]")
     split = clamps > 0 and write.clamp_write is not None
     if split and (write.clamp_write.stride() != directions.stride() or not write.clamp_gate.is_contiguous()):
         raise ValueError("clamp write directions must be laid out as the read ones, gates contiguous [rows, slots, 2]")

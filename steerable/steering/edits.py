@@ -253,7 +253,8 @@ def _as_user_item(item: Intervention) -> list[Any]:
         return [Add(item.layer, item.vector.clone(), item.point, select=item.select)]
     if item.kind == "clamp":
         return [Clamp(item.layer, item.vector.clone(), item.point, min=None if item.lo == -math.inf else item.lo,
-                      max=None if item.hi == math.inf else item.hi, strength=item.strength, select=item.select)]
+                      max=None if item.hi == math.inf else item.hi, strength=item.strength, select=item.select,
+                      factor=item.factor)]
     if item.kind == "lowrank":  # h + U^T (V h + b) + c = h + U^T V h + (U^T b + c)
         V, b, U = item.matrices
         return [Affine(item.layer, (U.T.contiguous(), V.clone()), item.vector + U.T @ b, item.point, item.select)]

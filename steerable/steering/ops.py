@@ -13,12 +13,13 @@ def add_rows(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> 
 
 def clamp_rows(hidden: torch.Tensor, direction: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                strength: torch.Tensor, index: torch.Tensor, write: torch.Tensor | None = None,
-               gate: torch.Tensor | None = None) -> torch.Tensor:
-    """For each clamp slot k: ``p = h·d; h += strength * (clip(p, lo, hi) - p) * d`` (float32 math).
+               gate: torch.Tensor | None = None, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """For each clamp slot k: ``p = h·d; h += strength * (clip(factor * p, lo, hi) - p) * d`` (float32
+    math; ``factor`` [R, K], None: 1, and 1 leaves ``p`` exactly as read).
 
     With ``write`` [R, K, H] and ``gate`` [R, K, 2] (bias, threshold; feature clamps) the slot reads
     ``p = h·d + bias``, gated to ``a = p if p > threshold else 0``, and writes along ``write``:
-    ``h += strength * (clip(a, lo, hi) - a) * w``.
+    ``h += strength * (clip(factor * a, lo, hi) - a) * w``.
     Rows without a clamp in a slot have ``strength = 0`` and ``d = 0``, which adds exact zeros.
     direction: [R, K, H]; lo/hi/strength: [R, K] float32.
     """
@@ -31,6 +32,7 @@ def clamp_rows(hidden: torch.Tensor, direction: torch.Tensor, lo: torch.Tensor, 
             w = write[:, k].index_select(0, index).float()
             p = p + gate[:, k, 0].index_select(0, index)
             p = torch.where(p > gate[:, k, 1].index_select(0, index), p, torch.zeros_like(p))
-        target = torch.minimum(torch.maximum(p, lo[:, k].index_select(0, index)), hi[:, k].index_select(0, index))
+        scaled = p if factor is None else factor[:, k].index_select(0, index) * p
+        target = torch.minimum(torch.maximum(scaled, lo[:, k].index_select(0, index)), hi[:, k].index_select(0, index))
         out = out + (strength[:, k].index_select(0, index) * (target - p)).unsqueeze(-1) * w
     return out.to(hidden.dtype)

@@ -17,9 +17,9 @@ import numpy as np
 from steerable.steering.spec import Intervention
 from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringUpdate, TableWrite
 
-# read direction, min, max, strength, write direction (None: the read one), bias, threshold; a
-# transcoder clamp's write directions are [span, H], one per output layer from its source on.
-ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float]
+# read direction, min, max, strength, write direction (None: the read one), bias, threshold, factor;
+# a transcoder clamp's write directions are [span, H], one per output layer from its source on.
+ClampSlot = tuple[np.ndarray, float, float, float, np.ndarray | None, float, float, float]
 RowSites = tuple[list[Site], list[Site], list[Site]]  # (sites of a row's adds, clamps, transcoder clamps)
 
 
@@ -104,11 +104,11 @@ class RowTables:
                 adds[site] = vector if have is None else have + vector
             elif item.kind == "tclamp":
                 tclamps.setdefault(site, []).append((vector, item.lo, item.hi, item.strength, item.write.numpy(),
-                                                     item.bias, item.threshold))
+                                                     item.bias, item.threshold, item.factor))
             else:
                 write = None if item.write is None else item.write.numpy()
                 clamps.setdefault(site, []).append((vector, item.lo, item.hi, item.strength, write, item.bias,
-                                                    item.threshold))
+                                                    item.threshold, item.factor))
         stale_adds, stale_clamps, stale_tclamps = self._stale.pop(row, ((), (), ()))
         for site in stale_adds:
             if site not in adds:
@@ -224,12 +224,12 @@ class RowTables:
 def _pack_clamps(rows: list[list[ClampSlot]], width: int, split: bool, pieces: list[np.ndarray],
                  params: list[float], zeros: np.ndarray) -> None:
     """Appends rows' slots at every slot of the table's width (``TableWrite``'s layout): read
-    directions, then write directions, to ``pieces``; bounds, then gates, to ``params``. A slot a
-    row leaves unused reads and writes zeros with ``NO_CLAMP`` and ``NO_GATE``."""
+    directions, then write directions, to ``pieces``; bounds (lo, hi, strength, factor), then gates,
+    to ``params``. A slot a row leaves unused reads and writes zeros with ``NO_CLAMP`` and ``NO_GATE``."""
     slots = [row[k] if k < len(row) else None for row in rows for k in range(width)]
     pieces += [zeros if s is None else s[0] for s in slots]
     for s in slots:
-        params += NO_CLAMP if s is None else s[1:4]
+        params += NO_CLAMP if s is None else (*s[1:4], s[7])
     if split:
         pieces += [zeros if s is None else s[0] if s[4] is None else s[4] for s in slots]
         for s in slots:
@@ -243,7 +243,7 @@ def _pack_tclamps(rows: list[list[ClampSlot]], width: int, span: int, pieces: li
     slots = [row[k] if k < len(row) else None for row in rows for k in range(width)]
     pieces += [zeros if s is None else s[0] for s in slots]
     for s in slots:
-        params += NO_CLAMP if s is None else s[1:4]
+        params += NO_CLAMP if s is None else (*s[1:4], s[7])
     for s in slots:
         written = [] if s is None else list(s[4])
         pieces += written + [zeros] * (span - len(written))

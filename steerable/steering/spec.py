@@ -57,8 +57,10 @@ class Add:
 
 @dataclass(frozen=True)
 class Clamp:
-    """Clamp the projection of ``h`` on the unit ``direction`` to [min, max]:
-    ``p = h·d; h += strength * (clip(p, min, max) - p) * d``. ``min=max=0`` ablates the direction."""
+    """Move the projection of ``h`` on the unit ``direction`` to ``clip(factor * p, min, max)``:
+    ``p = h·d; h += strength * (clip(factor * p, min, max) - p) * d``. ``min=max=0`` ablates the
+    direction; ``max=c`` alone caps the projection at ``c`` (Neuronpedia's ``PROJECTION_CAP``);
+    ``factor=c`` alone scales it by ``c``, ``h + (c - 1) p d`` (Neuronpedia's ``ORTHOGONAL_DECOMP``)."""
 
     layer: int
     direction: Any
@@ -67,6 +69,7 @@ class Clamp:
     max: float | None = None
     strength: float = 1.0
     select: Any = None
+    factor: float = 1.0
 
 
 ITEM_TYPES = (Add, Clamp, Feature, FeatureClamp, *EDIT_ITEMS)
@@ -108,8 +111,8 @@ class Intervention:
     """Canonical, validated form: float32 CPU vectors, scale folded in, selection parsed.
 
     A clamp reads ``p = h·vector + bias``, gated to ``a = p if p > threshold else 0``, and writes
-    ``h += strength * (clip(a, lo, hi) - a) * write``. A projection clamp has ``write = None`` (it
-    writes along ``vector``), bias 0 and threshold -inf (``a = p``); a feature clamp reads the
+    ``h += strength * (clip(factor * a, lo, hi) - a) * write``. A projection clamp has ``write =
+    None`` (it writes along ``vector``), bias 0 and threshold -inf (``a = p``); a feature clamp reads the
     encoder column and writes the decoder row. A transcoder feature clamp (``"tclamp"``) reads the
     same way at its site (the transcoder's input at its source layer) and writes ``write[t]`` [span,
     H] at ``mlp_out`` of layer ``layer + t``: the read and the writes are at different points."""
@@ -131,6 +134,7 @@ class Intervention:
     # ``h += A h + vector``; "router": none (``vector`` holds the bias of each expert). Their content is in vector_hash.
     matrices: tuple[torch.Tensor, ...] = ()
     gate: Any = None  # the ``steering.edits.Gate`` of an item inside a ``When``; its digest is in ours
+    factor: float = 1.0  # clamp: the read value is scaled by it before clipping
     # What the content hash covers but the layer: the same at every layer an item is given for.
     unlayered: bytes = field(init=False, repr=False, compare=False)
     digest: bytes = field(init=False, repr=False, compare=False)
@@ -138,7 +142,8 @@ class Intervention:
     def __post_init__(self) -> None:
         # The content hash, computed once per intervention (a global spec is shared by every request).
         select = self.select.key if self.select is not None else "*"
-        head = f"{self.kind}|{self.point}|{self.lo}|{self.hi}|{self.strength}|{select}|".encode()
+        factor = "" if self.factor == 1.0 else f"factor={self.factor}|"  # 1 keeps every older clamp's identity
+        head = f"{self.kind}|{self.point}|{self.lo}|{self.hi}|{self.strength}|{factor}{select}|".encode()
         gate = b"" if self.gate is None else b"|gate:" + self.gate.digest
         object.__setattr__(self, "unlayered", head + self.vector_hash + gate)
         object.__setattr__(self, "digest", _layer_digest(self.unlayered, self.layer))
@@ -221,7 +226,8 @@ def _item_key(item: Add | Clamp, seen: Seen) -> tuple:
             if isinstance(given, SelectSpec) else id(given)
     if isinstance(item, Add):
         return Add, id(item.hook), id(item.vector), id(item.scale), select
-    return Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength), select
+    return (Clamp, id(item.hook), id(item.direction), id(item.min), id(item.max), id(item.strength), select,
+            id(item.factor))
 
 
 class SpecParser:
@@ -368,7 +374,8 @@ class SpecParser:
         if lo > hi:
             raise InvalidRequestError(f"{where}.min: {lo} is greater than max {hi}")
         strength = _strength(item.strength, where)
-        return Intervention("clamp", item.hook, layer, *unit, select, lo, hi, strength)
+        factor = finite_number(item.factor, f"{where}.factor")
+        return Intervention("clamp", item.hook, layer, *unit, select, lo, hi, strength, factor=factor)
 
     def _feature(self, item: Feature | FeatureClamp, where: str, seen: Seen) -> list[Intervention]:
         """A feature item resolved against the registry: its SAE's point, decoder row and (for a

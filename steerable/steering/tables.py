@@ -17,7 +17,8 @@ from steerable.hook_points import MLP_OUT, SiteWrite
 from steerable.layers import fused
 from steerable.steering.edit_tables import EditTables
 from steerable.steering.ops import add_rows, clamp_rows
-from steerable.step import NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite, to_device
+from steerable.step import (CLAMP_PARAMS, NO_CLAMP, NO_GATE, Site, SteeringPlan, SteeringUpdate, TableWrite,
+                            to_device)
 
 
 class SteeringTables:
@@ -32,7 +33,7 @@ class SteeringTables:
         self.capacity = 1
         self.add: dict[Site, torch.Tensor] = {}  # [capacity, H]
         self.clamp_dir: dict[Site, torch.Tensor] = {}  # [capacity, slots, H] unit directions
-        self.clamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 3]: lo, hi, strength
+        self.clamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 4]: lo, hi, strength, factor
         # Only at sites with a feature clamp: what is written (a projection clamp writes its read
         # direction) and the read's gate, float32 [capacity, slots, 2]: bias, threshold.
         self.clamp_write: dict[Site, torch.Tensor] = {}  # [capacity, slots, H]
@@ -40,7 +41,7 @@ class SteeringTables:
         # Transcoder clamps, by the site where they read: read directions, bounds and gates as a
         # feature clamp's, and the directions written at mlp_out of each layer from the source on.
         self.tclamp_dir: dict[Site, torch.Tensor] = {}  # [capacity, slots, H]
-        self.tclamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 3]
+        self.tclamp_bounds: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 4]
         self.tclamp_gate: dict[Site, torch.Tensor] = {}  # float32 [capacity, slots, 2]
         self.tclamp_write: dict[Site, torch.Tensor] = {}  # [capacity, slots, span, H]
         self.edits = EditTables(hidden_size, device, dtype, owns, max_tokens, max_seqs)
@@ -79,7 +80,7 @@ class SteeringTables:
         site, n, slots = write.site, write.n, write.slots
         self._ensure_clamp_slots(site, slots)
         self.clamp_dir[site].index_copy_(0, index, vectors[write.vector_span()].view(n, slots, self.hidden_size))
-        self.clamp_bounds[site].index_copy_(0, index, params[write.bound_span].view(n, slots, 3))
+        self.clamp_bounds[site].index_copy_(0, index, params[write.bound_span].view(n, slots, CLAMP_PARAMS))
         if write.split:
             if site not in self.clamp_write:
                 self.clamp_write[site] = self.clamp_dir[site].clone()  # rows written so far: projection clamps
@@ -109,7 +110,7 @@ class SteeringTables:
                 self.tclamp_gate[site][:, :k] = old[2]
                 self.tclamp_write[site][:, :k, :t] = have
         self.tclamp_dir[site][index, :write.slots] = vectors[write.vector_span()].view(n, write.slots, hidden)
-        self.tclamp_bounds[site][index, :write.slots] = params[write.bound_span].view(n, write.slots, 3)
+        self.tclamp_bounds[site][index, :write.slots] = params[write.bound_span].view(n, write.slots, CLAMP_PARAMS)
         self.tclamp_gate[site][index, :write.slots] = params[write.gate_span].view(n, write.slots, 2)
         self.tclamp_write[site][index, :write.slots, :write.span] = vectors[write.vector_span(written=True)].view(
             n, write.slots, write.span, hidden)
@@ -208,14 +209,14 @@ class StepSteering:
 
     def read(self, site: Site, hidden: torch.Tensor) -> None:
         """Each row's coefficients of the transcoder clamps reading at ``site``: ``a = p if p >
-        threshold else 0`` for ``p = h·e + bias``, then ``strength * (clip(a, lo, hi) - a)``."""
+        threshold else 0`` for ``p = h·e + bias``, then ``strength * (clip(factor * a, lo, hi) - a)``."""
         tables, index = self.tables, self._index(site)[:hidden.shape[0]]
         e = tables.tclamp_dir[site].index_select(0, index).float()  # [T, slots, H]
         bounds = tables.tclamp_bounds[site].index_select(0, index)
         gate = tables.tclamp_gate[site].index_select(0, index)
         p = torch.bmm(e, hidden.float().unsqueeze(-1)).squeeze(-1) + gate[..., 0]
         p = torch.where(p > gate[..., 1], p, torch.zeros_like(p))
-        target = torch.minimum(torch.maximum(p, bounds[..., 0]), bounds[..., 1])
+        target = torch.minimum(torch.maximum(bounds[..., 3] * p, bounds[..., 0]), bounds[..., 1])
         self._coefficients[site] = bounds[..., 2] * (target - p)
 
     def site_write(self, site: Site) -> SiteWrite | None:
@@ -254,7 +255,7 @@ class StepSteering:
         if write.clamp_dir is not None:
             bounds = write.clamp_bounds
             hidden = clamp_rows(hidden, write.clamp_dir, bounds[..., 0], bounds[..., 1], bounds[..., 2], write.index,
-                                write.clamp_write, write.clamp_gate)
+                                write.clamp_write, write.clamp_gate, bounds[..., 3])
         return hidden
 
     def _transcoder_writes(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from steerable.steering.spec import Add, Clamp, SteeringSpec
 SPEC_KEYS = ("interventions", "vectors", "prefill_vectors", "decode_vectors", "clamps", "scale", "features")
 _TIERS = ("vectors", "prefill_vectors", "decode_vectors")
 _ADD_KEYS = {"type", "layer", "vector", "hook", "scale", "select"}
-_CLAMP_KEYS = {"type", "layer", "direction", "hook", "min", "max", "strength", "select"}
+_CLAMP_KEYS = {"type", "layer", "direction", "hook", "min", "max", "strength", "select", "factor"}
 # A feature: {"sae", "index", "scale"?} adds; {"sae", "index", "value"?, "clamp": true, "strength"?} clamps.
 _FEATURE_KEYS = {"type", "sae", "index", "scale", "value", "clamp", "strength", "select"}
 _EDIT_TYPES = ("lowrank", "affine", "when", "router_bias")  # steering.wire_items
@@ -236,9 +236,12 @@ def _item_to_dict(item: Any, encoding: str) -> dict[str, Any]:
         return {"type": "add", "layer": item.layer, "vector": encode_vector(item.vector, encoding), "hook": item.hook,
                 "scale": item.scale, "select": select}
     if isinstance(item, Clamp):
-        return {"type": "clamp", "layer": item.layer, "direction": encode_vector(item.direction, encoding),
-                "hook": item.hook, "min": _finite_or_none(item.min), "max": _finite_or_none(item.max),
-                "strength": item.strength, "select": select}
+        out = {"type": "clamp", "layer": item.layer, "direction": encode_vector(item.direction, encoding),
+               "hook": item.hook, "min": _finite_or_none(item.min), "max": _finite_or_none(item.max),
+               "strength": item.strength, "select": select}
+        if item.factor != 1.0:  # written only when it scales, so older readers read every other clamp
+            out["factor"] = item.factor
+        return out
     raise InvalidRequestError(f"interventions: expected an intervention item, got {type(item).__name__}")
 
 
@@ -271,7 +274,8 @@ def _clamp_from_dict(data: Any, where: str) -> Clamp:
     _reject_unknown(data, _CLAMP_KEYS, where)
     _require(data, ("layer", "direction"), where)
     return Clamp(data["layer"], decode_vector(data["direction"], f"{where}.direction"),
-                 **_optional(data, ("hook", "min", "max", "strength")), select=_select(data.get("select"), where))
+                 **_optional(data, ("hook", "min", "max", "strength", "factor")),
+                 select=_select(data.get("select"), where))
 
 
 def _select(value: Any, where: str) -> SelectSpec | None:
