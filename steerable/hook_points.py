@@ -8,6 +8,7 @@ projection clamps), then ``ctx.capture`` reads, so captured activations are the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,6 +32,8 @@ HOOK_POINTS = RESIDUAL_POINTS + MLP_POINTS  # the hidden-size points steering wr
 # TransformerLens' names of the same points (SAELens names its activation columns and SAEs by them).
 _TRANSFORMER_LENS = {PRE_ATTN: "hook_resid_pre", POST_ATTN: "hook_resid_mid", POST_MLP: "hook_resid_post",
                      MLP_IN: "ln2.hook_normalized", MLP_OUT: "hook_mlp_out"}
+_FROM_TRANSFORMER_LENS = {name: point for point, name in _TRANSFORMER_LENS.items()}
+_TL_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 HIDDEN_STATES = "hidden_states"  # the capture component read at a residual point
 ATTENTION_HEADS = "attention_heads"  # per-head attention output before o_proj, concatenated
@@ -64,6 +67,14 @@ def check_hook_point(hook: Any, where: str) -> str:
     if hook not in HOOK_POINTS:
         raise InvalidRequestError(f"{where}: unknown hook {hook!r}; expected one of {list(HOOK_POINTS)}")
     return hook
+
+
+def transformer_lens_site(name: Any) -> Site | None:
+    """(point, layer) of a TransformerLens hook name (``blocks.3.hook_resid_post`` -> ``("post_mlp",
+    3)``), the inverse of ``transformer_lens_name``; None for any other name."""
+    match = _TL_NAME.match(name) if isinstance(name, str) else None
+    point = _FROM_TRANSFORMER_LENS.get(match.group(2)) if match else None
+    return None if point is None else (point, int(match.group(1)))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ class ControlPlanes:
         with self.lock.hold():
             return self.saes.describe()
 
+    def get_sae(self, name: str) -> SAE:
+        with self.lock.hold():
+            return self.saes.get(name, "name")
+
     def unregister_sae(self, name: str) -> None:
         """Refused while steering (global, a module, a live request) or capture uses the SAE."""
         with self.lock.hold():

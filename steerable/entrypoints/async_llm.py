@@ -399,7 +399,8 @@ class AsyncLLM:
 _CONTROL_PLANE = ("set_steering_vectors", "clear_steering_vectors", "register_steering_modules",
                   "unregister_steering_modules", "get_steering_module", "list_steerable_layers", "get_steering_status",
                   "start_capture", "stop_capture", "fetch_captured", "clear_captured", "capture_status",
-                  "add_capture_consumer", "remove_capture_consumer", "register_sae", "list_saes", "unregister_sae")
+                  "add_capture_consumer", "remove_capture_consumer", "register_sae", "list_saes", "get_sae",
+                  "unregister_sae")
 
 
 def _awaitable(name: str) -> Callable[..., Any]:

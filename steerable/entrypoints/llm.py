@@ -99,6 +99,13 @@ class LLM:
         ``layers``, ``hook_out``, ``d_transcoder`` and ``skip``."""
         return self.engine.list_saes()
 
+    def get_sae(self, name: str, known_hash: bytes | None = None) -> SAE | None:
+        """The SAE registered as ``name`` (the engine's copy: on the CPU, in the model dtype); None
+        when ``known_hash`` is its ``content_hash``, so a caller that keeps a copy (a server process
+        beside the engine's) is not sent the weights again while they are current."""
+        sae = self.engine.get_sae(name)
+        return None if known_hash is not None and known_hash == sae.content_hash else sae
+
     def unregister_sae(self, name: str) -> None:
         """Refused (``ValueError`` naming it) while global steering, a module or a live request uses it."""
         self.engine.unregister_sae(name)

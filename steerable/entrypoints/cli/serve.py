@@ -75,9 +75,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--dashboards", action="append", default=[], metavar="DIR",
                        help="feature dashboards (steerable dashboards --out DIR) of an SAE given with --sae, served at "
                             "GET /v1/saes/NAME/features/I; repeat for several (see docs/dashboards.md)")
+    group.add_argument("--neuronpedia", action="store_true",
+                       help="also serve the Neuronpedia inference API under /neuronpedia/v1, for a self-hosted "
+                            "Neuronpedia or neuronpedia-inference-client scripts (see docs/neuronpedia.md)")
+    group.add_argument("--neuronpedia-source-set", action="append", type=source_set, default=[],
+                       metavar="NAME=SAE1,SAE2,...",
+                       help="a Neuronpedia source set (what /activation/all ranks over): registered SAE names; "
+                            "repeat for several")
     add_control_vector_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=lambda args: run_checked(serve, args))
+
+
+def source_set(text: str) -> tuple[str, list[str]]:
+    """``NAME=SAE1,SAE2,...`` -> (name, [SAE names])."""
+    name, sep, rest = text.partition("=")
+    saes = [sae.strip() for sae in rest.split(",") if sae.strip()]
+    if not sep or not name or not saes:
+        raise argparse.ArgumentTypeError(f"expected NAME=SAE1,SAE2,..., got {text!r}")
+    return name, saes
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -110,6 +126,10 @@ def _serve(args: argparse.Namespace, listener: socket.socket) -> int:
             except ValueError as err:  # an SAE of another model: say which flag
                 raise CliError(f"--sae {name}: {err}") from None
         settings.dashboards = attach_dashboards(saes, dashboards, llm.dtype)
+        for name, members in settings.neuronpedia_source_sets.items():
+            unknown = [sae for sae in members if sae not in saes]
+            if unknown:
+                raise CliError(f"--neuronpedia-source-set {name}: {unknown} are not registered (--sae NAME=PATH)")
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port} "
               "(Ctrl-C stops it)", file=sys.stderr, flush=True)
@@ -200,9 +220,15 @@ def server_settings(args: argparse.Namespace) -> "ServerSettings":
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
             template = f.read()
+    if args.neuronpedia_source_set and not args.neuronpedia:
+        raise CliError("--neuronpedia-source-set: only with --neuronpedia")
+    sets = dict(args.neuronpedia_source_set)
+    if len(sets) != len(args.neuronpedia_source_set):
+        raise CliError("--neuronpedia-source-set: a set name is given twice")
     return ServerSettings(served_model_name=args.served_model_name or args.model, api_keys=_api_keys(args),
                           admin_api_key=args.admin_api_key, max_body_bytes=args.max_body_bytes,
                           max_capture_bytes=args.max_capture_bytes, chat_template=template,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           reasoning_parser=args.reasoning_parser,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          neuronpedia=args.neuronpedia, neuronpedia_source_sets=sets)

@@ -40,6 +40,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                    capture_info(llm), int(time.time()))
     for router in ROUTERS:
         app.include_router(router)
+    if settings.neuronpedia:
+        # Imported here: the package builds on this one's modules, whose package imports this module.
+        from steerable.entrypoints.neuronpedia import mount
+
+        mount(app, settings.neuronpedia_source_sets)
     playground.mount_static(app)
     install_error_handlers(app)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)

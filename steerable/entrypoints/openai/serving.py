@@ -200,7 +200,7 @@ class Generation(abc.ABC):
         try:
             for choices in self.opening():
                 yield _event({**self._stream_chunk(choices, timers), **self.opening_fields()})
-            async for i, out in _merged(streams):
+            async for i, out in merge_streams(streams):
                 timers[i].update(out)
                 for choice in self._deltas(i, out, states):  # one choice per chunk, as vLLM sends them
                     yield _event(self._stream_chunk([choice], timers))
@@ -346,7 +346,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) of several streams as they come."""
     if len(streams) == 1:
         async for out in streams[0]:

@@ -27,6 +27,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME
     reasoning_parser: str | None = None  # --reasoning-parser NAME
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    neuronpedia: bool = False  # the Neuronpedia inference API under /neuronpedia/v1
+    neuronpedia_source_sets: dict[str, list[str]] = field(default_factory=dict)  # set name -> registered SAEs
 
 
 @dataclass
