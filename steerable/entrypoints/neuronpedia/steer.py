@@ -53,7 +53,8 @@ async def steer_completion(body: SteerCompletionRequest, request: Request) -> Re
     spec = await steering_spec(ctx, body)
 
     def answer(outputs: list[tuple[SteerType, CompletionOutput | None]]) -> dict[str, Any]:
-        return {"outputs": [_output(ctx, body, kind, out, {"output": out.text if out else ""}) for kind, out in outputs]}
+        return {"outputs": [_output(body, kind, out, {"output": out.text if out else ""})
+                            for kind, out in outputs]}
 
     return await run(ctx, body, ids, spec, answer, skip_special_tokens=True)
 
@@ -82,7 +83,7 @@ async def steer_completion_chat(body: SteerCompletionChatRequest, request: Reque
         results = []
         for kind, out in outputs:
             content = ctx.tokenizer.decode(out.token_ids, skip_special_tokens=True) if out else ""
-            results.append(_output(ctx, body, kind, out, {
+            results.append(_output(body, kind, out, {
                 "chat_template": [*messages, {"role": "assistant", "content": content}],
                 "raw": prompt_raw + (out.text if out else "")}))
         return {"outputs": results, "input": {"chat_template": messages, "raw": prompt_raw}}
@@ -90,8 +91,8 @@ async def steer_completion_chat(body: SteerCompletionChatRequest, request: Reque
     return await run(ctx, body, ids, spec, answer, skip_special_tokens=False)
 
 
-def _output(ctx: Context, body: SteerRequest, kind: SteerType, out: CompletionOutput | None,
-            fields: dict[str, Any]) -> dict[str, Any]:
+def _output(body: SteerRequest, kind: SteerType, out: CompletionOutput | None, fields: dict[str, Any]
+            ) -> dict[str, Any]:
     """One type's result: its fields, ``type``, and ``logprobs`` when asked for (absent otherwise)."""
     result = {"type": kind.value, **fields}
     if body.n_logprobs and out is not None and out.logprobs is not None:
@@ -129,9 +130,9 @@ async def run(ctx: Context, body: SteerRequest, ids: list[int], spec: SteeringSp
     if not -2.0 <= penalty <= 2.0:
         raise NeuronpediaError(400, f"freq_penalty: must be in [-2, 2] (a frequency penalty on the generated "
                                     f"tokens), got {penalty}")
-    seed = int(body.seed)
-    if not -2**63 <= seed < 2**63:
-        raise NeuronpediaError(400, f"seed: must fit 64 bits, got {body.seed}")
+    if not (math.isfinite(body.seed) and -2**63 <= int(body.seed) < 2**63):
+        raise NeuronpediaError(400, f"seed: must be a number that fits 64 bits, got {body.seed}")
+    seed = int(body.seed)  # a fractional seed is truncated, as the reference does
     max_tokens = min(body.n_completion_tokens, ctx.llm.max_model_len - len(ids))
     params = {kind: SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), seed=seed,
                                    frequency_penalty=penalty, logprobs=body.n_logprobs or None,
