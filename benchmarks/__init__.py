@@ -49,6 +49,7 @@ BENCHMARKS = (
     "output_codec",
     "host_step_cost",
     "activation_stream",
+    "neuronpedia",
 )
 
 # Probes still in use: modules of ``benchmarks.probes``.

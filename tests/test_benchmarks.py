@@ -452,3 +452,15 @@ def test_dashboards_against_sparse_capture_and_sae_dashboard(cache_dir):
     sd = r["sae_dashboard"][0]
     positive(sd, "seconds", "ours_same_job_seconds", "scaled_to_all_seconds", "all_features_speedup")
     assert sd["features"] == 64 and sd["max_rel_diff_of_feature_max"] < 0.05  # both found the same maxima
+
+
+def test_neuronpedia(cache_dir):
+    """Steer calls through the Neuronpedia API and the same generations through /v1/completions:
+    identical texts, and the throughput ratio the GPU run is judged by."""
+    r = run("neuronpedia", cache_dir, model=False)
+    runs = {record["mode"]: record for record in r["run"]}
+    assert set(runs) == {"completions", "neuronpedia", "neuronpedia_stream"}
+    for record in runs.values():
+        positive(record, "seconds", "output_tok_s", "output_tokens")
+        assert record["generations"] == 8 and record["same_texts_as_completions"]
+    positive(r["ratio"][0], "neuronpedia_over_completions", "neuronpedia_stream_over_completions")

@@ -1,0 +1,206 @@
+"""The Neuronpedia API's steer calls against the same generations through /v1/completions.
+
+C concurrent ``/neuronpedia/v1/steer/completion`` calls with ``types: [STEERED, DEFAULT]`` (a random
+SAE's feature, SIMPLE_ADDITIVE), T tokens each, then the same 2C generations through
+``/v1/completions`` (C with the same feature steering, C unsteered, same prompts and seeds), all
+concurrent, on one server (``--no-prefix-caching``, so repeats and modes prefill alike). The
+generations are identical token for token (checked on the texts), so the throughput ratio is the
+ratio of wall times; modes alternate over the repeats, medians reported. Target: neuronpedia >=
+0.9x completions (issue 50), Qwen3-0.6B shape, random weights, a random SAE of 16k features.
+
+    python -m benchmarks neuronpedia [--calls 64] [--tokens 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from steerable.entrypoints.openai.launcher import ServerProcess
+
+from . import common
+from .common import emit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, for the server's PYTHONPATH
+KEY = "bench-key"
+SAE_NAME = "bench-res"
+STRENGTH = 8.0
+TEMPERATURE = 0.6
+
+
+# ---------------------------------------------------------------- the model's tokenizer and the SAE
+
+def with_word_tokenizer(path: str) -> str:
+    """The random checkpoint beside a word-level tokenizer (``w<id>`` per id, its BOS and EOS at
+    the config's ids): the Neuronpedia API takes text, and every id the model samples decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    out = f"{path}-words"
+    if os.path.exists(os.path.join(out, "tokenizer.json")):
+        return out
+    config = AutoConfig.from_pretrained(path)
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    specials = {config.bos_token_id: "<bos>", config.eos_token_id: "<eos>"}
+    for i, token in specials.items():
+        vocab[token] = vocab.pop(f"w{i}")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="w0")
+    tmp = f"{out}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    for name in os.listdir(path):
+        os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(tmp, name))
+    fast.save_pretrained(tmp)
+    os.rename(tmp, out)
+    return out
+
+
+def random_sae_dir(root: str, hidden: int, d_sae: int, layer: int, seed: int) -> str:
+    """A ReLU SAE with unit decoder rows as a SAELens directory at ``post_mlp`` of ``layer``."""
+    from safetensors.torch import save_file
+
+    path = os.path.join(root, f"sae-{hidden}-{d_sae}-{layer}-{seed}")
+    if os.path.exists(os.path.join(path, "cfg.json")):
+        return path
+    g = torch.Generator().manual_seed(seed)
+    W_dec = torch.nn.functional.normalize(torch.randn(d_sae, hidden, generator=g), dim=1)
+    os.makedirs(path, exist_ok=True)
+    save_file({"W_enc": W_dec.T.contiguous(), "b_enc": torch.full((d_sae,), -0.05), "W_dec": W_dec,
+               "b_dec": torch.zeros(hidden)}, os.path.join(path, "sae_weights.safetensors"))
+    with open(os.path.join(path, "cfg.json"), "w") as f:
+        json.dump({"d_in": hidden, "d_sae": d_sae, "architecture": "standard", "apply_b_dec_to_input": False,
+                   "normalize_activations": "none", "metadata": {"hook_name": f"blocks.{layer}.hook_resid_post"}}, f)
+    return path
+
+
+# ---------------------------------------------------------------- the load
+
+def workload(args, path: str) -> list[dict[str, Any]]:
+    """Per call: a prompt of random words (length uniform in [min_len, max_len]) and its token ids
+    as the Neuronpedia API makes them (BOS first), a feature and a seed."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    rng = np.random.default_rng(args.seed)
+    calls = []
+    for i in range(args.calls):
+        words = rng.integers(3, len(tok) - 3, int(rng.integers(args.min_len, args.max_len + 1)))
+        words = words[(words != tok.bos_token_id) & (words != tok.eos_token_id)]
+        prompt = " ".join(f"w{w}" for w in words)
+        calls.append({"prompt": prompt, "ids": [tok.bos_token_id, *tok(prompt, add_special_tokens=False).input_ids],
+                      "index": int(rng.integers(0, args.d_sae)), "seed": 1000 + i})
+    return calls
+
+
+async def neuronpedia(client: httpx.AsyncClient, call: dict, tokens: int, model: str, stream: bool) -> list[str]:
+    body = {"prompt": call["prompt"], "model": model, "steer_method": "SIMPLE_ADDITIVE", "normalize_steering": False,
+            "types": ["STEERED", "DEFAULT"], "n_completion_tokens": tokens, "temperature": TEMPERATURE,
+            "strength_multiplier": 1.0, "freq_penalty": 0.0, "seed": call["seed"], "stream": stream,
+            "features": [{"model": model, "source": SAE_NAME, "index": call["index"], "strength": STRENGTH}]}
+    if not stream:
+        r = await client.post("/neuronpedia/v1/steer/completion", json=body)
+        r.raise_for_status()
+        return [o["output"] for o in r.json()["outputs"]]
+    last = None
+    async with client.stream("POST", "/neuronpedia/v1/steer/completion", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line:
+                last = line
+    return [o["output"] for o in json.loads(last.removeprefix("data: "))["outputs"]]
+
+
+async def completions(client: httpx.AsyncClient, call: dict, tokens: int, model: str) -> tuple[list[str], int]:
+    """The call's two generations as plain requests: the feature through ``steering_vectors``, and none."""
+    base = {"model": model, "prompt": call["ids"], "max_tokens": tokens, "temperature": TEMPERATURE,
+            "seed": call["seed"]}
+    steer = {"steering_vectors": {"features": [{"sae": SAE_NAME, "index": call["index"], "scale": STRENGTH}]}}
+    answers = await asyncio.gather(client.post("/v1/completions", json={**base, **steer}),
+                                   client.post("/v1/completions", json=base))
+    for r in answers:
+        r.raise_for_status()
+    bodies = [r.json() for r in answers]
+    return [b["choices"][0]["text"] for b in bodies], sum(b["usage"]["completion_tokens"] for b in bodies)
+
+
+async def run_mode(url: str, mode: str, calls: list[dict], tokens: int, model: str) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=2 * len(calls), max_keepalive_connections=None)
+    headers = {"X-SECRET-KEY": KEY, "Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+        if mode == "completions":
+            results = await asyncio.gather(*[completions(client, c, tokens, model) for c in calls])
+            texts, count = [t for t, _ in results], sum(n for _, n in results)
+        else:
+            texts = await asyncio.gather(*[neuronpedia(client, c, tokens, model, mode == "neuronpedia_stream")
+                                           for c in calls])
+            count = None
+        return {"seconds": time.perf_counter() - start, "texts": texts, "tokens": count}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=None, help="concurrent steer calls (default 64; --smoke 4)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per generation (default 64; --smoke 8)")
+    p.add_argument("--d-sae", type=int, default=None, help="SAE width (default 16384; --smoke 128)")
+    p.add_argument("--layer", type=int, default=None, help="the SAE's layer (default 14; --smoke 1)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds of the modes, alternating (default 3; --smoke 1)")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    defaults = {"calls": (64, 4), "tokens": (64, 8), "d_sae": (16384, 128), "layer": (14, 1), "repeats": (3, 1),
+                "min_len": (16, 4), "max_len": (64, 12)}
+    path = with_word_tokenizer(common.setup("neuronpedia", args, defaults))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    sae = random_sae_dir(args.cache_dir, config.hidden_size, args.d_sae, args.layer, args.seed)
+    emit({"record": "setup", "calls": args.calls, "tokens": args.tokens, "d_sae": args.d_sae, "layer": args.layer})
+    flags = ["--log-level", "warning", "--dtype", args.dtype, "--device", args.device, "--max-num-seqs",
+             str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
+             "--no-prefix-caching", "--api-key", KEY, "--served-model-name", "bench", "--neuronpedia",
+             "--sae", f"{SAE_NAME}={sae}"]
+    if args.kv_cache_tokens is not None:
+        flags += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    calls = workload(args, path)
+    modes = ["completions", "neuronpedia", "neuronpedia_stream"]
+    log = os.path.join(args.cache_dir, f"neuronpedia-{os.getpid()}.log")
+    with ServerProcess(path, flags, log, env, args.startup_timeout) as server:
+        start = time.perf_counter()
+        for mode in modes:  # graphs, kernels and the router's SAE copy before timing
+            asyncio.run(run_mode(server.url, mode, calls, min(args.tokens, 8), "bench"))
+        emit({"record": "warmup", "seconds": time.perf_counter() - start})
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for r in range(args.repeats):
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                runs[mode].append(asyncio.run(run_mode(server.url, mode, calls, args.tokens, "bench")))
+    reference = runs["completions"][0]["texts"]
+    tokens = runs["completions"][0]["tokens"]
+    seconds = {mode: common.median([run["seconds"] for run in results]) for mode, results in runs.items()}
+    for mode, results in runs.items():
+        same = all(run["texts"] == reference for run in results)
+        emit({"record": "run", "mode": mode, "generations": 2 * args.calls, "output_tokens": tokens,
+              "seconds": seconds[mode], "seconds_all": [run["seconds"] for run in results],
+              "output_tok_s": tokens / seconds[mode], "same_texts_as_completions": same})
+        if not same:
+            raise SystemExit(f"{mode}: the generations differ from /v1/completions' (same prompts, seeds, steering)")
+    emit({"record": "ratio", "neuronpedia_over_completions": seconds["completions"] / seconds["neuronpedia"],
+          "neuronpedia_stream_over_completions": seconds["completions"] / seconds["neuronpedia_stream"],
+          "target": 0.9})
+
+
+if __name__ == "__main__":
+    main()
