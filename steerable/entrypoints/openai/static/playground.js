@@ -115,7 +115,10 @@ async function chooseModule() {
     }
   }
   $("steer-layers").value = layers.join(", ");
-  $("steer-layers").disabled = $("steer-hook").disabled = !state.module || fixedPlacement(state.module);
+  $("steer-layers").disabled = $("steer-hook").disabled = $("steer-method").disabled =
+    !state.module || fixedPlacement(state.module);
+  if ($("steer-method").disabled) $("steer-method").value = "add";
+  describeMethod();
   const select = $("heat-layer");
   const keep = Number(select.value);
   select.replaceChildren(...layers.map((layer) => new Option(`layer ${layer}`, layer)));
@@ -149,9 +152,23 @@ function fixedPlacement(module) {
   return module.others > 0 || module.hooks.length > 1;
 }
 
+// What the chosen method does with the module's vector v at each layer (Neuronpedia's steer methods).
+const METHODS = {
+  add: "Adds scale times the module's vector (the module's own steering).",
+  decompose: "Clamp(factor = scale) along the module's vector at each layer: the component of the stream "
+    + "along it is multiplied by scale, h + (scale - 1)(h·v̂)v̂ (Neuronpedia's ORTHOGONAL_DECOMP).",
+  cap: "Clamp(max = scale) along the module's vector at each layer: the component of the stream along it "
+    + "is capped at scale, h + (min(h·v̂, scale) - h·v̂)v̂ (Neuronpedia's PROJECTION_CAP).",
+};
+
+function describeMethod() {
+  $("steer-method-info").textContent = METHODS[$("steer-method").value];
+}
+
 // The steered run's steering: the module by reference where it steers as registered; where the
 // layers or the hook were changed, its additions at those layers and that hook, inline, with the
-// same scale (the server multiplies either form alike). Null, with the reason shown, when the
+// same scale (the server multiplies either form alike); with a projection method, a clamp along
+// what the module adds at each of those layers instead. Null, with the reason shown, when the
 // layers name one the module adds nothing at.
 function steering(module, scale) {
   const own = [...module.directions.keys()].sort((a, b) => a - b);
@@ -163,10 +180,14 @@ function steering(module, scale) {
     return null;
   }
   const hook = $("steer-hook").value;
-  if (fixedPlacement(module) || (layers.size === own.length && hook === module.hooks[0])) {
+  const method = $("steer-method").value;
+  if (method === "add" && (fixedPlacement(module) || (layers.size === own.length && hook === module.hooks[0]))) {
     return { steering_module_ref: { name: module.name, scale } };
   }
-  const interventions = module.adds.filter((item) => layers.has(item.layer)).map((item) => ({ ...item, hook, scale }));
+  const interventions = method === "add"
+    ? module.adds.filter((item) => layers.has(item.layer)).map((item) => ({ ...item, hook, scale }))
+    : [...layers].map((layer) => ({ type: "clamp", layer, direction: module.directions.get(layer), hook,
+      ...(method === "decompose" ? { factor: scale } : { max: scale }) }));
   return { steering_vectors: { interventions } };
 }
 
@@ -395,6 +416,7 @@ wireEditor((name) => loadModules(name));
 $("run-form").addEventListener("submit", run);
 $("stop").addEventListener("click", () => state.controller?.abort());
 $("scale").addEventListener("input", () => { $("scale-value").value = $("scale").value; });
+$("steer-method").addEventListener("change", describeMethod);
 $("sweep-form").addEventListener("submit", sweep);
 for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", setMode);
 wireHeatmapRow($("heat-base"));
@@ -402,4 +424,5 @@ wireHeatmapRow($("heat-steered"));
 wireFeatures();
 wirePatterns();
 wireDashboard();
+describeMethod();
 connect(true);
