@@ -14,7 +14,7 @@ from hf_oracle import HFSteered, max_logprob_gap
 
 from steerable import LLM, Clamp, SamplingParams, SteeringSpec
 from steerable.steering.spec import SpecParser, _layer_digest, _vector_hash
-from steerable.steering.wire import spec_from_dict, spec_to_dict
+from steerable.steering.wire import spec_from_dict, spec_to_dict, steering_from_json
 
 N = 10
 FUSED_ON_CPU = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and \
@@ -124,6 +124,26 @@ def test_module_with_a_factor_round_trips(model_dirs):
     inline = llm.generate([ids], greedy(steering_vectors=SteeringSpec(clamps=[Clamp(1, unit(5), factor=0.25)])),
                           use_tqdm=False)[0].outputs[0]
     assert by_ref.token_ids == inline.token_ids
+
+
+def test_the_wire_carries_both_forms_to_a_server(http, offline):
+    """``{"type": "clamp", "factor": c}`` and ``"max": c`` in ``steering_vectors`` over HTTP equal
+    the offline engine with the same spec (the shared test server serves the tiny Qwen3)."""
+    from server_harness import SERVED_NAME, USER
+
+    d = unit(10).tolist()
+    wire = {"clamps": [{"layer": 1, "direction": d, "factor": -2.0}, {"layer": 2, "direction": d, "max": -1.0}]}
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[1], "max_tokens": N, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = http.post("/v1/completions", headers=USER, json={**body, "steering_vectors": wire})
+    assert r.status_code == 200, r.text
+    plain = http.post("/v1/completions", headers=USER, json=body).json()["choices"][0]["token_ids"]
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, steering_vectors=steering_from_json(wire))
+    want = offline.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert r.json()["choices"][0]["token_ids"] == want != plain
+    bad = http.post("/v1/completions", headers=USER, json={**body, "steering_vectors": {
+        "clamps": [{"layer": 1, "direction": d, "factor": "x"}]}})
+    assert bad.status_code == 400 and "factor" in bad.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("factor", [float("nan"), float("inf"), "2"])
