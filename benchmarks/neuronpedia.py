@@ -23,12 +23,10 @@ import httpx
 import numpy as np
 import torch
 
-from steerable.entrypoints.openai.launcher import ServerProcess
-
 from . import common
 from .common import emit
+from .serve import server_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, for the server's PYTHONPATH
 KEY = "bench-key"
 SAE_NAME = "bench-res"
 STRENGTH = 8.0
@@ -163,22 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     config = AutoConfig.from_pretrained(path)
     sae = random_sae_dir(args.cache_dir, config.hidden_size, args.d_sae, args.layer, args.seed)
     emit({"record": "setup", "calls": args.calls, "tokens": args.tokens, "d_sae": args.d_sae, "layer": args.layer})
-    flags = ["--log-level", "warning", "--dtype", args.dtype, "--device", args.device, "--max-num-seqs",
-             str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
-             "--no-prefix-caching", "--api-key", KEY, "--served-model-name", "bench", "--neuronpedia",
+    flags = ["--no-prefix-caching", "--api-key", KEY, "--served-model-name", "bench", "--neuronpedia",
              "--sae", f"{SAE_NAME}={sae}"]
-    if args.kv_cache_tokens is not None:
-        flags += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
-    if args.enforce_eager:
-        flags.append("--enforce-eager")
-    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if args.smoke:
-        env["OMP_NUM_THREADS"] = "1"
     calls = workload(args, path)
     modes = ["completions", "neuronpedia", "neuronpedia_stream"]
-    log = os.path.join(args.cache_dir, f"neuronpedia-{os.getpid()}.log")
-    with ServerProcess(path, flags, log, env, args.startup_timeout) as server:
+    with server_process(args, path, flags) as server:
         start = time.perf_counter()
         for mode in modes:  # graphs, kernels and the router's SAE copy before timing
             asyncio.run(run_mode(server.url, mode, calls, min(args.tokens, 8), "bench"))

@@ -61,11 +61,11 @@ def run_offline(args, llm, w: common.Workload) -> dict:
 
 # ---------------------------------------------------------------- the server
 
-def server_process(args, path: str) -> ServerProcess:
-    """``steerable serve`` with the engine flags of the offline run."""
+def server_process(args, path: str, extra: list[str] = ()) -> ServerProcess:
+    """``steerable serve`` with the engine flags of the offline run (and ``extra`` flags)."""
     flags = ["--log-level", "warning", "--dtype", args.dtype, "--device", args.device, "--max-num-seqs",
              str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed), *extra]
     if args.kv_cache_tokens is not None:
         flags += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.enforce_eager:

@@ -29,6 +29,8 @@ from steerable.entrypoints.neuronpedia.protocol import (
     ActivationSourceRequest,
     ActivationTopkByTokenBatchRequest,
     ActivationTopkByTokenRequest,
+    AllFields,
+    SingleFields,
 )
 from steerable.entrypoints.neuronpedia.ranking import rank_features
 from steerable.entrypoints.neuronpedia.route import NeuronpediaError, NeuronpediaRoute
@@ -111,7 +113,7 @@ async def activation_all_batch(body: ActivationAllBatchRequest, request: Request
     return {"results": await _all(ctx, _prompts(ctx, body.prompts), body)}
 
 
-async def _all(ctx: Context, prompts: list[list[int]], body: ActivationAllRequest | ActivationAllBatchRequest
+async def _all(ctx: Context, prompts: list[list[int]], body: AllFields
                ) -> list[dict[str, Any]]:
     names = body.selected_sources or ctx.source_set(body.source_set)  # an empty selection: the whole set
     if body.selected_sources:
@@ -152,7 +154,7 @@ async def activation_single_batch(body: ActivationSingleBatchRequest, request: R
     return {"results": await _single(ctx, body.prompts, body, None)}
 
 
-async def _single(ctx: Context, texts: list[str], body: ActivationSingleRequest | ActivationSingleBatchRequest,
+async def _single(ctx: Context, texts: list[str], body: SingleFields,
                   where: str | None) -> list[dict[str, Any]]:
     by_feature = body.source is not None and body.index is not None
     if by_feature == (body.vector is not None and body.hook is not None):

@@ -75,24 +75,24 @@ class SteerCompletionChatRequest(SteerRequest):
     steer_special_tokens: StrictBool
 
 
-class ActivationTopkByTokenRequest(BaseModel):
-    prompt: StrictStr
+class TopkByTokenFields(BaseModel):
     model: StrictStr
     source: StrictStr
     top_k: StrictInt | None = None
     ignore_bos: StrictBool
 
 
-class ActivationTopkByTokenBatchRequest(BaseModel):
+class ActivationTopkByTokenRequest(TopkByTokenFields):
+    prompt: StrictStr
+
+
+class ActivationTopkByTokenBatchRequest(TopkByTokenFields):
     prompts: list[StrictStr]
-    model: StrictStr
-    source: StrictStr
-    top_k: StrictInt | None = None
-    ignore_bos: StrictBool
 
 
-class ActivationAllRequest(BaseModel):
-    prompt: StrictStr
+class AllFields(BaseModel):
+    """``selected_sources`` empty: every SAE of the source set."""
+
     model: StrictStr
     source_set: StrictStr
     selected_sources: list[StrictStr]
@@ -101,17 +101,15 @@ class ActivationAllRequest(BaseModel):
     num_results: StrictInt | None = 25
 
 
-class ActivationAllBatchRequest(BaseModel):
+class ActivationAllRequest(AllFields):
+    prompt: StrictStr
+
+
+class ActivationAllBatchRequest(AllFields):
     prompts: list[StrictStr]
-    model: StrictStr
-    source_set: StrictStr
-    selected_sources: list[StrictStr]
-    sort_by_token_indexes: list[StrictInt]
-    ignore_bos: StrictBool
-    num_results: StrictInt | None = 25
 
 
-class _Single(BaseModel):
+class SingleFields(BaseModel):
     """A feature (``source`` + ``index``, the index as a string) or a vector at a hook: one of the two."""
 
     model: StrictStr
@@ -121,11 +119,11 @@ class _Single(BaseModel):
     hook: StrictStr | None = None
 
 
-class ActivationSingleRequest(_Single):
+class ActivationSingleRequest(SingleFields):
     prompt: StrictStr
 
 
-class ActivationSingleBatchRequest(_Single):
+class ActivationSingleBatchRequest(SingleFields):
     prompts: list[StrictStr]
 
 
