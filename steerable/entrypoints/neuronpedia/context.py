@@ -13,7 +13,7 @@ from fastapi import Request
 from steerable.entrypoints.neuronpedia.route import NeuronpediaError
 from steerable.entrypoints.openai.state import ServerState
 from steerable.errors import InvalidRequestError
-from steerable.hook_points import RESIDUAL_POINTS, Site, transformer_lens_name, transformer_lens_site
+from steerable.hook_points import RESIDUAL_POINTS, Site, transformer_lens_site
 from steerable.sae.model import SAE
 
 ATTENTION_OUTPUT = ".attn.hook_z"
@@ -22,14 +22,19 @@ ATTENTION_OUTPUT = ".attn.hook_z"
 @dataclass
 class SaeCopies:
     """SAE weights in the server process, fetched from the engine on first use and again only when
-    the engine's SAE under that name changed (``LLM.get_sae(name, known_hash)``); names no longer
-    registered are dropped whenever the registry is read."""
+    the engine's SAE under that name changed (``LLM.get_sae(name, known_hash)``: one round trip to
+    the engine, which answers None while the copy is current); a name no longer registered is
+    dropped when asked for, or whenever the registry is read."""
 
     copies: dict[str, SAE] = field(default_factory=dict)
 
     async def get(self, llm: Any, name: str) -> SAE:
         known = self.copies.get(name)
-        fresh = await llm.get_sae(name, None if known is None else known.content_hash)
+        try:
+            fresh = await llm.get_sae(name, None if known is None else known.content_hash)
+        except InvalidRequestError:
+            self.copies.pop(name, None)
+            raise
         if fresh is not None:
             self.copies[name] = fresh
         return self.copies[name]
@@ -41,10 +46,12 @@ class SaeCopies:
 
 @dataclass
 class NeuronpediaState:
-    """The router's own state beside the server's: source sets (``--neuronpedia-source-set``)."""
+    """The router's own state beside the server's: source sets (``--neuronpedia-source-set``),
+    SAE copies, and the tokenizer's special token ids (read once)."""
 
     source_sets: dict[str, list[str]]
     saes: SaeCopies = field(default_factory=SaeCopies)
+    special_ids: frozenset[int] | None = None
 
 
 class Context:
@@ -59,6 +66,8 @@ class Context:
         config = self.llm.model_config
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_layers
+        self._registered: dict[str, dict[str, Any]] | None = None  # read once per request
+        self._weights: dict[str, SAE] = {}
 
     # ------------------------------------------------------------ names
 
@@ -68,10 +77,12 @@ class Context:
             raise NeuronpediaError(404, f"{where}: model {model!r} is not served here; this server serves {served!r}")
 
     async def saes(self) -> dict[str, dict[str, Any]]:
-        """The registered SAEs (``{name: {"layer", "hook", "d_sae", "architecture"}}``)."""
-        registered = await self.llm.list_saes()
-        self.state.saes.keep_only(set(registered))
-        return registered
+        """The registered SAEs (``{name: {"layer", "hook", "d_sae", "architecture"}}``), asked of the
+        engine once per request."""
+        if self._registered is None:
+            self._registered = await self.llm.list_saes()
+            self.state.saes.keep_only(set(self._registered))
+        return self._registered
 
     async def source(self, name: str, where: str) -> dict[str, Any]:
         """The registered SAE ``name`` (a Neuronpedia source id is the name it is registered under)."""
@@ -82,11 +93,15 @@ class Context:
         return registered[name]
 
     async def sae_weights(self, name: str, where: str) -> SAE:
-        await self.source(name, where)
-        try:
-            return await self.state.saes.get(self.llm, name)
-        except InvalidRequestError:  # unregistered in between
-            raise NeuronpediaError(400, f"{where}: unknown source {name!r}") from None
+        """The registered SAE ``name``'s weights (and so its site and width), checked with the
+        engine once per request and source."""
+        if name not in self._weights:
+            try:
+                self._weights[name] = await self.state.saes.get(self.llm, name)
+            except InvalidRequestError:
+                raise NeuronpediaError(400, f"{where}: unknown source {name!r}; the registered SAEs are "
+                                            f"{sorted(await self.saes())}") from None
+        return self._weights[name]
 
     def source_set(self, name: str, where: str = "source_set") -> list[str]:
         sets = self.state.source_sets
@@ -107,10 +122,6 @@ class Context:
         if not 0 <= site[1] < self.num_layers:
             raise NeuronpediaError(400, f"{where}: layer {site[1]} of {hook!r} is out of range [0, {self.num_layers})")
         return site
-
-    @staticmethod
-    def hook_name(info: dict[str, Any]) -> str:
-        return transformer_lens_name(info["layer"], info["hook"])
 
     # ------------------------------------------------------------ tokens
 
@@ -144,10 +155,11 @@ class Context:
 
     def special(self, ids: list[int]) -> list[bool]:
         """Whether each token is one of the tokenizer's special tokens (BOS, EOS, turn markers...)."""
-        hf = self.tokenizer.hf
-        ids_special = set(hf.all_special_ids)
-        ids_special.update(i for i, token in getattr(hf, "added_tokens_decoder", {}).items() if token.special)
-        return [i in ids_special for i in ids]
+        if self.state.special_ids is None:
+            hf = self.tokenizer.hf
+            added = getattr(hf, "added_tokens_decoder", {})
+            self.state.special_ids = frozenset(hf.all_special_ids) | {i for i, t in added.items() if t.special}
+        return [i in self.state.special_ids for i in ids]
 
     def bos_positions(self, ids: list[int]) -> list[int]:
         bos = self.tokenizer.hf.bos_token_id

@@ -72,16 +72,15 @@ def _intervention(method: SteerMethod, normalize: bool, point: str, layer: int, 
 
 async def _feature(ctx: Context, feature: SteerFeature, where: str) -> tuple[str, int, torch.Tensor]:
     ctx.check_model(feature.model, f"{where}.model")
-    info = await ctx.source(feature.source, f"{where}.source")
-    if not 0 <= feature.index < info["d_sae"]:
+    sae = await ctx.sae_weights(feature.source, f"{where}.source")
+    if not 0 <= feature.index < sae.d_sae:
         raise NeuronpediaError(400, f"{where}.index: {feature.index} is not a feature of {feature.source!r}, which "
-                                    f"has {info['d_sae']}")
+                                    f"has {sae.d_sae}")
     if feature.steering_vector is not None:
         vector = _checked(ctx, feature.steering_vector, f"{where}.steering_vector")
     else:
-        sae = await ctx.sae_weights(feature.source, f"{where}.source")
         vector = sae.decoder_row(feature.index)
-    return info["hook"], info["layer"], vector
+    return sae.hook, sae.layer, vector
 
 
 def _vector_site(ctx: Context, vector: SteerVector, where: str) -> tuple[str, int, torch.Tensor]:

@@ -19,6 +19,7 @@ from steerable.entrypoints.neuronpedia.protocol import (
     TokenizeRequest,
 )
 from steerable.entrypoints.neuronpedia.route import NeuronpediaError, NeuronpediaRoute
+from steerable.hook_points import transformer_lens_name
 
 router = APIRouter(route_class=NeuronpediaRoute)
 
@@ -41,10 +42,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def sae_vector(body: SaeVectorRequest, request: Request) -> dict[str, Any]:
     ctx = Context(request)
     ctx.check_model(body.model)
-    info = await ctx.source(body.source, "source")
-    _check_index(body.index, info, body.source, "index")
     sae = await ctx.sae_weights(body.source, "source")
-    return {"vector": sae.decoder_row(body.index).tolist(), "hookName": ctx.hook_name(info)}
+    _check_index(body.index, sae.d_sae, body.source, "index")
+    return {"vector": sae.decoder_row(body.index).tolist(), "hookName": transformer_lens_name(sae.layer, sae.hook)}
 
 
 @router.post("/util/sae-topk-by-decoder-cossim")
@@ -54,11 +54,10 @@ async def decoder_cossim(body: DecoderCossimRequest, request: Request) -> dict[s
     if (body.feature is None) == (body.vector is None):
         raise NeuronpediaError(400, "feature, vector: invalid request data: exactly one of feature or vector must "
                                     "be provided")
-    info = await ctx.source(body.source, "source")
     sae = await ctx.sae_weights(body.source, "source")
     if body.feature is not None:
         ctx.check_model(body.feature.model, "feature.model")
-        _check_index(body.feature.index, info, body.source, "feature.index")
+        _check_index(body.feature.index, sae.d_sae, body.source, "feature.index")
         query = sae.W_dec[body.feature.index].float()
     else:
         if len(body.vector) != sae.d_in:
@@ -84,6 +83,6 @@ def _top_cosine(W_dec: torch.Tensor, query: torch.Tensor, k: int) -> tuple[list[
     return values.tolist(), indices.tolist()
 
 
-def _check_index(index: int, info: dict[str, Any], source: str, where: str) -> None:
-    if not 0 <= index < info["d_sae"]:
-        raise NeuronpediaError(400, f"{where}: {index} is not a feature of {source!r}, which has {info['d_sae']}")
+def _check_index(index: int, d_sae: int, source: str, where: str) -> None:
+    if not 0 <= index < d_sae:
+        raise NeuronpediaError(400, f"{where}: {index} is not a feature of {source!r}, which has {d_sae}")
