@@ -126,10 +126,6 @@ def _serve(args: argparse.Namespace, listener: socket.socket) -> int:
             except ValueError as err:  # an SAE of another model: say which flag
                 raise CliError(f"--sae {name}: {err}") from None
         settings.dashboards = attach_dashboards(saes, dashboards, llm.dtype)
-        for name, members in settings.neuronpedia_source_sets.items():
-            unknown = [sae for sae in members if sae not in saes]
-            if unknown:
-                raise CliError(f"--neuronpedia-source-set {name}: {unknown} are not registered (--sae NAME=PATH)")
         app = build_app(llm, settings)
         print(f"steerable: serving {args.model} as {settings.served_model_name!r} at http://{args.host}:{args.port} "
               "(Ctrl-C stops it)", file=sys.stderr, flush=True)
@@ -199,6 +195,21 @@ def check_flags(args: argparse.Namespace) -> None:
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
     if any(not key for key in _api_keys(args)) or args.admin_api_key == "":
         raise CliError("--api-key / --admin-api-key must not be empty")
+    check_source_sets(args)
+
+
+def check_source_sets(args: argparse.Namespace) -> None:
+    """``--neuronpedia-source-set``: only with ``--neuronpedia``, each name once, of SAEs given with ``--sae``."""
+    if args.neuronpedia_source_set and not args.neuronpedia:
+        raise CliError("--neuronpedia-source-set: only with --neuronpedia")
+    sets = dict(args.neuronpedia_source_set)
+    if len(sets) != len(args.neuronpedia_source_set):
+        raise CliError("--neuronpedia-source-set: a set name is given twice")
+    registered = {name for name, _ in args.sae}
+    for name, members in sets.items():
+        unknown = [sae for sae in members if sae not in registered]
+        if unknown:
+            raise CliError(f"--neuronpedia-source-set {name}: {unknown} are not registered at start (--sae NAME=PATH)")
 
 
 def _api_keys(args: argparse.Namespace) -> list[str]:
@@ -220,15 +231,10 @@ def server_settings(args: argparse.Namespace) -> "ServerSettings":
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
             template = f.read()
-    if args.neuronpedia_source_set and not args.neuronpedia:
-        raise CliError("--neuronpedia-source-set: only with --neuronpedia")
-    sets = dict(args.neuronpedia_source_set)
-    if len(sets) != len(args.neuronpedia_source_set):
-        raise CliError("--neuronpedia-source-set: a set name is given twice")
     return ServerSettings(served_model_name=args.served_model_name or args.model, api_keys=_api_keys(args),
                           admin_api_key=args.admin_api_key, max_body_bytes=args.max_body_bytes,
                           max_capture_bytes=args.max_capture_bytes, chat_template=template,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           reasoning_parser=args.reasoning_parser,
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                          neuronpedia=args.neuronpedia, neuronpedia_source_sets=sets)
+                          neuronpedia=args.neuronpedia, neuronpedia_source_sets=dict(args.neuronpedia_source_set))

@@ -128,7 +128,7 @@ class Context:
     def bos_prompt(self, text: str, where: str = "prompt") -> list[int]:
         """``text`` tokenized as the reference does: the BOS token's text prepended when the text
         does not start with it, then no special tokens added."""
-        bos = self.tokenizer.hf.bos_token
+        bos = self.bos()[0]
         if bos and not text.startswith(bos):
             text = bos + text
         return self.check_length(self.tokenizer.encode(text, add_special_tokens=False), where)
@@ -137,8 +137,14 @@ class Context:
         """``text`` as the tokenizer encodes it by default (the reference's custom-vector path)."""
         return self.check_length(self.tokenizer.encode(text), where)
 
+    def bos(self) -> tuple[str | None, int | None]:
+        """The BOS token's text and id (None without one, or without a tokenizer: text prompts
+        are then refused by ``encode``, naming the prompt)."""
+        hf = self.tokenizer.hf
+        return (None, None) if hf is None else (hf.bos_token, hf.bos_token_id)
+
     def with_bos(self, ids: list[int]) -> list[int]:
-        bos = self.tokenizer.hf.bos_token_id
+        bos = self.bos()[1]
         return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
 
     def check_length(self, ids: list[int], where: str, room: int = 1) -> list[int]:
@@ -162,5 +168,5 @@ class Context:
         return [i in self.state.special_ids for i in ids]
 
     def bos_positions(self, ids: list[int]) -> list[int]:
-        bos = self.tokenizer.hf.bos_token_id
+        bos = self.bos()[1]
         return [] if bos is None else [t for t, i in enumerate(ids) if i == bos]

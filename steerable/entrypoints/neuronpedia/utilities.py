@@ -31,7 +31,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """``prepend_bos`` omitted: prepend, as the other endpoints assume (when the tokenizer has a BOS)."""
     ctx = Context(request)
     ctx.check_model(body.model)
-    bos = ctx.tokenizer.hf.bos_token_id
+    bos = ctx.bos()[1]
     prepend = (True if body.prepend_bos is None else body.prepend_bos) and bos is not None
     ids = ([bos] if prepend else []) + ctx.tokenizer.encode(body.text, add_special_tokens=False)
     ctx.check_length(ids, "text", room=0)
