@@ -77,11 +77,13 @@ class Context:
             raise NeuronpediaError(404, f"{where}: model {model!r} is not served here; this server serves {served!r}")
 
     async def saes(self) -> dict[str, dict[str, Any]]:
-        """The registered SAEs (``{name: {"layer", "hook", "d_sae", "architecture"}}``), asked of the
-        engine once per request."""
+        """The registered SAEs (``{name: {"layer", "hook", "d_sae", "architecture"}}``; transcoders,
+        which the engine registers beside them, are not sources here), asked of the engine once per
+        request."""
         if self._registered is None:
-            self._registered = await self.llm.list_saes()
-            self.state.saes.keep_only(set(self._registered))
+            registered = await self.llm.list_saes()
+            self.state.saes.keep_only(set(registered))
+            self._registered = {name: info for name, info in registered.items() if "kind" not in info}
         return self._registered
 
     async def source(self, name: str, where: str) -> dict[str, Any]:
@@ -97,10 +99,13 @@ class Context:
         engine once per request and source."""
         if name not in self._weights:
             try:
-                self._weights[name] = await self.state.saes.get(self.llm, name)
+                sae = await self.state.saes.get(self.llm, name)
             except InvalidRequestError:
+                sae = None
+            if not isinstance(sae, SAE):  # unknown, or a transcoder
                 raise NeuronpediaError(400, f"{where}: unknown source {name!r}; the registered SAEs are "
-                                            f"{sorted(await self.saes())}") from None
+                                            f"{sorted(await self.saes())}")
+            self._weights[name] = sae
         return self._weights[name]
 
     def source_set(self, name: str, where: str = "source_set") -> list[str]:
