@@ -175,3 +175,19 @@ def max_logprob_gap(output, ref_logprobs: torch.Tensor) -> float:
         for token, lp in entry.items():
             gap = max(gap, abs(lp.logprob - ref_logprobs[step, token].item()))
     return gap
+
+
+def check_steered_greedy(llm, hf, prompt_ids: list[int], steering, edits: list[Edit], n: int,
+                         tolerance: float = 1e-4):
+    """The engine steered with ``steering`` equals HF with ``edits`` (greedy tokens identical,
+    logprobs within ``tolerance``), and the steering visibly changes the output (so a no-op fails)."""
+    from steerable import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5, steering_vectors=steering)
+    out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+    ref_tokens, ref_lp = HFSteered(hf, edits).greedy(prompt_ids, n)
+    assert out.outputs[0].token_ids == ref_tokens
+    assert max_logprob_gap(out, ref_lp) <= tolerance
+    plain_tokens, plain_lp = HFSteered(hf, []).greedy(prompt_ids, n)
+    assert plain_tokens != ref_tokens or (ref_lp - plain_lp).abs().max().item() > 0.05, "no visible effect"
+    return out

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from conftest import PROMPTS, hf_model
-from hf_oracle import HFSteered, max_logprob_gap
+from hf_oracle import check_steered_greedy
 
 from steerable import LLM, Clamp, SamplingParams, SteeringSpec
 from steerable.steering.spec import SpecParser, _layer_digest, _vector_hash
@@ -54,13 +54,7 @@ def family(request, model_dirs):
 
 
 def _check(llm, hf, spec, edits):
-    prompt = llm.get_tokenizer()(PROMPTS[1]).input_ids
-    out = llm.generate([prompt], greedy(steering_vectors=spec), use_tqdm=False)[0]
-    ref_tokens, ref_lp = HFSteered(hf, edits).greedy(prompt, N)
-    assert out.outputs[0].token_ids == ref_tokens
-    assert max_logprob_gap(out, ref_lp) <= 1e-4
-    plain_tokens, plain_lp = HFSteered(hf, []).greedy(prompt, N)
-    assert plain_tokens != ref_tokens or (ref_lp - plain_lp).abs().max().item() > 0.05, "no effect"
+    check_steered_greedy(llm, hf, llm.get_tokenizer()(PROMPTS[1]).input_ids, spec, edits, N)
 
 
 @pytest.mark.parametrize("hook", ["pre_attn", "post_mlp"])
@@ -157,18 +151,12 @@ def test_bad_factor_is_refused_naming_it(model_dirs, factor):
 
 def _fused_or_gpu(llm, hf, tolerance):
     """Both forms and a bounded factor at one site (the fused norm) and alone (the standalone kernel)."""
-    prompt = llm.get_tokenizer()(PROMPTS[3]).input_ids
     u, w, x = unit(7), unit(8), unit(9)
     spec = SteeringSpec(clamps=[Clamp(1, u, hook="post_attn", factor=-1.0), Clamp(1, w, hook="post_attn", max=0.2),
                                 Clamp(2, x, hook="pre_attn", min=-0.5, max=0.5, factor=4.0)])
-    out = llm.generate([prompt], greedy(steering_vectors=spec), use_tqdm=False)[0]
     edits = [("post_attn", 1, orthogonal_decomp(u, -1.0), None), ("post_attn", 1, projection_cap(w, 0.2), None),
              ("pre_attn", 2, lambda h: h + ((4.0 * (h @ x)).clamp(-0.5, 0.5) - h @ x).unsqueeze(-1) * x, None)]
-    tokens, lp = HFSteered(hf, edits).greedy(prompt, N)
-    assert out.outputs[0].token_ids == tokens
-    assert max_logprob_gap(out, lp) <= tolerance
-    plain_tokens, plain_lp = HFSteered(hf, []).greedy(prompt, N)
-    assert plain_tokens != tokens or (lp - plain_lp).abs().max().item() > 0.05, "no effect"
+    check_steered_greedy(llm, hf, llm.get_tokenizer()(PROMPTS[3]).input_ids, spec, edits, N, tolerance)
 
 
 @pytest.mark.triton
