@@ -1,31 +1,46 @@
-"""SAE training fed by ActivationStream against the same trainer reading a finished SAELens cache.
+"""Top-k SAE training fed by ActivationStream against the same trainer reading a finished SAELens cache.
 
-Issue 46: SAELens' ``SAETrainer`` trains a top-k SAE on one layer's activations (windows of
-``--context-size`` tokens of a random-token corpus; Qwen3-0.6B shape in bf16 by default), (a) from
-SAELens' own ``ActivationsStore`` over a SAELens activation cache of the same windows on local disk
-(written first, float16, with ``datasets``; its pages still cached: the baseline's best case), (b)
-from an ``ActivationStream`` capturing the windows on the same GPU while the trainer trains, in
-one process. Same SAE initialisation, batch size, token count and shuffle-buffer size; the modes
-alternate ``--repeats`` times and the ratio of median tokens/s is reported (target >= 0.70). Also
-recorded: the stream drained without training (capture alone) and the trainer on batches already
-on the device (training alone), which bound what (b) can reach.
+Issue 46: a top-k SAE's training loop (``benchmarks/topk_trainer.py``: SAELens' ``TopKTrainingSAE``
+under its ``SAETrainer``, the same init, math, Adam and bookkeeping in plain torch, checked step
+for step against SAELens; ``--trainer saelens`` runs SAELens' own where it is installed) trains on
+one layer's activations (windows of ``--context-size`` tokens of a random-token corpus; Qwen3-0.6B
+shape in bf16 by default, float32 rows), in one process on one device:
 
-    python -m benchmarks activation_stream [--tokens 2097152] [--d-sae 16384] [--k 32] [--repeats 3]
+- ``cache``: from a SAELens activation cache of the windows on local disk, written first by
+  ``capture_corpus(..., format="saelens")`` (float16 by default; its pages still cached: the
+  baseline's best case) and read as a trainer reads it: the data files memory-mapped with pyarrow,
+  ``--store-batch-prompts`` windows at a time, pinned, copied to the device asynchronously and
+  shuffled there through the stream's own mixing buffer of the same size and seed;
+- ``stream``: from an ``ActivationStream`` capturing the same windows on the same device while
+  the trainer trains.
+
+Same SAE initialisation, batch size, token count and shuffle-buffer size; the modes alternate
+``--repeats`` times and the ratio of median tokens/s is reported (target >= 0.70). Also recorded:
+the stream drained without training (``capture_only``) and the trainer on batches already on the
+device (``train_only``), which bound what the stream can reach. Imports neither sae_lens nor
+datasets unless ``--trainer saelens``.
+
+    python -m benchmarks activation_stream [--tokens 2097152] [--d-sae 16384] [--k 32] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shutil
 import tempfile
+import warnings
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from . import common
 from .common import emit, timed
+from .topk_trainer import TRAINERS
 
 
 def documents(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -44,138 +59,96 @@ def stream(llm, docs: list[list[int]], args: argparse.Namespace, device: str, sh
                             dtype="float32", bos_token_id=args.bos_token_id)
 
 
-def write_cache(llm, docs: list[list[int]], args: argparse.Namespace, root: str, device: str) -> str:
-    """The SAELens activation cache of the windows the stream reads (in window order): a ``datasets``
-    directory with the layer's column (``Array2D((context, d), float16)``) and ``token_ids``."""
-    import datasets
-
+def write_cache(llm, docs: list[list[int]], args: argparse.Namespace, root: str) -> str:
+    """The SAELens cache of the stream's first windows (as many as a run reads, the shuffle
+    buffer's tail and a batch to spare), written by the engine's own writer."""
+    from steerable import capture_corpus
     from steerable.capture.windows import token_windows
 
-    s = stream(llm, docs, args, device, shuffle=False)
-    name, n = s.hook_names[0], args.context_size
-    windows = token_windows(docs, n, args.bos_token_id)
-    total = (args.tokens + args.shuffle_buffer) // n + args.batch_size // n
-    features = datasets.Features({name: datasets.Array2D((n, s.d_in), "float16"),
-                                  "token_ids": datasets.Sequence(datasets.Value("int32"), length=n)})
+    n = args.context_size
+    count = -(-(args.tokens + args.shuffle_buffer + args.batch_size) // n)
+    windows = np.asarray(list(itertools.islice(token_windows(docs, n, args.bos_token_id), count)), dtype=np.int32)
+    if len(windows) < count:
+        raise SystemExit(f"the corpus fills {len(windows)} windows of {n}, the cache needs {count}")
     out = os.path.join(root, "cache")
-
-    def build():
-        parts, written = [], 0
-        batches = iter(s)
-        try:
-            for batch in batches:
-                acts = batch.to(torch.float16).cpu().numpy().reshape(-1, n, s.d_in)[:total - written]
-                ids = np.asarray(list(itertools.islice(windows, len(acts))), np.int32)
-                parts.append(datasets.Dataset.from_dict({name: acts, "token_ids": ids}, features=features))
-                written += len(acts)
-                if written == total:
-                    break
-        finally:
-            batches.close()  # the stream's engine thread stops here
-        return datasets.concatenate_datasets(parts)
-
-    ds, seconds = timed(build)
-    ds.save_to_disk(out, max_shard_size="2GB")
-    emit({"record": "cache_write", "windows": len(ds), "seconds": seconds, "dir": out,
+    _, seconds = timed(lambda: capture_corpus(llm, windows, out, format="saelens", context_size=n, layers=[args.layer],
+                                              dtype=args.store_dtype, batch_size=args.max_num_seqs))
+    emit({"record": "cache_write", "windows": len(windows), "tokens": windows.size, "seconds": seconds,
+          "tok_s": windows.size / seconds, "store_dtype": args.store_dtype, "dir": out,
           "bytes": sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))})
     return out
 
 
-def trainer(args: argparse.Namespace, d_in: int, provider, device: str, tokens: int):
-    from sae_lens import SAETrainer, TopKTrainingSAE, TopKTrainingSAEConfig
-    from sae_lens.config import SAETrainerConfig
+def cache_chunks(path: str, column: str, windows_per_read: int, d_in: int) -> Iterator[torch.Tensor]:
+    """The cache's rows in window order, ``windows_per_read`` windows at a time, as host tensors
+    of the stored dtype: views of the memory-mapped data files (listed in ``state.json``), no copy."""
+    import pyarrow as pa
 
-    torch.manual_seed(args.seed)  # the same initial SAE in every run
-    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=d_in, d_sae=args.d_sae, k=args.k, dtype="float32", device=device))
-    cfg = SAETrainerConfig(total_training_samples=tokens, train_batch_size_samples=args.batch_size, device=device,
-                           lr=3e-4, lr_end=3e-4, n_batches_for_norm_estimate=1)
-    return SAETrainer(cfg, sae, provider)
-
-
-def cache_store(path: str, args: argparse.Namespace, d_in: int, name: str, device: str, tokens: int):
-    """SAELens' reader of a cache, shuffled through a buffer of the same size as the stream's."""
-    from sae_lens.training.activations_store import ActivationsStore
-
-    return ActivationsStore(model=None, dataset=None, streaming=False, hook_name=name, hook_head_index=None,
-                            context_size=args.context_size, d_in=d_in,
-                            n_batches_in_buffer=max(1, args.shuffle_buffer // args.context_size),
-                            total_training_tokens=tokens, store_batch_size_prompts=args.store_batch_prompts,
-                            train_batch_size_tokens=args.batch_size, prepend_bos=False, normalize_activations="none",
-                            device=torch.device(device), dtype="float32", cached_activations_path=path)
+    with open(os.path.join(path, "state.json")) as f:
+        files = [entry["filename"] for entry in json.load(f)["_data_files"]]
+    for name in files:
+        with pa.memory_map(os.path.join(path, name)) as source:
+            for batch in pa.ipc.open_stream(source):
+                values = batch.column(column)
+                if isinstance(values, pa.ExtensionArray):  # datasets, once imported, registers its Array2D type
+                    values = values.storage
+                for start in range(0, batch.num_rows, windows_per_read):
+                    flat = values.slice(start, windows_per_read).flatten().flatten().to_numpy(zero_copy_only=True)
+                    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+                        warnings.simplefilter("ignore", UserWarning)
+                        yield torch.from_numpy(flat).view(-1, d_in)
 
 
-def train(args, d_in: int, provider, device: str, tokens: int) -> float:
-    """Seconds for ``tokens`` training samples (the provider's buffer fill included, as in a run)."""
-    t = trainer(args, d_in, provider, device, tokens)
+def cache_batches(path: str, args: argparse.Namespace, d_in: int, device: str) -> Iterator[torch.Tensor]:
+    """Shuffled batches of the cache on ``device``: its chunks go through ``ActivationStream``'s
+    own mixing buffer (same size, same seed), so the two modes differ only in where rows come from."""
+    from steerable.entrypoints.activation_stream import _MixingBuffer
+
+    chunks = cache_chunks(path, f"blocks.{args.layer}.hook_resid_post", args.store_batch_prompts, d_in)
+    if device == "cuda":  # pinned, as a DataLoader with pin_memory=True hands them: the copy is asynchronous
+        chunks = (chunk.pin_memory() for chunk in chunks)
+    feed = SimpleNamespace(next_chunk=lambda: next(chunks, None))
+    like = SimpleNamespace(device=torch.device(device), shuffle_buffer=args.shuffle_buffer, batch_size=args.batch_size,
+                           drop_last=False)
+    generator = torch.Generator().manual_seed(args.seed)
+    return _MixingBuffer(like, generator).batches(feed)
+
+
+def check(llm, docs: list[list[int]], cache: str, args: argparse.Namespace, d_in: int, device: str) -> None:
+    """Both modes read the same activations: the cache's first rows are the unshuffled stream's
+    first rows in the stored dtype (bf16 GEMMs may tile the two batches otherwise: a small tolerance)."""
+    cached = next(cache_chunks(cache, f"blocks.{args.layer}.hook_resid_post", args.store_batch_prompts, d_in)).float()
+    batch_iter = iter(stream(llm, docs, args, device, shuffle=False))
     try:
-        _, seconds = timed(t.fit)
+        live = torch.cat(list(itertools.islice(batch_iter, -(-len(cached) // args.batch_size))))[:len(cached)]
     finally:
-        if hasattr(provider, "close"):  # a stream's generator: its engine thread stops now, not at collection
+        batch_iter.close()
+    live = live.to(getattr(torch, args.store_dtype)).float().cpu()
+    diff, scale = (cached - live).abs().max().item(), live.abs().max().item()
+    emit({"record": "check", "rows": len(cached), "max_abs_diff": diff, "max_abs": scale, "ok": diff <= 2e-2 * scale})
+    if diff > 2e-2 * scale:
+        raise SystemExit("the cache does not hold the stream's rows")
+
+
+def train(args: argparse.Namespace, d_in: int, provider: Iterator[torch.Tensor], device: str, tokens: int) -> float:
+    """Seconds for ``tokens`` training samples (the provider's buffer fill included, as in a run)."""
+    trainer = TRAINERS[args.trainer](d_in, args.d_sae, args.k, args.batch_size, device, args.seed)
+    try:
+        _, seconds = timed(lambda: trainer.fit(provider, tokens))
+    finally:
+        if hasattr(provider, "close"):  # a generator: a stream's engine thread stops now, not at collection
             provider.close()
-    if not torch.isfinite(t.sae.W_dec).all():
+    if not torch.isfinite(trainer.W_dec).all():
         raise SystemExit("the SAE's weights are not finite")
     return seconds
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=None, help="training samples per run (default 2M; --smoke 4096)")
-    p.add_argument("--layer", type=int, default=None, help="default 14 (--smoke 1)")
-    p.add_argument("--context-size", type=int, default=None, help="default 128 (--smoke 16)")
-    p.add_argument("--batch-size", type=int, default=None, help="training batch in tokens (default 4096; --smoke 128)")
-    p.add_argument("--shuffle-buffer", type=int, default=None, help="rows (default 65536; --smoke 512)")
-    p.add_argument("--store-batch-prompts", type=int, default=32, help="windows per cache read (SAELens' default)")
-    p.add_argument("--d-sae", type=int, default=None, help="default 16384 (--smoke 256)")
-    p.add_argument("--k", type=int, default=None, help="default 32 (--smoke 8)")
-    p.add_argument("--bos-token-id", type=int, default=None, help="default: the model config's")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--tmp-dir", default=None, help="where the cache goes (default: the temp dir, local disk)")
-    args = p.parse_args(argv)
-    if args.gpu_memory_utilization == 0.9:
-        args.gpu_memory_utilization = 0.5  # the trainer needs the rest of the GPU
-    path = common.setup("activation_stream", args, {
-        "tokens": (2 * 2**20, 4096), "layer": (14, 1), "context_size": (128, 16), "batch_size": (4096, 128),
-        "shuffle_buffer": (65536, 512), "d_sae": (16384, 256), "k": (32, 8)})
-    if args.bos_token_id is None:
-        import json
-        with open(os.path.join(path, "config.json")) as f:
-            args.bos_token_id = json.load(f).get("bos_token_id")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = common.make_llm(args, path, enforce_eager=True)  # no CUDA graph is captured while the trainer runs
-    docs = documents(args, common.prompt_vocab(llm))
-    d_in = llm.engine.model_config.hidden_size
-    root = tempfile.mkdtemp(prefix="steerable-activation-stream-", dir=args.tmp_dir)
-    try:
-        cache = write_cache(llm, docs, args, root, device)
-        name = f"blocks.{args.layer}.hook_resid_post"
-        warm = 4 * args.batch_size
-        train(args, d_in, cache_store(cache, args, d_in, name, device, warm), device, warm)  # first kernels, cuBLAS
-        train(args, d_in, iter(stream(llm, docs, args, device)), device, warm)
-        times = {"cache": [], "stream": []}
-        for r in range(args.repeats):
-            for mode in times:
-                provider = cache_store(cache, args, d_in, name, device, args.tokens) if mode == "cache" else \
-                    iter(stream(llm, docs, args, device))
-                seconds = train(args, d_in, provider, device, args.tokens)
-                times[mode].append(seconds)
-                emit({"record": "run", "mode": mode, "repeat": r, "tokens": args.tokens, "seconds": seconds,
-                      "tok_s": args.tokens / seconds})
-        bounds(llm, docs, args, d_in, device)
-        rate = {mode: args.tokens / common.median(t) for mode, t in times.items()}
-        emit({"record": "ratio", "cache_tok_s": rate["cache"], "stream_tok_s": rate["stream"],
-              "stream_over_cache": rate["stream"] / rate["cache"], "target": 0.70,
-              "meets": rate["stream"] / rate["cache"] >= 0.70, "d_sae": args.d_sae, "k": args.k,
-              "batch_size": args.batch_size, "shuffle_buffer": args.shuffle_buffer, "device": device})
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def bounds(llm, docs, args, d_in: int, device: str) -> None:
+def bounds(llm, docs: list[list[int]], args: argparse.Namespace, d_in: int, device: str) -> None:
     """What each half does alone: the stream drained without training, the trainer on batches
     already on the device."""
     batches = args.tokens // args.batch_size
 
-    def drain():
+    def drain() -> int:
         batch_iter = iter(stream(llm, docs, args, device))
         try:
             return sum(1 for _ in itertools.islice(batch_iter, batches))
@@ -188,6 +161,63 @@ def bounds(llm, docs, args, d_in: int, device: str) -> None:
     resident = [torch.randn(args.batch_size, d_in, device=device) for _ in range(8)]
     seconds = train(args, d_in, itertools.cycle(resident), device, args.tokens)
     emit({"record": "train_only", "tokens": args.tokens, "seconds": seconds, "tok_s": args.tokens / seconds})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=None, help="training samples per run (default 2M; --smoke 4096)")
+    p.add_argument("--layer", type=int, default=None, help="default 14 (--smoke 1)")
+    p.add_argument("--context-size", type=int, default=None, help="default 128 (--smoke 16)")
+    p.add_argument("--batch-size", type=int, default=None, help="training batch in tokens (default 4096; --smoke 128)")
+    p.add_argument("--shuffle-buffer", type=int, default=None, help="rows (default 65536; --smoke 512)")
+    p.add_argument("--store-batch-prompts", type=int, default=32,
+                   help="windows per cache read (SAELens' store_batch_size_prompts default)")
+    p.add_argument("--store-dtype", default="float16", choices=["float16", "float32"], help="the cache's dtype")
+    p.add_argument("--d-sae", type=int, default=None, help="default 16384 (--smoke 256)")
+    p.add_argument("--k", type=int, default=None, help="default 32 (--smoke 8)")
+    p.add_argument("--trainer", default="torch", choices=sorted(TRAINERS),
+                   help="torch: SAELens' top-k training step in plain torch (default); saelens: SAELens' own")
+    p.add_argument("--bos-token-id", type=int, default=None, help="default: the model config's")
+    p.add_argument("--repeats", type=int, default=None, help="alternating runs of each mode (default 2; --smoke 1)")
+    p.add_argument("--tmp-dir", default=None, help="where the cache goes (default: the temp dir, local disk)")
+    args = p.parse_args(argv)
+    if args.gpu_memory_utilization == 0.9:
+        args.gpu_memory_utilization = 0.5  # the trainer needs the rest of the GPU
+    path = common.setup("activation_stream", args, {
+        "tokens": (2 * 2**20, 4096), "layer": (14, 1), "context_size": (128, 16), "batch_size": (4096, 128),
+        "shuffle_buffer": (65536, 512), "d_sae": (16384, 256), "k": (32, 8), "repeats": (2, 1)})
+    if args.bos_token_id is None:
+        with open(os.path.join(path, "config.json")) as f:
+            args.bos_token_id = json.load(f).get("bos_token_id")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = common.make_llm(args, path, enforce_eager=True)  # no CUDA graph is captured while the trainer runs
+    docs = documents(args, common.prompt_vocab(llm))
+    d_in = llm.engine.model_config.hidden_size
+    root = tempfile.mkdtemp(prefix="steerable-activation-stream-", dir=args.tmp_dir)
+    try:
+        cache = write_cache(llm, docs, args, root)
+        check(llm, docs, cache, args, d_in, device)
+        providers = {"cache": lambda: cache_batches(cache, args, d_in, device),
+                     "stream": lambda: iter(stream(llm, docs, args, device))}
+        for make in providers.values():  # first kernels, cuBLAS handles, the allocator's pools
+            train(args, d_in, make(), device, 4 * args.batch_size)
+        times: dict[str, list[float]] = {"cache": [], "stream": []}
+        for r in range(args.repeats):
+            for mode, make in providers.items():
+                seconds = train(args, d_in, make(), device, args.tokens)
+                times[mode].append(seconds)
+                emit({"record": "run", "mode": mode, "repeat": r, "tokens": args.tokens, "seconds": seconds,
+                      "tok_s": args.tokens / seconds})
+        bounds(llm, docs, args, d_in, device)
+        rate = {mode: args.tokens / common.median(t) for mode, t in times.items()}
+        emit({"record": "ratio", "cache_tok_s": rate["cache"], "stream_tok_s": rate["stream"],
+              "stream_over_cache": rate["stream"] / rate["cache"], "target": 0.70,
+              "meets": rate["stream"] / rate["cache"] >= 0.70, "trainer": args.trainer, "d_sae": args.d_sae,
+              "k": args.k, "batch_size": args.batch_size, "shuffle_buffer": args.shuffle_buffer,
+              "store_dtype": args.store_dtype, "device": device})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        llm.shutdown()
 
 
 if __name__ == "__main__":

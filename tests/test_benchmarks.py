@@ -427,16 +427,49 @@ def test_chat(cache_dir):
     positive(r["ratio"][0], "speedup_vs_cache_off", "speedup_vs_cache_on")
 
 
-def test_activation_stream(cache_dir):
-    """SAELens' trainer from a cache it reads against the same trainer fed by ActivationStream."""
+BLOCK_TRAINING_LIBRARIES = """import sys
+for name in ("sae_lens", "datasets"):
+    sys.modules[name] = None  # import fails, as on a machine without them
+"""
+
+
+def test_activation_stream(cache_dir, tmp_path, monkeypatch):
+    """The top-k trainer reading a SAELens cache against the same trainer fed by ActivationStream,
+    in a process where sae_lens and datasets cannot be imported (the GPU machines lack them)."""
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_TRAINING_LIBRARIES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     r = run("activation_stream", cache_dir)
     assert r["cache_write"][0]["windows"] > 0 and r["cache_write"][0]["bytes"] > 0
+    assert r["check"][0]["ok"] and r["check"][0]["rows"] > 0 and r["check"][0]["max_abs"] > 0
     assert {x["mode"] for x in r["run"]} == {"cache", "stream"}
     for x in (*r["run"], r["capture_only"][0], r["train_only"][0]):
         positive(x, "seconds", "tok_s")
     ratio = r["ratio"][0]
     positive(ratio, "cache_tok_s", "stream_tok_s", "stream_over_cache")
-    assert ratio["target"] == 0.70 and isinstance(ratio["meets"], bool)
+    assert ratio["target"] == 0.70 and isinstance(ratio["meets"], bool) and ratio["trainer"] == "torch"
+
+
+def test_activation_stream_trainer_is_saelens_step_for_step():
+    """The benchmark's plain-torch trainer and SAELens' TopKTrainingSAE under its SAETrainer, from
+    the same seed on the same batches, hold the same weights after every step; the window of dead
+    latents is short, so most steps also train the auxiliary loss."""
+    import torch
+
+    from benchmarks.topk_trainer import SAELensTrainer, TopKTrainer
+
+    torch.manual_seed(1)
+    batches = [3 * torch.randn(8, 16) for _ in range(10)]
+    ours = TopKTrainer(16, 256, 2, 8, "cpu", seed=0, dead_feature_window=1)
+    dead = []
+    for steps, batch in enumerate(batches, 1):
+        dead.append(int((ours.since_fired > 1).sum()))
+        ours.step(batch)
+        lens = SAELensTrainer(16, 256, 2, 8, "cpu", seed=0, dead_feature_window=1)
+        lens.fit(iter(batches), 8 * steps)
+        for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+            assert torch.equal(getattr(ours, name), getattr(lens.sae, name)), (steps, name)
+    assert dead[0] == 0 and min(dead[2:]) > 0  # the auxiliary loss ran from the third step on
+    assert not torch.equal(ours.W_dec, TopKTrainer(16, 256, 2, 8, "cpu", seed=0).W_dec)  # it trained
 
 
 def test_dashboards_against_sparse_capture_and_sae_dashboard(cache_dir):
