@@ -7,9 +7,11 @@ import itertools
 import pytest
 import torch
 from conftest import CORPUS, hf_model
+from transformers import AutoTokenizer
 
 import steerable
 from steerable import LLM, ActivationStream
+from steerable.capture.windows import token_windows
 from steerable.errors import InvalidRequestError
 
 TEXTS = [f"{i}: {CORPUS[i % 7]} {CORPUS[(3 * i) % 7]}" for i in range(24)]
@@ -37,9 +39,20 @@ def reference(path, llm):
     windows = torch.stack(list(concat_and_batch_sequences(docs, CONTEXT, begin_batch_token_id=tok.bos_token_id,
                                                           sequence_separator_token_id=tok.bos_token_id)))
     assert (windows[:, 0] == tok.bos_token_id).all() and len(windows) > 10
+    return windows, hf_hidden(path, windows)
+
+
+def own_windows(path):
+    """The texts' windows cut by ``token_windows``, without SAELens."""
+    tok = AutoTokenizer.from_pretrained(path)
+    docs = (tok(t, add_special_tokens=False).input_ids for t in TEXTS)
+    return torch.tensor(list(token_windows(docs, CONTEXT, tok.bos_token_id)))
+
+
+def hf_hidden(path, windows):
     with torch.no_grad():
         hidden = hf_model(path)(windows, output_hidden_states=True).hidden_states
-    return windows, {i: h.reshape(-1, h.shape[-1]) for i, h in enumerate(hidden)}
+    return {i: h.reshape(-1, h.shape[-1]) for i, h in enumerate(hidden)}
 
 
 def stream(llm, **kwargs):
@@ -77,6 +90,10 @@ def test_epoch_is_the_windows_hidden_states(llm, reference):
     want = torch.cat([hidden[1], hidden[2]], 1)  # post_mlp of layer L is HF hidden_states[L + 1]
     assert_same_multiset(got, want)
     assert not torch.allclose(got[:24], want[:24])  # shuffled, not in window order
+
+
+def test_own_windows_are_saelens(path, reference):
+    assert torch.equal(own_windows(path), reference[0])
 
 
 def test_no_shuffle_keeps_window_order_and_builds_its_own_engine(path, reference):
@@ -201,10 +218,11 @@ def test_exported_lazily():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_stream_on_the_gpu_equals_hf(path, reference):
+def test_stream_on_the_gpu_equals_hf(path):
     """The engine on the GPU (on its thread, pinned chunks, an asynchronous copy into the mixing
-    buffer): float32 rows on the device equal HF's within GPU float32 noise, in both epochs."""
-    _, hidden = reference
+    buffer): float32 rows on the device equal HF's within GPU float32 noise, in both epochs. The
+    windows are ``own_windows`` (SAELens' on the CPU), so this runs where sae_lens is not installed."""
+    hidden = hf_hidden(path, own_windows(path))
     with ActivationStream(path, TEXTS, layers=[0, 1], context_size=CONTEXT, batch_size=24, shuffle_buffer=96,
                           device="cuda", dtype="float32",
                           engine_kwargs={"dtype": "float32", "kv_cache_tokens": 4096}) as s:
