@@ -167,13 +167,12 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
             return self._add_request(client_id, prompt, params, stream, resumable, increments)
 
     def queue_requests(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]]) -> QueuedPrompts:
-        """Queue ``(client_id, prompt, params)`` (each ``n`` = 1) to be admitted as the scheduler has
-        room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``."""
+        """Check ``(client_id, prompt, params)`` (each ``n`` = 1) now, raising the first bad one's
+        ``InvalidRequestError`` with nothing queued, then queue them to be admitted as the scheduler
+        has room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``."""
         with self.lock.hold():
             self._check_open()
-            batch = QueuedPrompts(deque(requests))
-            self._queued.append(batch)
-            return batch
+            return self._queue_checked(requests)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """The token ids ``add_request`` would run for ``prompt`` (errors name ``prompt``)."""

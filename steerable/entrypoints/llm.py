@@ -162,8 +162,9 @@ class LLM:
         return outputs
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        """Prompts of one completion each are admitted as the scheduler takes them, so admitting
-        them (tokenization, steering specs) overlaps the device's work on the first ones. With
+        """Prompts of one completion each are checked up front (a bad one refuses the call before
+        any prompt runs) and admitted as the scheduler takes them, so building their state
+        (steering configs, capture, grammars) overlaps the device's work on the first ones. With
         ``n`` > 1 they are admitted up front: a group's siblings are created as soon as the batch
         has room, which for a group admitted up front can be before its first completion runs, so
         queuing it would change the steps."""
