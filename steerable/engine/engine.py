@@ -69,7 +69,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         self.layout = model_cls.hook_layout(self.model_config)
         self.device = config.resolve_device()
         config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config)
-        self.dtype = config.resolve_dtype(hf_config, self.device)
+        self.dtype = self.model_config.dtype = config.resolve_dtype(hf_config, self.device)
         if self.device.type == "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
             cpu_threads.apply(config.cpu_threads)
         max_len = self.model_config.max_position_embeddings
@@ -90,7 +90,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
             max_len = kv_capacity
-        self.max_model_len = max_len
+        self.max_model_len = self.model_config.max_model_len = max_len
         self.kv_capacity = self.worker.num_blocks * config.block_size  # tokens, every sequence's together
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_groups.windows)

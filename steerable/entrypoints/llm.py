@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from steerable.config import EngineConfig
+from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.admission import QueuedPrompts
 from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
@@ -45,6 +45,13 @@ class LLM:
     def llm_engine(self) -> LLMEngine:
         """The engine, under the name vLLM gives it."""
         return self.engine
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's shape (``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
+        ``head_dim``, ``vocab_size``, ``hf_config``) and what the engine chose (``dtype``,
+        ``max_model_len``); also ``llm.llm_engine.model_config``, as vLLM users reach it."""
+        return self.engine.model_config
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer.hf
