@@ -1,5 +1,5 @@
 """Isolation, bit for bit: an unsteered request beside steered ones (SAE features and transcoder
-features, adds and clamps, and vectors, at every point) gets the logprobs it gets in the same batch
+features, adds and clamps, vectors at every point, LoReFT, affine and conditional edits) gets the logprobs it gets in the same batch
 with no steering at all, on each family's residual layout (parallel-residual GPT-NeoX included,
 where ``post_attn`` is not on the stream's own path); capturing there changes no output either.
 The comparison is with the same batch unsteered, not with the request alone: a CPU GEMM rounds by
@@ -16,7 +16,8 @@ from hf_oracle import HFSteered, max_logprob_gap
 from test_sae_registry import random_sae
 from transcoder_helpers import feature_clamp_edits, random_transcoder
 
-from steerable import LLM, Add, CaptureSpec, Clamp, Feature, FeatureClamp, SamplingParams, SelectSpec, SteeringSpec
+from steerable import (LLM, Add, Affine, CaptureSpec, Clamp, Feature, FeatureClamp, LowRank, SamplingParams, SelectSpec,
+                       SteeringSpec, When)
 
 N = 6
 HOOKS = ("pre_attn", "post_attn", "post_mlp", "mlp_in", "mlp_out")
@@ -51,9 +52,9 @@ def engine(request, model_dirs):
     llm.shutdown()
 
 
-def _companions(hidden: int, saes: tuple[str, ...], hooks: tuple[str, ...]) -> list[SteeringSpec]:
+def _companions(hidden: int, saes: tuple[str, ...], hooks: tuple[str, ...], edits: bool) -> list[SteeringSpec]:
     """One config per companion: every kind of feature item of each of ``saes``, prompt-only and
-    decode-only among them, and vectors at each of ``hooks``."""
+    decode-only among them, vectors at each of ``hooks``, and (``edits``) the matrix edits."""
     g = torch.Generator().manual_seed(0)
     specs = []
     for name in saes:
@@ -64,13 +65,22 @@ def _companions(hidden: int, saes: tuple[str, ...], hooks: tuple[str, ...]) -> l
         specs.append(SteeringSpec(interventions=[Add(1, torch.randn(hidden, generator=g), hook=hook),
                                                  Clamp(1, torch.randn(hidden, generator=g), hook=hook, min=-0.5,
                                                        max=0.5)]))
+    if edits:  # LoReFT, a dense affine edit and conditional steering: matrix products per row
+        R = torch.linalg.qr(torch.randn(hidden, 2, generator=g))[0].T.contiguous()
+        specs.append(SteeringSpec(interventions=[LowRank(1, R, torch.randn(2, hidden, generator=g),
+                                                         torch.randn(2, generator=g), hook="post_attn")]))
+        specs.append(SteeringSpec(interventions=[Affine(1, torch.randn(hidden, hidden, generator=g) * 0.1,
+                                                        hook="mlp_out")]))
+        specs.append(SteeringSpec(interventions=[When([Add(2, torch.randn(hidden, generator=g) * 4)], layer=1,
+                                                      direction=torch.randn(hidden, generator=g))]))
     return specs
 
 
-def assert_unsteered_row_unchanged(llm: LLM, saes: tuple[str, ...] = SAES, hooks: tuple[str, ...] = HOOKS) -> None:
+def assert_unsteered_row_unchanged(llm: LLM, saes: tuple[str, ...] = SAES, hooks: tuple[str, ...] = HOOKS,
+                                   edits: bool = True) -> None:
     """The first request, unsteered, beside one companion per kind of steering: its logprobs
     equal those of the same batch run without steering, and every companion's steering acts."""
-    companions = _companions(llm.llm_engine.model_config.hidden_size, saes, hooks)
+    companions = _companions(llm.llm_engine.model_config.hidden_size, saes, hooks, edits)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(companions) + 1)]
     plain = llm.generate(prompts, greedy(), use_tqdm=False)
     mixed = llm.generate(prompts, [greedy()] + [greedy(steering_vectors=s) for s in companions], use_tqdm=False)
@@ -94,7 +104,7 @@ def test_unsteered_row_is_byte_identical_in_the_fused_kernels(model_dirs):
     llm = LLM(model_dirs["llama"], device="cpu", dtype="float32", kv_cache_tokens=2048, attention_backend="triton",
               enable_prefix_caching=False, max_num_batched_tokens=24)
     _register(llm)
-    assert_unsteered_row_unchanged(llm, saes=("sae_post_attn", "clt"), hooks=("post_mlp",))
+    assert_unsteered_row_unchanged(llm, saes=("sae_post_attn", "clt"), hooks=("post_mlp",), edits=False)
     llm.shutdown()
 
 
