@@ -88,8 +88,9 @@ def mode_steering(llm, w, args) -> tuple[dict, dict]:
 
 class Breakdown:
     """Where a run's wall time goes: engine steps that only decode and the others (prefill
-    chunks), the host time of admitting requests (``generate`` queues its prompts and the
-    scheduler admits them inside steps, so it is part of the steps' time) and the garbage
+    chunks), the host time of checking requests (``generate`` checks every prompt up front, tokens
+    and steering specs: ``check_s``) and of admitting them (it queues them and the scheduler
+    builds their state inside steps, so ``admit_s`` is part of the steps' time) and the garbage
     collector's passes. With asynchronous scheduling a step's wall time is the longer of its host
     work and the previous step's device work, so a mode's extra seconds show up in the kind of
     step that pays them."""
@@ -97,14 +98,16 @@ class Breakdown:
     def __init__(self, engine) -> None:
         self.engine, self.totals = engine, {}
         self._gc_start = 0.0
-        add, step = engine._add_request, engine.step
+        step = engine.step
 
-        def timed_add(*a, **k):
-            start = time.perf_counter()
-            try:
-                return add(*a, **k)
-            finally:
-                self._count("admit_s", time.perf_counter() - start)
+        def timed(key: str, fn):
+            def run(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._count(key, time.perf_counter() - start)
+            return run
 
         schedule, launched = engine.scheduler.schedule, ["decode"]
 
@@ -122,7 +125,8 @@ class Breakdown:
                 self._count(f"{launched[0]}_s", time.perf_counter() - start)
                 self._count(f"{launched[0]}_steps", 1)
 
-        engine._add_request, engine.step, engine.scheduler.schedule = timed_add, timed_step, noted_schedule
+        engine._check, engine._admit_checked = timed("check_s", engine._check), timed("admit_s", engine._admit_checked)
+        engine.step, engine.scheduler.schedule = timed_step, noted_schedule
         gc.callbacks.append(self._on_gc)
 
     def _count(self, key: str, value: float) -> None:

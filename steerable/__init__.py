@@ -38,6 +38,11 @@ def __getattr__(name: str):
     return value
 
 
+def __dir__() -> list[str]:
+    """The public names too, loaded or not, so ``help(steerable)`` and completion list them."""
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "SelectSpec", "SteeringSpec", "Add", "Clamp", "LowRank", "Affine", "When", "RouterBias", "SAE", "Transcoder",
            "Feature", "FeatureClamp", "CaptureSpec", "capture", "capture_batches", "capture_corpus",

@@ -154,6 +154,20 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) inside attention
+    # What the engine chose, set once it has: the weights' and activations' dtype, and the context
+    # length it serves (``max_model_len``: at most the positions, at most what the KV cache holds).
+    dtype: torch.dtype | None = None
+    max_model_len: int | None = None
+
+    # vLLM's accessors (``llm.llm_engine.model_config.get_hidden_size()``), for code written against it.
+    def get_hidden_size(self) -> int:
+        return self.hidden_size
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def get_head_size(self) -> int:
+        return self.head_dim
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention (None: full); families mixing both override it."""

@@ -112,10 +112,11 @@ def test_steering_cost(cache_dir):
     for x in runs.values():
         positive(x, "seconds", "output_tok_s", "total_tok_s")
         assert len(x["seconds_all"]) == 2 and isinstance(x["cost_pct"], float)
-        # every request admitted (inside the steps: generate queues them) and every step timed
+        # every request checked (up front), admitted (inside the steps: generate queues them), every step timed
         parts = x["breakdown"]
-        assert parts["admit_s"] > 0 and parts["decode_steps"] > 0 and parts["other_steps"] > 0
+        assert parts["check_s"] > 0 and parts["admit_s"] > 0 and parts["decode_steps"] > 0 and parts["other_steps"] > 0
         assert parts["admit_s"] < parts["decode_s"] + parts["other_s"] <= max(x["seconds_all"])
+        assert parts["check_s"] + parts["decode_s"] + parts["other_s"] <= max(x["seconds_all"])
     assert runs["none"]["cost_pct"] == 0.0
     status = r["steering_status"][0]
     assert status["ok"] and status["rows_in_use"] == 0

@@ -367,7 +367,7 @@ def test_filesystem_consumer_is_atomic(tmp_path, monkeypatch, fail_at):
         raise OSError("rename failed")
 
     if fail_at == "save":
-        monkeypatch.setattr(consumers_mod, "save_file", partial_save)
+        monkeypatch.setattr(consumers_mod, "write_safetensors", partial_save)
     else:
         monkeypatch.setattr(consumers_mod.os, "replace", failing_replace)
     with pytest.raises(OSError):

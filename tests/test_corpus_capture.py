@@ -306,3 +306,43 @@ def test_shutdown_with_a_failing_threaded_sink_still_running(capture_dirs, caplo
     llm.shutdown()  # the failure is logged, not raised; nothing is left running
     assert not [t for t in threading.enumerate() if t.name.startswith("capture-sink")]
     assert "capture sink failed" in caplog.text and sink.threads == {"capture-sink_0"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_files_follow_the_umask(llm, tmp_path, umask):
+    """Every file a run writes for others to read gets the permissions any file of the process gets
+    (a cluster's other users read them), not ``mkstemp``'s or ``save_file``'s 0600: corpus shards
+    and their index in each format, a consumer's shards, feature dashboards and control vectors."""
+    from test_sae_registry import random_sae
+
+    from steerable import CaptureSpec, feature_dashboards
+    from steerable.capture import FilesystemConsumer
+    from steerable.vectors import ControlVector
+
+    hidden = llm.model_config.hidden_size
+    old = os.umask(umask)
+    try:
+        capture_corpus(llm, TEXTS[:3], tmp_path / "acts", layers=[1], select="all_prompt", shard_size=2)
+        capture_corpus(llm, TEXTS[:3], tmp_path / "saelens", layers=[1], format="saelens", context_size=8)
+        consumer = FilesystemConsumer(tmp_path / "consumed")
+        llm.add_capture_consumer(consumer)
+        try:
+            llm.generate("Hello", SamplingParams(max_tokens=1, capture=CaptureSpec(layers=[1])), use_tqdm=False)
+        finally:
+            llm.remove_capture_consumer(consumer)
+        llm.register_sae("umask-sae", random_sae(d_in=hidden, d_sae=16, layer=1))
+        try:
+            feature_dashboards(llm, TEXTS[:3], sae="umask-sae", n_top=2, quantiles=2, n_quantile=1, n_logits=2,
+                               bins=4, out=tmp_path / "dashboards")
+        finally:
+            llm.unregister_sae("umask-sae")
+        vector = ControlVector({1: torch.ones(hidden)})
+        vector.save(tmp_path / "v.safetensors")
+        vector.save(tmp_path / "v.gguf")
+    finally:
+        os.umask(old)
+    written = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert {"shard-00001.safetensors", "index.json", "state.safetensors", "v.safetensors", "v.gguf"} <= \
+        {path.name for path in written} and len(consumer.paths) == 1 and len(written) > 12
+    assert {str(path.relative_to(tmp_path)): oct(path.stat().st_mode & 0o777) for path in written} == \
+        {str(path.relative_to(tmp_path)): oct(0o666 & ~umask) for path in written}

@@ -64,29 +64,29 @@ def cache(tmp_path, monkeypatch) -> Path:
 
     def no_network(*args, **kwargs):
         raise AssertionError("the network was called")
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", no_network)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", no_network)
     return root
 
 
 @pytest.fixture
 def online(cache, monkeypatch):
-    """Online mode: ``list_repo_files`` answers with ``online.files`` (or raises ``online.error``);
+    """Online mode: ``model_info`` lists ``online.files`` (or raises ``online.error``);
     ``snapshot_download`` online writes the files it is asked for into the cache and records them."""
     state = SimpleNamespace(files=[], content={}, error=None, fetched=[])
     real = hub.snapshot_download
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
-    def list_repo_files(self, repo_id, revision=None, **kwargs):
+    def model_info(self, repo_id, revision=None, **kwargs):
         if state.error is not None:
             raise state.error
-        return list(state.files)
+        return SimpleNamespace(siblings=[SimpleNamespace(rfilename=name) for name in state.files])
 
     def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False, **kwargs):
         if local_files_only:
             return real(repo_id, revision=revision, allow_patterns=allow_patterns, local_files_only=True)
         state.fetched.extend(allow_patterns)
         return str(put_in_cache(cache, repo_id, {n: state.content[n] for n in allow_patterns}))
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
     monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
     return state
 
@@ -247,3 +247,44 @@ def test_environment_variables_choose_cache_and_offline_mode(tmp_path):
                          check=True).stdout.splitlines()
     assert out[0] == str(snapshot)
     assert str(tmp_path / "home" / "hub") in out[1] and "HF_HUB_OFFLINE is set" in out[1]
+
+
+def _resolve_in_subprocess(tmp_path, **env_vars) -> tuple[float, str, str]:
+    """``resolve_hub_model('org/missing')`` in a fresh process with the hub's environment
+    variables as a user sets them: (seconds the call took, its error, the process's stderr)."""
+    code = ("import importlib.util, sys, time; spec = importlib.util.spec_from_file_location('hub', sys.argv[1]);\n"
+            "hub = importlib.util.module_from_spec(spec); spec.loader.exec_module(hub); start = time.monotonic()\n"
+            "try: hub.resolve_hub_model('org/missing')\nexcept ValueError as e: print(time.monotonic() - start); print(e)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(tmp_path / "home"), **env_vars)
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "steerable" / "models" / "hub.py")], env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    seconds, message = proc.stdout.splitlines()[:2]
+    return float(seconds), message, proc.stderr
+
+
+def test_an_unreachable_hub_fails_at_once_without_retries(tmp_path):
+    """A hub id neither cached nor fetchable: a refused connection fails in one attempt (the hub
+    client's file listing retried five times with backoff, 23 s); a hub that never answers within
+    HF_HUB_ETAG_TIMEOUT; and with HF_HUB_OFFLINE set nothing is tried at all."""
+    import select
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    seconds, message, stderr = _resolve_in_subprocess(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{closed}")
+    assert seconds < 3 and "could not be reached" in message and "Connection refused" in message
+    assert "Retrying" not in stderr
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        seconds, message, _ = _resolve_in_subprocess(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_ETAG_TIMEOUT="1")
+        assert 1 <= seconds < 5 and "could not be reached" in message and "Timeout" in message
+        while select.select([silent], [], [], 0)[0]:  # the connections of the attempt above
+            silent.accept()[0].close()
+        seconds, message, _ = _resolve_in_subprocess(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="1")
+        assert "HF_HUB_OFFLINE is set" in message and seconds < 1
+        assert not select.select([silent], [], [], 0)[0], "offline, the hub was contacted"

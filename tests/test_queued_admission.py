@@ -1,8 +1,11 @@
-"""``LLM.generate`` queues its prompts and the scheduler admits them as it takes them: admission
-(tokenization, steering specs) overlaps the device's work on the first steps, every step is the
-one that admitting them all up front builds, and a bad prompt late in the list still raises its
-``ValueError`` and leaves nothing behind."""
+"""``LLM.generate`` checks its prompts up front, queues them, and the scheduler admits them as it
+takes them: building their state (steering configs, capture, grammars) overlaps the device's work
+on the first steps, every step is the one that admitting them all up front builds, and a bad
+prompt late in the list raises its ``ValueError`` before any prompt runs, leaving nothing behind
+in any plane."""
 
+import dataclasses
+import importlib.util
 import random
 
 import pytest
@@ -130,7 +133,7 @@ def test_a_bad_prompt_late_in_the_queue_raises_and_leaves_nothing(llm):
     steps_before = engine.stats()["num_steps"]
     with pytest.raises(ValueError, match=r"steering_vectors.*hidden size"):
         llm.generate(prompts, params, use_tqdm=False)
-    assert engine.stats()["num_steps"] > steps_before  # the prompts before it ran meanwhile
+    assert engine.stats()["num_steps"] == steps_before  # refused before any prompt ran
     stats = engine.stats()
     assert not engine.has_unfinished_requests() and stats["num_requests"] == 0 and stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_blocks"]
@@ -150,3 +153,68 @@ def test_an_aborted_queue_admits_nothing_more(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.groups and llm.get_steering_status()["rows_in_use"] == 0
+
+
+class _Recorder:
+    """A capture consumer that notes which requests it was handed."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_capture(self, request_id, stream, tensors, metas) -> None:
+        self.seen.append(request_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _planes(llm, recorder: _Recorder) -> dict:
+    """Everything a call can leave behind: the engine's counters, each plane's status and the
+    rows its streams hold."""
+    engine = llm.llm_engine
+    streams = {name: llm.capture_status(name) for name in ("hidden_states", "attention_heads", "sae_features")}
+    return {"stats": engine.stats(), "steering": llm.get_steering_status(), "streams": streams,
+            "structured_live": engine.structured.live, "consumed": list(recorder.seen),
+            "unfinished": engine.has_unfinished_requests()}
+
+
+def test_a_refused_call_leaves_no_trace_in_any_plane(llm):
+    """A bad prompt late in the list: the call raises, and no stream, counter, steering row,
+    feature store, grammar or consumer shows anything of the prompts before it (issue 48, item 11)."""
+    from test_sae_registry import random_sae
+
+    from steerable import CaptureSpec, Feature, StructuredOutputsParams
+
+    engine = llm.llm_engine
+    hidden = engine.model_config.hidden_size
+    llm.register_sae("refusal-sae", random_sae(d_in=hidden, layer=1))
+    recorder = _Recorder()
+    llm.add_capture_consumer(recorder)
+    llm.start_capture("hidden_states", layers=[1], reduce="mean")
+    llm.start_capture("attention_heads", layers=[0])
+    llm.start_capture("sae_features", saes=["refusal-sae"], top_k=4)
+    try:
+        prompts, params = _workload(llm, seed=5)
+        for i, p in enumerate(params):  # every plane busy: own captures, feature steering, grammars
+            extra = {"capture": CaptureSpec(layers=[0], reduce="last")} if i % 3 == 0 else {}
+            if i % 4 == 1:
+                extra["steering_vectors"] = [Feature("refusal-sae", i, scale=2.0)]
+            if i % 5 == 2 and importlib.util.find_spec("xgrammar"):
+                extra["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no"])
+            params[i] = dataclasses.replace(p, **extra)
+        before = _planes(llm, recorder)
+        bad = list(params)
+        bad[11] = SamplingParams(max_tokens=3, steering_vectors={1: torch.zeros(hidden + 1)})
+        with pytest.raises(ValueError, match=r"steering_vectors.*hidden size"):
+            llm.generate(prompts, bad, use_tqdm=False)
+        assert _planes(llm, recorder) == before
+        good = [p for i, p in enumerate(prompts) if i != 11]
+        llm.generate(good, [p for i, p in enumerate(params) if i != 11], use_tqdm=False)
+        assert llm.capture_status("hidden_states")["rows_stored"] == {1: len(good)}  # one mean row a request
+        assert len(recorder.seen) == sum(1 for i in range(len(prompts)) if i % 3 == 0 and i != 11)
+    finally:
+        for name in ("hidden_states", "attention_heads", "sae_features"):
+            llm.stop_capture(name)
+            llm.clear_captured(name)
+        llm.remove_capture_consumer(recorder)
+        llm.unregister_sae("refusal-sae")

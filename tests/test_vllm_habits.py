@@ -86,6 +86,25 @@ class _CountingConsumer:
         self.closed += 1
 
 
+def test_model_config_is_public(llm, model_dirs):
+    """``llm.model_config`` (and ``llm.llm_engine.model_config``, as vLLM users reach it): the
+    model's shape as its HF config says, and what the engine chose."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_dirs["qwen3"])
+    config = llm.model_config
+    assert config is llm.llm_engine.model_config
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads, config.vocab_size) == \
+        (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.vocab_size)
+    assert config.dtype == torch.float32 and config.max_model_len == llm.llm_engine.max_model_len
+    assert (config.get_hidden_size(), config.get_vocab_size(), config.get_head_size()) == \
+        (hf.hidden_size, hf.vocab_size, config.head_dim)
+    vector = torch.ones(config.hidden_size)  # what the docs size their vectors with
+    out = llm.generate("Hello", SamplingParams(max_tokens=2, steering_vectors={config.num_layers - 1: vector}),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_version_alias_and_shutdown(model_dirs):
     assert isinstance(steerable.__version__, str) and steerable.__version__[0].isdigit()
     consumer = _CountingConsumer()

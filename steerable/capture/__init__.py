@@ -6,6 +6,7 @@ public names in the design (``from steerable.capture import ...`` and ``steerabl
 both hold.
 """
 
+import inspect
 import sys
 import types
 
@@ -29,3 +30,7 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+# ``inspect.signature``, IDEs and ``help`` show the call's own signature and docstring, not the
+# forwarding ``(*args, **kwargs)``.
+__signature__ = inspect.signature(capture)
+__doc__ = f"{__doc__}\nCalled: ``steerable.capture{__signature__}``\n\n{inspect.getdoc(capture)}\n"

@@ -49,6 +49,11 @@ class CaptureResult:
     def __len__(self) -> int:
         return len(self.outputs)
 
+    def __repr__(self) -> str:
+        rows = {key: sum(len(out.captures[self.stream][key]) for out in self.outputs) for key in self.layer_ids}
+        return (f"CaptureResult(stream={self.stream!r}, prompts={len(self)}, layers={self.layer_ids}, rows={rows}, "
+                f"layouts={self.layouts})")
+
 
 def capture(llm: Any, prompts: str | Sequence[Any], layers: Sequence[int] | None = None, stream: str = HIDDEN_STATES,
             select: Any = "last_prompt", max_tokens: int = 1, dtype: str | None = None, hook: str = POST_MLP,

@@ -11,16 +11,15 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from steerable.capture.serialization import CaptureMeta, _req_index
+from steerable.files import create_part, write_safetensors
 
 __all__ = ["CaptureConsumer", "FilesystemConsumer", "LoggingConsumer", "read_capture_shard",
            "SHARD_FORMAT", "KNOWN_STREAMS"]
@@ -117,10 +116,9 @@ class FilesystemConsumer:
             payload[f"layer.{layer}.token_ids"] = _owned(m.token_ids.to(torch.int32))
             payload[f"layer.{layer}.req_idx"] = torch.tensor([lookup[r] for r in m.req_ids], dtype=torch.int32)
         metadata = {"request_ids": json.dumps(table), "stream": stream, "format": SHARD_FORMAT}
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=path.parent)
-        os.close(fd)
+        tmp = create_part(path.parent, ".tmp-")
         try:
-            save_file(payload, tmp, metadata=metadata)
+            write_safetensors(payload, tmp, metadata=metadata)
             if self.fsync:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())

@@ -48,6 +48,11 @@ class AttentionPatterns:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __repr__(self) -> str:
+        keys = f"{int(self.key_lens.min())}-{int(self.key_lens.max())}" if len(self.rows) else "none"
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else None
+        return f"AttentionPatterns(rows={len(self)}, heads={self.heads}, keys per row={keys}, dtype={dtype})"
+
     @property
     def dtype(self) -> torch.dtype | None:
         return self.rows[0].dtype if self.rows else None

@@ -90,11 +90,31 @@ class CaptureSession(CaptureStreams):
 
     # ------------------------------------------------------------ admission
 
+    def check(self, params: Any) -> None:
+        """Refuse a bad ``params.capture`` (ValueError names the field) without holding anything:
+        admission's checks run before any of a call's prompts runs."""
+        self._request_destinations(params.capture, "")
+
     def admit(self, request: Request) -> None:
         """Validate ``params.capture`` and attach the request's capture state (ValueError names the field)."""
-        specs = request.params.capture
-        if specs is None:
+        destinations = self._request_destinations(request.params.capture, request.request_id)
+        if destinations is None:
             return
+        state = RequestCapture(destinations)
+        state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
+                                           for d in destinations)
+        self._token_readers += state.reads_generated_tokens
+        self.requests_in_use += bool(destinations)
+        self.features.users.update(d.name for d in destinations if d.name is not None)
+        for d in destinations:
+            d.sink = state
+        request.capture = state
+        self._build_selectors(request)
+
+    def _request_destinations(self, specs: Any, request_id: str) -> list[Destination] | None:
+        """The destinations of a request's ``CaptureSpec``s (None: it captures nothing)."""
+        if specs is None:
+            return None
         if isinstance(specs, CaptureSpec):
             specs = [specs]
         if not isinstance(specs, (list, tuple)) or not all(isinstance(s, CaptureSpec) for s in specs):
@@ -103,7 +123,7 @@ class CaptureSession(CaptureStreams):
         for spec in specs:
             if spec.stream in (SAE_FEATURES, TRANSCODER_ERROR) and not any(d.component == spec.stream
                                                                            for d in destinations):
-                destinations += self._feature_destinations(request, spec)
+                destinations += self._feature_destinations(request_id, spec)
                 continue
             named = spec.stream in (SAE_FEATURES, TRANSCODER_ERROR)
             component = spec.stream if named else self._component(spec.stream, "capture.stream")
@@ -119,18 +139,9 @@ class CaptureSession(CaptureStreams):
                     raise InvalidRequestError(f"capture.reduce: {ATTENTION_PATTERNS!r} keeps its rows (reduce='all')")
                 dtype = dtype or torch.float32
             select = self._parse_select(spec.select)
-            destinations.append(Destination(("request", request.request_id, component), component, hook,
+            destinations.append(Destination(("request", request_id, component), component, hook,
                                             layers, dtype, select, None, spec.reduce, spec.budget_rows, heads))
-        state = RequestCapture(destinations)
-        state.reads_generated_tokens = any(d.select is not None and d.select.reads_generated_tokens
-                                           for d in destinations)
-        self._token_readers += state.reads_generated_tokens
-        self.requests_in_use += bool(destinations)
-        self.features.users.update(d.name for d in destinations if d.name is not None)
-        for d in destinations:
-            d.sink = state
-        request.capture = state
-        self._build_selectors(request)
+        return destinations
 
     def _parse_select(self, select: Any) -> SelectSpec | None:
         """A request's ``select`` as a SelectSpec. A shortcut string parses to one shared spec, so its
@@ -147,10 +158,10 @@ class CaptureSession(CaptureStreams):
             self._shortcuts[select] = parsed
         return parsed
 
-    def _feature_destinations(self, request: Request, spec: CaptureSpec) -> list[Destination]:
+    def _feature_destinations(self, request_id: str, spec: CaptureSpec) -> list[Destination]:
         select = self._parse_select(spec.select)
         check_reduction(spec.reduce, spec.budget_rows, "capture.")
-        key = ("request", request.request_id, spec.stream)
+        key = ("request", request_id, spec.stream)
         if spec.stream == TRANSCODER_ERROR:
             return self.features.error_destinations(spec.saes, select, key, spec.reduce, spec.budget_rows, "capture.")
         return self.features.destinations(spec.saes, spec.top_k, select, key, spec.reduce, spec.budget_rows,

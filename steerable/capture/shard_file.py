@@ -67,7 +67,7 @@ class ShardFile:
         self.start = 8 + len(text)  # where the labels begin; the layers follow them
         self.rows, self.num_layers = rows, len(layers)
         self._ready, self._error, self._cond = (rows if offset == 0 else -1), None, threading.Condition()
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides, as for any file
         try:
             os.ftruncate(self._fd, self.start + offset)
             head = struct.pack("<Q", len(text)) + text

@@ -42,6 +42,10 @@ class SparseFeatures:
     def __len__(self) -> int:
         return self.indices.shape[0]
 
+    def __repr__(self) -> str:
+        active = (self.indices >= 0).sum(1).float().mean().item() if len(self) else 0.0
+        return f"SparseFeatures(rows={len(self)}, top_k={self.top_k}, active per row={active:.1f})"
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SparseFeatures):
             return NotImplemented

@@ -2,7 +2,8 @@
 checks (every bad field a ``ValueError`` naming it, before anything is allocated), tokenization,
 each completion's steering, structured-output and capture state, and ``n`` > 1 groups whose
 siblings are created as the batch has room, sharing the first one's prompt KV. ``LLM.generate``'s
-prompts are queued and admitted as the scheduler takes them (``QueuedPrompts``)."""
+prompts are checked up front, then queued and admitted as the scheduler takes them
+(``QueuedPrompts``)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,34 @@ from steerable.engine.output_processor import RequestGroup
 from steerable.errors import InvalidRequestError
 from steerable.request import Request
 from steerable.sampling_params import SamplingParams
+from steerable.steering.spec import Intervention
 from steerable.structured.plane import refuse_streaming_input
 
 
 @dataclass
-class QueuedPrompts:
-    """One call's prompts, admitted in order when the scheduler has room and no other request
-    waits: their checks, tokenization and steering parse then run while the device works on the
-    steps before, and every step is the one admitting them all up front would have built (the
-    scheduler takes waiting requests first come, first served, and asks for the next only once
-    none is left). The first invalid one ends the queue and is kept in ``error``."""
+class CheckedPrompt:
+    """A prompt that passed every check admission makes (``Admission._check``): its tokens and its
+    own steering, parsed. Admitting it builds its state and can no longer refuse it."""
 
-    entries: deque[tuple[str, str | Sequence[int], SamplingParams]]
+    client_id: str
+    prompt_text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    steering: list[Intervention]
+
+
+@dataclass
+class QueuedPrompts:
+    """One call's prompts, checked up front (a bad one refuses the call before any of them runs:
+    nothing of it reaches a stream, a consumer or a counter), then admitted in order when the
+    scheduler has room and no other request waits: building their steering, capture and grammar
+    state then runs while the device works on the steps before, and every step is the one
+    admitting them all up front would have built (the scheduler takes waiting requests first come,
+    first served, and asks for the next only once none is left). A prompt that admission refuses
+    after all (what it names changed since: an SAE unregistered by another thread) ends the queue
+    and is kept in ``error``."""
+
+    entries: deque[CheckedPrompt]
     error: InvalidRequestError | None = None
 
 
@@ -37,6 +54,11 @@ class Admission:
 
     def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
                      stream: bool, resumable: bool, increments: bool) -> RequestGroup:
+        return self._admit_checked(self._check(client_id, prompt, params, resumable), stream, resumable, increments)
+
+    def _check(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
+               resumable: bool = False) -> CheckedPrompt:
+        """Every check of one prompt (each bad field a ``ValueError`` naming it), holding nothing."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -56,15 +78,27 @@ class Admission:
             raise InvalidRequestError(f"n: {params.n} is above this engine's cap of {limit} completions per request "
                                       "(max_n)")
         prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
+        steering = self.steering.parse_request(params)
+        self.capture.check(params)
+        return CheckedPrompt(client_id, prompt_text, token_ids, params, steering)
+
+    def _admit_checked(self, checked: CheckedPrompt, stream: bool, resumable: bool, increments: bool) -> RequestGroup:
+        client_id, params = checked.client_id, checked.params
         if params.n == 1:
-            group = RequestGroup(client_id, [self._admit(client_id, 0, prompt_text, token_ids, params)], stream,
-                                 increments)
+            first = self._admit(client_id, 0, checked.prompt_text, checked.token_ids, params, steering=checked.steering)
+            group = RequestGroup(client_id, [first], stream, increments)
         else:
-            group = self._admit_group(client_id, prompt_text, token_ids, params, stream, increments)
+            group = self._admit_group(checked, stream, increments)
         self.groups[client_id] = group
         for child in group.children:
             self._enqueue(child, group, resumable)
         return group
+
+    def _queue_checked(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]]) -> QueuedPrompts:
+        """Check every prompt of a call (the first bad one raises, nothing is queued), then queue them."""
+        batch = QueuedPrompts(deque(self._check(client_id, prompt, params) for client_id, prompt, params in requests))
+        self._queued.append(batch)
+        return batch
 
     def _admit_queued(self) -> bool:
         """The scheduler's refill: admit the oldest queued prompt; False when none is left."""
@@ -73,9 +107,9 @@ class Admission:
             if not batch.entries:
                 self._queued.popleft()
                 continue
-            client_id, prompt, params = batch.entries.popleft()
+            checked = batch.entries.popleft()
             try:
-                self._add_request(client_id, prompt, params, False, False, False)
+                self._admit_checked(checked, False, False, False)
             except InvalidRequestError as err:
                 batch.error = err
                 batch.entries.clear()
@@ -86,7 +120,7 @@ class Admission:
     def _drop_queued(self, client_ids: set[str]) -> None:
         """Aborted before their turn: never admitted."""
         for batch in self._queued:
-            batch.entries = deque(e for e in batch.entries if e[0] not in client_ids)
+            batch.entries = deque(e for e in batch.entries if e.client_id not in client_ids)
 
     def _num_queued(self) -> int:
         return sum(len(batch.entries) for batch in self._queued)
@@ -104,12 +138,14 @@ class Admission:
             raise InvalidRequestError(f"prompt_logprobs: {params.prompt_logprobs} exceeds the vocabulary size {vocab}")
 
     def _admit(self, client_id: str, index: int, prompt_text: str | None, token_ids: list[int],
-               params: SamplingParams, template: Request | None = None) -> Request:
+               params: SamplingParams, template: Request | None = None,
+               steering: list[Intervention] | None = None) -> Request:
         """One completion's request, its steering and capture admitted (``template``: a sibling's
-        steering snapshot is shared, as the group was admitted with it)."""
+        steering snapshot is shared, as the group was admitted with it; ``steering``: its own
+        interventions, parsed when it was checked)."""
         request = self._new_request(client_id, index, prompt_text, token_ids, params)
         if template is None:
-            self.steering.admit(request)
+            self.steering.admit(request, steering)
         else:
             self.steering.share(request, template)
             request.hash_keys = list(template.hash_keys)
@@ -131,13 +167,14 @@ class Admission:
         return Request(request_id, client_id, prompt_text, token_ids, params, self._rng.getrandbits(63),
                        self.model_config.eos_token_ids, index)
 
-    def _admit_group(self, client_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
-                     stream: bool, increments: bool) -> RequestGroup:
+    def _admit_group(self, checked: CheckedPrompt, stream: bool, increments: bool) -> RequestGroup:
         """``n`` > 1: the steering snapshot is taken once, on a template request that is never
         scheduled, and the first completion admitted now (so bad input fails here); the others
         are created from the template as the scheduler has room (``_fan_out``)."""
+        client_id, prompt_text, token_ids, params = (checked.client_id, checked.prompt_text, checked.token_ids,
+                                                     checked.params)
         template = self._new_request(client_id, -1, prompt_text, token_ids, params)
-        self.steering.admit(template)
+        self.steering.admit(template, checked.steering)
         try:
             first = self._admit(client_id, 0, prompt_text, token_ids, _child_params(params, 0), template)
         except BaseException:

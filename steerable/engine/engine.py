@@ -69,7 +69,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         self.layout = model_cls.hook_layout(self.model_config)
         self.device = config.resolve_device()
         config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config)
-        self.dtype = config.resolve_dtype(hf_config, self.device)
+        self.dtype = self.model_config.dtype = config.resolve_dtype(hf_config, self.device)
         if self.device.type == "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
             cpu_threads.apply(config.cpu_threads)
         max_len = self.model_config.max_position_embeddings
@@ -90,7 +90,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         if kv_capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity of %d tokens", max_len, kv_capacity)
             max_len = kv_capacity
-        self.max_model_len = max_len
+        self.max_model_len = self.model_config.max_model_len = max_len
         self.kv_capacity = self.worker.num_blocks * config.block_size  # tokens, every sequence's together
         self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_groups.windows)
@@ -167,13 +167,12 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
             return self._add_request(client_id, prompt, params, stream, resumable, increments)
 
     def queue_requests(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]]) -> QueuedPrompts:
-        """Queue ``(client_id, prompt, params)`` (each ``n`` = 1) to be admitted as the scheduler has
-        room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``."""
+        """Check ``(client_id, prompt, params)`` (each ``n`` = 1) now, raising the first bad one's
+        ``InvalidRequestError`` with nothing queued, then queue them to be admitted as the scheduler
+        has room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``."""
         with self.lock.hold():
             self._check_open()
-            batch = QueuedPrompts(deque(requests))
-            self._queued.append(batch)
-            return batch
+            return self._queue_checked(requests)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """The token ids ``add_request`` would run for ``prompt`` (errors name ``prompt``)."""

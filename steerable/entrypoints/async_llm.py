@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import uuid
@@ -415,6 +416,8 @@ def _awaitable(name: str) -> Callable[..., Any]:
 
 for _name in _CONTROL_PLANE:
     setattr(AsyncLLM, _name, _awaitable(_name))
+# LLM's arguments, which AsyncLLM passes on: help(AsyncLLM) and IDEs show them, not (*args, **kwargs).
+AsyncLLM.__init__.__signature__ = inspect.signature(LLM.__init__)
 
 
 def capture_layouts(engine: Any) -> dict[str, dict[str, Any]]:

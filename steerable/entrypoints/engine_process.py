@@ -26,6 +26,7 @@ stream it comes from, so a late abort never reaches a later request that reuses 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import multiprocessing
@@ -260,6 +261,9 @@ class ProcessAsyncLLM(AsyncLLM):
         if threading.current_thread() is not self._reader:
             self._reader.join(30)
         self._conn.close()
+
+
+ProcessAsyncLLM.__init__.__signature__ = inspect.signature(AsyncLLM.__init__)  # LLM's arguments, passed on
 
 
 class _IncrementStream(RequestStream):

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from steerable.config import EngineConfig
+from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.admission import QueuedPrompts
 from steerable.engine.engine import LLMEngine
 from steerable.errors import InvalidRequestError
@@ -45,6 +45,13 @@ class LLM:
     def llm_engine(self) -> LLMEngine:
         """The engine, under the name vLLM gives it."""
         return self.engine
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's shape (``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
+        ``head_dim``, ``vocab_size``, ``hf_config``) and what the engine chose (``dtype``,
+        ``max_model_len``); also ``llm.llm_engine.model_config``, as vLLM users reach it."""
+        return self.engine.model_config
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer.hf
@@ -162,8 +169,9 @@ class LLM:
         return outputs
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        """Prompts of one completion each are admitted as the scheduler takes them, so admitting
-        them (tokenization, steering specs) overlaps the device's work on the first ones. With
+        """Prompts of one completion each are checked up front (a bad one refuses the call before
+        any prompt runs) and admitted as the scheduler takes them, so building their state
+        (steering configs, capture, grammars) overlaps the device's work on the first ones. With
         ``n`` > 1 they are admitted up front: a group's siblings are created as soon as the batch
         has room, which for a group admitted up front can be before its first completion runs, so
         queuing it would change the steps."""

@@ -112,12 +112,17 @@ class GPTNeoXLayer(LlamaDecoderLayer):
             return super().forward(positions, h, mlp_out, ctx)
         h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
         attn_out = self.self_attn(positions, x, ctx)
+        written = None
+        if self.hooks.in_use((POST_ATTN, self.layer), ctx):
+            # Formed before the MLP's points, which may write what a read here decided (a
+            # transcoder clamp reading hook_resid_mid). Only what steering wrote here joins the
+            # stream: rows it left alone keep HF's sum bit for bit, whatever their batch company does.
+            post = h + attn_out
+            written = self.hooks.residual(POST_ATTN, self.layer, post, ctx) - post
         x = self.hooks.mlp_in(self.layer, self.post_attention_layernorm(h), ctx)
         mlp_out = self.hooks.mlp_out(self.layer, self.mlp(x, ctx), ctx)
-        site = (POST_ATTN, self.layer)
-        if not self.hooks.in_use(site, ctx):  # HF's sum, (mlp + attn) + x; the next norm adds x
-            return h, mlp_out + attn_out
-        return self.hooks.residual(POST_ATTN, self.layer, h + attn_out, ctx), mlp_out
+        delta = mlp_out + attn_out  # HF's sum, (mlp + attn) + x; the next norm adds x
+        return h, delta if written is None else delta + written
 
 
 class GPTNeoXForCausalLM(CausalLM):

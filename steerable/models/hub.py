@@ -81,7 +81,7 @@ def _cached(repo_id: str, revision: str | None, gguf_file: str | None) -> str | 
 def _download(repo_id: str, revision: str | None, gguf_file: str | None) -> str:
     """Fetch what the engine reads into the cache: the metadata first, then the weights the index names."""
     try:
-        files = HfApi().list_repo_files(repo_id, revision=revision)
+        files = _repo_files(repo_id, revision)
         if gguf_file:
             if gguf_file not in files:
                 ggufs = sorted(f for f in files if f.endswith(".gguf"))
@@ -112,6 +112,14 @@ def _download(repo_id: str, revision: str | None, gguf_file: str | None) -> str:
         raise ValueError(_unreachable(repo_id, revision, gguf_file, err)) from None
     except _network_errors() as err:
         raise ValueError(_unreachable(repo_id, revision, gguf_file, err)) from None
+
+
+def _repo_files(repo_id: str, revision: str | None) -> list[str]:
+    """Every file of the repository, from one request with the hub client's metadata timeout
+    (``HF_HUB_ETAG_TIMEOUT``, 10 s) and no retries: an unreachable hub fails in that time, not after
+    ``list_repo_files``'s five retries with backoff (23 s)."""
+    info = HfApi().model_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    return [sibling.rfilename for sibling in info.siblings or []]
 
 
 def _index_files(folder: str) -> list[str]:

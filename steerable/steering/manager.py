@@ -164,11 +164,11 @@ class SteeringManager:
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, request: Request) -> None:
-        """Compose and validate the request's steering; sets ``request.steering`` and its cache keys.
-        Raises ValueError before changing any state."""
-        params = request.params
-        items = list(self.global_items)
+    def parse_request(self, params: Any) -> list[Intervention]:
+        """A request's own interventions (its module reference, scaled, and its inline spec),
+        validated: the part of admission that can refuse it, run before any of a call's prompts
+        runs (``admit`` then composes them with the global spec)."""
+        items = []
         ref = params.steering_module_ref
         if ref is not None:
             name, scale = (ref, 1.0) if isinstance(ref, str) else (ref[0], float(ref[1]))
@@ -179,7 +179,14 @@ class SteeringManager:
                 scaled = [item.scaled(scale, "steering_module_ref") for item in self.modules[name]]
                 self._scaled_modules[(name, scale)] = scaled
             items += scaled
-        items += self.parser.parse(params.steering_vectors, "steering_vectors")
+        return items + self.parser.parse(params.steering_vectors, "steering_vectors")
+
+    def admit(self, request: Request, own: list[Intervention] | None = None) -> None:
+        """Compose and validate the request's steering; sets ``request.steering`` and its cache keys.
+        ``own``: its interventions as ``parse_request`` gave them (None: parsed now). Raises
+        ValueError before changing any state."""
+        own = self.parse_request(request.params) if own is None else own
+        items = [*self.global_items, *own]
         items = [item for item in items if not item.is_noop()]
         if not items:
             return

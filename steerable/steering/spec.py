@@ -4,6 +4,7 @@ validated, canonical form (``Intervention``) that the engine composes, hashes an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -137,22 +138,27 @@ class Intervention:
     factor: float = 1.0  # clamp: the read value is scaled by it before clipping
     # What the content hash covers but the layer: the same at every layer an item is given for.
     unlayered: bytes = field(init=False, repr=False, compare=False)
-    digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # The content hash, computed once per intervention (a global spec is shared by every request).
         select = self.select.key if self.select is not None else "*"
         factor = "" if self.factor == 1.0 else f"factor={self.factor}|"  # 1 keeps every older clamp's identity
         head = f"{self.kind}|{self.point}|{self.lo}|{self.hi}|{self.strength}|{factor}{select}|".encode()
         gate = b"" if self.gate is None else b"|gate:" + self.gate.digest
         object.__setattr__(self, "unlayered", head + self.vector_hash + gate)
-        object.__setattr__(self, "digest", _layer_digest(self.unlayered, self.layer))
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """The content hash, computed once per intervention (a global spec is shared by every
+        request) and when admission composes a config, not when a spec is checked: ``generate``
+        checks its prompts up front and admits them while the device runs."""
+        return _layer_digest(self.unlayered, self.layer)
 
     def at_layer(self, layer: int) -> "Intervention":
         """The same intervention at ``layer``, sharing its vector. A copy of the fields rather than
         the dataclass init: a spec gives most items once per layer, and the init costs microseconds."""
         moved = object.__new__(Intervention)
-        moved.__dict__.update(self.__dict__, layer=layer, digest=_layer_digest(self.unlayered, layer))
+        moved.__dict__.update(self.__dict__, layer=layer)
+        moved.__dict__.pop("digest", None)
         return moved
 
     @property

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from steerable.errors import InvalidRequestError
+from steerable.files import write_safetensors
 from steerable.hook_points import POST_MLP
 from steerable.vectors.control_vector import ControlVector
 
@@ -117,14 +118,12 @@ def load_gguf(path: str | os.PathLike) -> ControlVector:
 
 def save_safetensors(cv: ControlVector, path: str | os.PathLike) -> None:
     """``direction.N`` tensors plus the hook and the training metadata (JSON) in the header."""
-    from safetensors.torch import save_file
-
     metadata = dict(cv.metadata)
     if "residual_norm" in metadata:
         metadata["residual_norm"] = {str(k): float(v) for k, v in metadata["residual_norm"].items()}
     header = {"format": SAFETENSORS_FORMAT, "hook": cv.hook, "metadata": json.dumps(metadata)}
     with _replacing(path) as tmp:
-        save_file({f"direction.{layer}": v.clone() for layer, v in cv.directions.items()}, tmp, metadata=header)
+        write_safetensors({f"direction.{layer}": v.clone() for layer, v in cv.directions.items()}, tmp, metadata=header)
 
 
 def load_safetensors(path: str | os.PathLike) -> ControlVector:

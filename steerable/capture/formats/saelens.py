@@ -52,7 +52,8 @@ def stored_dtype(dtype: str | None, model_dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name in ("bfloat16", "bf16"):
         raise InvalidRequestError("dtype: the saelens format cannot store bfloat16 (Arrow has no bfloat16 type); "
-                                  "use --dtype float16 (half the size, enough for most residual streams) or float32")
+                                  "use float16 (--capture-dtype float16; half the size, enough for most residual streams) "
+                                  "or float32")
     if name not in STORED_DTYPES:
         raise InvalidRequestError(f"dtype: the saelens format stores float32 or float16, got {dtype!r}")
     return name

@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steerable", description="An LLM inference engine where activation "
                                      "steering and capture are first-class.")
     parser.add_argument("--version", action="version", version=f"steerable {steerable.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; 'steerable COMMAND --help' lists its options")
     for verb in VERBS:
         verb.register(sub)
     return parser

@@ -8,7 +8,9 @@ import os
 
 from steerable.entrypoints.cli.common import (
     CliError,
+    DeprecatedFlag,
     add_engine_args,
+    add_model_arg,
     engine_kwargs,
     layer_list,
     load_sae,
@@ -16,7 +18,6 @@ from steerable.entrypoints.cli.common import (
     sae_file,
 )
 from steerable.hook_points import HOOK_POINTS, POST_MLP
-from steerable.models.demo import DEFAULT_MODEL
 
 FORMATS = ("steerable", "saelens", "delphi")
 
@@ -28,11 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "into OUT: steerable's shards (OUT/shard-NNNNN.safetensors + index.json), "
                                         "SAELens' activation cache (--format saelens) or delphi's latent cache "
                                         "(--format delphi); see docs/capture.md and docs/scale.md.")
-    parser.add_argument("model", nargs="?", default=None,
-                        help=f"HF directory, .gguf file, demo name or hub id org/name (default: {DEFAULT_MODEL})")
-    parser.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag")
-    parser.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
-    parser.add_argument("--gguf-file", default=None, help="the .gguf file to load from a hub repository or a directory")
+    add_model_arg(parser)
     parser.add_argument("--input", required=True,
                         help="JSON lines of texts (or of pre-tokenized 'token_ids' windows), or a Hugging Face "
                              "dataset directory (save_to_disk)")
@@ -43,16 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--context-size", type=int, default=None,
                         help="tokens per window for --format saelens / delphi (texts packed as SAELens packs them)")
     parser.add_argument("--layers", type=layer_list, default=None, help="e.g. 4,8,12 or 8-20 (default: all)")
-    parser.add_argument("--hook", choices=HOOK_POINTS, default=POST_MLP)
+    parser.add_argument("--hook", choices=HOOK_POINTS, default=POST_MLP,
+                        help=f"where hidden states are read (default: {POST_MLP}; docs/capture.md)")
     parser.add_argument("--select", default=None,
                         help="all | all_prompt | last_prompt | all_generated, or a SelectSpec wire dict as JSON "
                              "(default: last_prompt; the window formats capture all)")
-    parser.add_argument("--dtype", dest="capture_dtype", default=None,
+    parser.add_argument("--capture-dtype", default=None,
                         help="stored dtype: float32 | bfloat16 | float16 (default: the model's; saelens: float32 "
-                             "or float16)")
+                             "or float16; --dtype, as in every verb, is the model's own)")
     parser.add_argument("--sae", type=sae_file, default=None, metavar="PATH[:LAYER[:HOOK]]",
                         help="store this SAE's (or transcoder's) top features of each row instead of hidden states; "
-                             "--layers, --hook and --dtype then do not apply")
+                             "--layers, --hook and --capture-dtype then do not apply")
     parser.add_argument("--top-k", type=int, default=None,
                         help="features kept per row with --sae (default: 64; delphi with a top-k SAE: its k)")
     parser.add_argument("--hookpoint", default=None,
@@ -69,7 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--ray", default=None, metavar="ADDRESS",
                         help="run on a Ray cluster: local (start one here), auto (the running one) or host:port; "
                              "pip install 'steerable[ray]'")
-    add_engine_args(parser, dtype_flag="--model-dtype")
+    add_engine_args(parser).add_argument(
+        "--model-dtype", dest="dtype", action=DeprecatedFlag, replacement="--dtype (the model's dtype, as in every verb)",
+        help="deprecated spelling of --dtype")
     parser.set_defaults(func=lambda args: run_checked(capture, args))
 
 
@@ -82,9 +82,6 @@ def capture(args: argparse.Namespace) -> int:
     from steerable.capture.store import resolve_storage_dtype
     from steerable.selection import SelectSpec
 
-    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
-        raise CliError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
-    args.model = args.model_flag or args.model or DEFAULT_MODEL
     select = args.select
     if select is not None and select.lstrip().startswith("{"):
         try:
@@ -98,7 +95,7 @@ def capture(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise CliError(f"{flag} must be >= 1")
     sae = load_sae(args.sae, "--sae") if args.sae is not None else None
-    resolve_storage_dtype(args.capture_dtype, "--dtype")
+    resolve_storage_dtype(args.capture_dtype, "--capture-dtype")
     if args.format != "delphi" and os.path.exists(os.path.join(args.out, INDEX)) and not args.resume:
         raise CliError(f"--out: {args.out} already holds a corpus capture; pass --resume or choose another directory")
     corpus = read_corpus(args.input, args.field)

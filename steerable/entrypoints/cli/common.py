@@ -13,21 +13,46 @@ class CliError(Exception):
     """A bad command-line argument: printed as ``error: ...`` with exit status 2."""
 
 
-def add_model_arg(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+class _Model(argparse.Action):
+    """MODEL, positional or as ``--model`` (both spellings, as vLLM's ``serve`` takes them): the
+    same model given both ways is fine, two different ones an error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, "model_given", None)
+        if given is not None and given != values:
+            parser.error(f"the model is given twice: {given!r} and {values!r}")
+        namespace.model_given = values
+        namespace.model = values
+
+
+class DeprecatedFlag(argparse.Action):
+    """An old spelling of another flag: stores into its ``dest`` and says which flag to use."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str = "", **kwargs: Any):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"warning: {option_string} is deprecated; use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
     help_text = f"HF directory, .gguf file, demo name or hub id org/name (default: {DEFAULT_MODEL})"
-    if positional:
-        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=help_text)
-    else:
-        parser.add_argument("--model", default=DEFAULT_MODEL, help=help_text)
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=_Model, metavar="MODEL", help=help_text)
+    parser.add_argument("--model", dest="model", default=DEFAULT_MODEL, action=_Model, metavar="MODEL",
+                        help="MODEL as an option")
     parser.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     parser.add_argument("--gguf-file", default=None, help="the .gguf file to load from a hub repository or a directory")
 
 
-def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype") -> None:
-    """The knobs of ``LLM(...)``; a verb whose own ``--dtype`` means something else (``capture``:
-    the stored dtype) names the model's another way."""
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The knobs of ``LLM(...)`` (``--dtype`` is the model's in every verb); the group, for a
+    verb's own deprecated spellings of them."""
     group = parser.add_argument_group("engine")
-    group.add_argument(dtype_flag, dest="dtype", default="auto",
+    group.add_argument("--dtype", default="auto",
                        help="model dtype: auto | float32 | bfloat16 | float16 (default: auto)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     group.add_argument("--max-model-len", type=int, default=None,
@@ -54,6 +79,7 @@ def add_engine_args(parser: argparse.ArgumentParser, dtype_flag: str = "--dtype"
                        help="ranks that split every layer's weights (default: 1); docs/parallel.md")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="pipeline stages, each holding a range of layers (default: 1)")
+    return group
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

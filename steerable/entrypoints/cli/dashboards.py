@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="Top and quantile examples, activation statistics and logit effects of an "
                                         "SAE's features over a JSON-lines corpus, in one pass; written to OUT with the "
                                         "Neuronpedia export (batch-N.json). Resumable (docs/dashboards.md).")
-    add_model_arg(parser, positional=True)
+    add_model_arg(parser)
     parser.add_argument("--sae", type=sae_file, required=True, metavar="PATH[:LAYER[:HOOK]]",
                         help="the SAE: a SAELens or sparsify directory or a Gemma Scope params.npz")
     parser.add_argument("--sae-name", default=None, help="its name in OUT and the export (default: the file's folder)")

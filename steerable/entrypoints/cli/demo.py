@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "sweep it over scales on held-out items and generate at -s, 0, +s.")
     add_model_arg(parser)
     parser.add_argument("--scale", type=float, default=3.0, help="s for the generations (default: 3)")
-    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=40, help="tokens per generation (default: 40)")
     parser.add_argument("--out", default=None, help="also save the vector (one unit of scale): .gguf or .safetensors")
     parser.add_argument("--plot", default=None, help="also save the sweep as a PNG")
     add_engine_args(parser)

@@ -24,11 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="Generate text for one or more prompts.")
     add_model_arg(parser)
     parser.add_argument("--prompt", action="append", help="prompt text; repeat for several (default: a demo question)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of tokens whose probability reaches P (default: 1, all)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables it (default)")
-    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than P times the most likely one (default: 0, none)")
     parser.add_argument("--stop", action="append", default=None, help="stop string; repeat for several")
     parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--logprobs", type=int, default=None, help="print the top-N logprobs of each token")

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, "
                                         "tokenize, models, metrics) with steering and capture in the request body "
                                         "and admin routes for global steering, modules and capture streams.")
-    add_model_arg(parser, positional=True)
+    add_model_arg(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")

@@ -24,15 +24,19 @@ _NUMBER_LIST = re.compile(r"^-\d+$|^-\d*\.\d+$|^-?[\d.]+(,-?[\d.]+)+$")
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("vectors", help="train and evaluate steering vectors",
                             description="Train a control vector from contrast pairs, or evaluate one on A/B items.")
-    verbs = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verbs = parser.add_subparsers(dest="action", required=True, metavar="ACTION",
+                                  help="train or eval; 'steerable vectors ACTION --help' lists its options")
 
     train = verbs.add_parser("train", help="contrast pairs -> a control vector (.gguf or .safetensors)")
     add_model_arg(train)
     train.add_argument("--pairs", required=True, help='JSON lines: {"positive": ..., "negative": ...}')
     train.add_argument("--layers", type=layer_list, default=None, help="e.g. 8-20 or 4,8,12 (default: 1 to L-1)")
-    train.add_argument("--method", default="mean_diff", choices=["mean_diff", "pca_diff", "pca_center", "logistic"])
+    train.add_argument("--method", default="mean_diff", choices=["mean_diff", "pca_diff", "pca_center", "logistic"],
+                       help="how the direction is found from the pairs' activations (default: mean_diff; "
+                            "docs/vectors.md)")
     train.add_argument("--token", default="last", choices=["last", "mean"], help="last prompt token or prompt mean")
-    train.add_argument("--hook", default=POST_MLP, choices=RESIDUAL_POINTS)
+    train.add_argument("--hook", default=POST_MLP, choices=RESIDUAL_POINTS,
+                       help=f"the residual point read and steered (default: {POST_MLP})")
     train.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                        help="unit vectors (default: the method's own, see docs/vectors.md)")
     train.add_argument("--batch-size", type=int, default=64, help="pairs per engine call (default: 64)")

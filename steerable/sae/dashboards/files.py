@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from steerable.errors import InvalidRequestError
+from steerable.files import create_part, write_safetensors
 from steerable.sae.dashboards.export import neuronpedia_batches
 from steerable.sae.dashboards.logits import LogitTables
 from steerable.sae.dashboards.settings import DashboardSettings
@@ -32,8 +32,7 @@ VOCAB = "vocab.json"
 
 def _write_atomic(path: Path, write: Any) -> None:
     """``write(tmp_path)`` then rename over ``path``: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".part", dir=path.parent)
-    os.close(fd)
+    tmp = create_part(path.parent, f".{path.name}-")
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -98,7 +97,7 @@ def save(dash: "FeatureDashboards", out: str | os.PathLike, batch_features: int 
         raise InvalidRequestError(f"batch_features: must be >= 1, got {batch_features!r}")
     previous = read_index(out) or {}
     tensors = {**dash.state.tensors(), **dash.logits.state_dict()}
-    _write_atomic(out / STATE, lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp))
+    _write_atomic(out / STATE, lambda tmp: write_safetensors({k: t.contiguous() for k, t in tensors.items()}, tmp))
     _write_json(out / VOCAB, [dash.token_str(t) for t in range(dash.vocab_size)])
     batches = []
     for k, batch in enumerate(neuronpedia_batches(dash, batch_features, model_id, sae_set, dataset)):

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, load_file, save
 
 from steerable.errors import InvalidRequestError
+from steerable.files import write_safetensors
 from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid
 from steerable.sae.dashboards.merge import (
     Order,
@@ -151,7 +152,7 @@ class DashboardState:
                 **self.top.state_dict("top"), **self.reservoir.state_dict("reservoir")}
 
     def save(self, path: str) -> None:
-        save_file({name: t.contiguous() for name, t in self.tensors().items()}, path)
+        write_safetensors({name: t.contiguous() for name, t in self.tensors().items()}, path)
 
     def to_bytes(self) -> bytes:
         """The state as safetensors bytes (what a replica sends back; nothing is pickled)."""
