@@ -23,6 +23,9 @@ from steerable.step import NO_CLAMP  # noqa: E402
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+# The interpreter converts float32 to bfloat16 by truncation (CUDA rounds to nearest even), so
+# kernels whose point is their rounding are checked there in float32 and float16.
+ROUNDING_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 def _ref_rms(x, w, eps):
@@ -343,6 +346,55 @@ def test_gumbel_argmax_greedy_and_distribution():
     again = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                 torch.arange(n, device=DEVICE) * 7919 + 1)
     assert torch.equal(tokens, again)  # same seeds, same samples
+
+
+def _torch_softcap(logits, cap):
+    """HF's final logit soft-cap: three PyTorch ops, each rounding to the logits' dtype."""
+    return torch.tanh(logits / cap) * cap
+
+
+def _same_up_to_tanh(got, ref):
+    """``got`` equals ``ref`` bit for bit on CUDA (``softcap_`` calls CUDA's tanhf, as PyTorch does).
+    The interpreter's tanh (``fused.tanh_exp2``) is off by up to about 1e-7 absolute: float32 values
+    agree to that (times the cap), and a 16-bit value at most one unit in the last place where it
+    crosses a rounding boundary, which almost none do."""
+    if DEVICE == "cuda":
+        return torch.equal(got, ref)
+    if ref.dtype == torch.float32:
+        return bool(((got - ref).abs() <= 30 * 2e-7 + 1e-6 * ref.abs()).all())
+    ulp = torch.finfo(ref.dtype).eps * ref.float().abs()
+    return bool(((got.float() - ref.float()).abs() <= ulp).all()) and (got == ref).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+def test_softcap_in_place_rounds_as_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 3001, generator=g) * 40).to(DEVICE, dtype)  # well past the cap: it bends
+    ref = _torch_softcap(logits, 30.0)
+    got = fused.softcap_(logits.clone(), 30.0)
+    assert _same_up_to_tanh(got, ref)
+    assert (ref.float() - logits.float()).abs().max() > 5  # the cap changes the logits (effect size)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused.softcap_(logits.t(), 30.0)
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+def test_gumbel_argmax_caps_in_registers(dtype):
+    """The sampler capping in registers picks what it picks from the capped logits: greedy is the
+    argmax of the capped values (ties the rounding makes go to the lowest index), and sampling
+    draws the same tokens as from logits capped beforehand (same seeds, same values)."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 9000, generator=g) * 20).to(DEVICE, dtype)
+    logits[0, [4000, 17]] = torch.tensor([1000.0, 900.0], dtype=dtype)  # both cap to 30: the lowest index wins
+    capped = fused.softcap_(logits.clone(), 30.0)
+    zeros, seeds = torch.zeros(6, device=DEVICE), torch.arange(6, device=DEVICE) * 31 + 5
+    greedy = fused.gumbel_argmax(logits, zeros, seeds, softcap=30.0)
+    assert torch.equal(greedy, fused.gumbel_argmax(capped, zeros, seeds))
+    assert int(greedy[0]) == 17
+    temps = torch.full((6,), 0.7, device=DEVICE)
+    sampled = fused.gumbel_argmax(logits, temps, seeds, softcap=30.0)
+    assert torch.equal(sampled, fused.gumbel_argmax(capped, temps, seeds))
+    assert not torch.equal(sampled, fused.gumbel_argmax(logits, temps, seeds))  # the cap matters
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

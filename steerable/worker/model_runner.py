@@ -260,7 +260,8 @@ class ModelRunner:
         hidden = self.model(ctx.input_ids, ctx.positions, ctx)
         if not sample:
             return hidden, None
-        tokens = fused.gumbel_argmax(self.model.compute_logits(hidden), views.temperature, views.seeds)
+        logits, softcap = self.model.logits_for_sampler(hidden)
+        tokens = fused.gumbel_argmax(logits, views.temperature, views.seeds, softcap)
         self.buffers.last_sampled.index_copy_(0, views.request_slots, tokens)
         return hidden, tokens
 
