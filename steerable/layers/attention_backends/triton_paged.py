@@ -104,9 +104,9 @@ class TritonAttentionConfig:
     # Use split-KV when max_query_len == 1, a workspace is given and B * Hkv <= this.
     split_kv_max_programs: int = 128
     # Segments per sequence on the split-KV path: 0 cuts every sequence into the workspace's
-    # ``num_segments``; above 0, into about this many programs over the batch,
-    # ceil(target / (B * Hkv)) segments (at most the workspace's; where that is 1 the unified
-    # kernel attends), so a large batch is not cut finer than it needs to fill the device.
+    # ``num_segments``; above 0, into at least this many programs over the batch: ceil(target / (B *
+    # Hkv)) segments rounded up to a power of two (at most the workspace's; where that is 1 the
+    # unified kernel attends), so a large batch is not cut finer than it needs to fill the device.
     split_kv_target_programs: int = 0
     # store_kv
     store_num_warps: int = 4
@@ -550,7 +550,8 @@ def split_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, workspa
         return 0
     if cfg.split_kv_target_programs <= 0:
         return workspace.num_segments
-    segments = min(workspace.num_segments, -(-cfg.split_kv_target_programs // max(programs, 1)))
+    # A power of two: a handful of kernel variants (each batch size of the graph ladder compiles one).
+    segments = min(workspace.num_segments, triton.next_power_of_2(-(-cfg.split_kv_target_programs // max(programs, 1))))
     return segments if segments > 1 else 0
 
 
