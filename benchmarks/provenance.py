@@ -82,7 +82,7 @@ def _gpus() -> tuple[str | None, int]:
 
 # Environment variables that change which kernels the engine runs and how they launch.
 TUNING_ENV = ("STEERABLE_ATTENTION_CONFIG", "STEERABLE_ATTENTION_CONFIG_WIDE", "STEERABLE_FINAL_SOFTCAP",
-              "STEERABLE_PDL", "TORCH_BLAS_PREFER_CUBLASLT")
+              "STEERABLE_FUSE_POST_NORM", "STEERABLE_PDL", "TORCH_BLAS_PREFER_CUBLASLT")
 
 
 def tuning_env() -> dict[str, str]:

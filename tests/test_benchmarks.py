@@ -378,7 +378,8 @@ def test_gemma2_decode_under_the_interpreter(cache_dir, tmp_path):
         assert c["max_abs_diff_vs_shipped"] < 1e-4
     logits = r["logits"][0]
     assert logits["decode_steps"] == sum(at["steps"] for at in r["logits_at"])
-    for key in ("cublas:head", "cublas:torch", "cublas:kernel", "cublas:sampler", "cublas:layers"):
+    for key in ("cublas:head", "cublas:torch", "cublas:kernel", "cublas:sampler", "cublas:layers",
+                "post_norm:separate", "post_norm:fused"):
         positive(logits["seconds"], key)
     choice = r["choice"][0]["env"]
     assert choice.get("STEERABLE_FINAL_SOFTCAP", "kernel") in ("kernel", "sampler")

@@ -145,6 +145,28 @@ def test_add_rms_norm(dtype, sites, with_delta):
         assert not torch.equal(out, start)  # the writes did act
 
 
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("sites", [(), ((True, 1),)], ids=["none", "ac1"])
+def test_add_rms_norm_normalises_the_delta_first(dtype, unit_offset, sites):
+    """``delta_norm``: the branch output is normalised inside the kernel (Gemma's post-attention norm),
+    bit for bit the standalone norm kernel followed by the fused add + steering + norm; the pre-norm
+    has its own weight and eps, and it matters (effect size)."""
+    g = torch.Generator().manual_seed(12 + unit_offset)
+    rows, width = 7, 2304  # Gemma 2 2B's hidden size
+    residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
+    branch = (torch.randn(rows, width, generator=g) * 5).to(DEVICE, dtype)
+    w, pre_w = ((torch.randn(width, generator=g) * 0.5).to(DEVICE, dtype) for _ in range(2))
+    writes = [_site_write(g, rows, width, dtype, add, clamps) for add, clamps in sites]
+    out, normed = fused.add_rms_norm(residual, branch, writes, w, 1e-6, unit_offset, delta_norm=(pre_w, 1e-5))
+    separate = fused.add_rms_norm(residual, fused.rms_norm(branch, pre_w, 1e-5, unit_offset), writes, w, 1e-6,
+                                  unit_offset)
+    assert torch.equal(out, separate[0]) and torch.equal(normed, separate[1])
+    assert not torch.equal(out, fused.add_rms_norm(residual, branch, writes, w, 1e-6, unit_offset)[0])
+    with pytest.raises(ValueError, match="needs a delta"):
+        fused.add_rms_norm(residual, None, writes, w, 1e-6, unit_offset, delta_norm=(pre_w, 1e-5))
+
+
 def _ref_layer_norm(x, w, b, eps):
     return torch.nn.functional.layer_norm(x.float(), w.shape, w.float(), b.float(), eps).to(x.dtype)
 

@@ -145,10 +145,11 @@ def test_qwen3_moe_fused_experts_equal_hf(tmp_path):
         assert (got - expected.reshape(len(prompt), -1)).abs().max().item() <= 1e-5
 
 
-def test_gemma2_final_softcap_kernel_and_sampler_equal_torch(capture_dirs, monkeypatch):
-    """Gemma 2's final logit soft-cap as one kernel and inside the fused sampler: greedy tokens and
-    logprobs equal HF's (and differ from uncapped ones: the cap matters); seeded samples (decode
-    steps that sample in the fused sampler) are the ones the three PyTorch ops give."""
+def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
+    """Gemma 2's final logit soft-cap as one kernel and inside the fused sampler, and the
+    post-attention norm inside the next fused add + norm kernel: greedy tokens and logprobs equal
+    HF's (and differ from uncapped ones: the cap matters); seeded samples (decode steps that sample
+    in the fused sampler) are the ones the three PyTorch ops and the separate norm give."""
     from steerable.models import gemma3
 
     calls = {"softcap_": 0, "gumbel_capped": 0}
@@ -169,14 +170,19 @@ def test_gemma2_final_softcap_kernel_and_sampler_equal_torch(capture_dirs, monke
     sampled = [SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(2)]
     tokens, logprobs = HFSteered(hf, []).greedy(prompts[0], 4)
     runs = {}
+    real_add_norm = fused.add_rms_norm
+    pre_normed = []  # the fused add + norm calls that normalised their delta first
+    monkeypatch.setattr(fused, "add_rms_norm", lambda *a, **k: pre_normed.append(k.get("delta_norm") is not None)
+                        or real_add_norm(*a, **k))
     for mode in ("torch", "kernel", "sampler"):
         monkeypatch.setattr(gemma3, "FINAL_SOFTCAP", mode)
+        monkeypatch.setattr(gemma3, "FUSE_POST_NORM", mode == "sampler")
         out = llm.generate([prompts[0]], greedy, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == tokens
         assert max_logprob_gap(out, logprobs) <= 1e-4
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
     assert runs["kernel"] == runs["torch"] == runs["sampler"]
-    assert calls["softcap_"] > 0 and calls["gumbel_capped"] > 0  # both fused paths ran
+    assert calls["softcap_"] > 0 and calls["gumbel_capped"] > 0 and any(pre_normed)  # the fused paths ran
     monkeypatch.setattr(llm.llm_engine.worker.model.cfg, "final_logit_softcapping", None)
     uncapped = llm.generate([prompts[0]], greedy, use_tqdm=False)[0]
     assert max_logprob_gap(uncapped, logprobs) > 1e-3  # the cap matters

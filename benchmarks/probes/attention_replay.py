@@ -61,7 +61,11 @@ CONFIGS = {"shipped": {}, "decode_tile_64": {"decode_tile_n": 64}, "decode_tile_
            "decode_tile_128_w8": {"decode_tile_n": 128, "decode_num_warps": 8},
            "decode_tile_64_s3": {"decode_tile_n": 64, "decode_num_stages": 3},
            "decode_tile_32_s3": {"decode_tile_n": 32, "decode_num_stages": 3},
-           "decode_tile_64_s1": {"decode_tile_n": 64, "decode_num_stages": 1}}
+           "decode_tile_64_s1": {"decode_tile_n": 64, "decode_num_stages": 1},
+           # From 5 stages Triton double-buffers a program's K and V tiles (gemma2_decode.py's CANDIDATES say why).
+           "decode_tile_128_s5": {"decode_tile_n": 128, "decode_num_stages": 5},
+           "decode_tile_64_s5": {"decode_tile_n": 64, "decode_num_stages": 5},
+           "decode_tile_32_s5": {"decode_tile_n": 32, "decode_num_stages": 5}}
 # The smoke batches are small enough for the split-KV path; the other configs take the unified kernel.
 SMOKE_CONFIGS = {"shipped": {}, "unified_tile_16": {"split_kv_max_programs": 0, "decode_tile_n": 16},
                  "split_target_8": {"split_kv_max_programs": 64, "split_kv_target_programs": 8, "split_tile_n": 4}}

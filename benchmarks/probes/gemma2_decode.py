@@ -11,18 +11,21 @@ Three parts (``--parts``, all by default), each against today's defaults in the 
   decode batch size the workload runs (padded to the CUDA-graph ladder, weighted by its steps):
   the LM head (cuBLAS ``F.linear``, and cuBLASLt), the final soft-cap as HF's three PyTorch ops
   (today), as one kernel (``fused.softcap_``) and inside the sampler's registers, then the fused
-  sampler at the workload's temperature; beside them the weight read's time at copy speed, and the
-  decoder layers' GEMMs under cuBLAS and cuBLASLt;
+  sampler at the workload's temperature; beside them the weight read's time at copy speed, the
+  decoder layers' GEMMs under cuBLAS and cuBLASLt, and each layer's post-attention norm as a kernel
+  of its own (today) or inside the next fused add + norm (``STEERABLE_FUSE_POST_NORM``);
 - ``throughput``: ``throughput.py`` on ``--throughput-shapes`` (Gemma 2 2B and Gemma 3 270M: the
   attention candidates change both) in subprocesses, once with today's defaults and once with the
   winners of the parts above (or ``--env``), set through the environment variables the engine reads
-  (``STEERABLE_ATTENTION_CONFIG_WIDE``, ``STEERABLE_FINAL_SOFTCAP``, ``TORCH_BLAS_PREFER_CUBLASLT``);
-  their records go to throughput's own results file, their headers name the variables.
+  (``STEERABLE_ATTENTION_CONFIG_WIDE``, ``STEERABLE_FINAL_SOFTCAP``, ``STEERABLE_FUSE_POST_NORM``,
+  ``TORCH_BLAS_PREFER_CUBLASLT``); their records go to throughput's own results file, their headers
+  name the variables.
 
 The ``choice`` record holds the winners' environment (``--env-file`` also writes it as
 ``NAME=value`` lines). To ship a winner as the default: the attention fields go into
-``CONFIG_WIDE`` in ``steerable/layers/attention_backends/triton_paged.py``, the soft-cap mode into
-``FINAL_SOFTCAP`` in ``steerable/models/gemma3.py``.
+``CONFIG_WIDE`` in ``steerable/layers/attention_backends/triton_paged.py``, the soft-cap mode and
+the norm into ``FINAL_SOFTCAP`` and ``FUSE_POST_NORM`` in ``steerable/models/gemma3.py``; cuBLASLt
+would be ``torch.backends.cuda.preferred_blas_library("cublaslt")`` where the engine starts.
 
     python -m benchmarks gemma2_decode [--parts attention,logits,throughput] [--stride 16]
 """
@@ -46,24 +49,34 @@ from .. import common, provenance
 from ..common import emit
 from . import attention_replay
 
-# name -> CONFIG_WIDE fields changed from the shipped ones. Shared memory holds one 64-position K and V
-# tile pair of 256-wide heads twice (128 KB), so a program per SM at 64; 32 fits two or three.
+# name -> CONFIG_WIDE fields changed from the shipped ones (64-position tiles, 4 warps, 2 stages). Compiled
+# for sm_90 on a CPU (Triton 3.6, the JIT's alignment specialisations), a decode program of Gemma 2's
+# heads holds ONE K and V tile buffer in shared memory up to 4 stages: the copy of tile i + 1 is issued
+# after tile i's MMAs read the buffer and waited for at the top of the next iteration, so a program
+# never overlaps its own copies with its math; only other programs on the SM hide the latency. From 5
+# stages the pipeliner double-buffers (8: three buffers). Shared memory, registers and programs per SM:
+# 64/4w/2s 76 KB, 191 regs, 2; 32/4w/5s 75 KB, 168, 3; 16/4w/5s 41 KB, 109, 4; 16/4w/8s 58 KB, 3;
+# 32/8w/5s 75 KB, 115, 2 (of 8 warps); 64/4w/5s 142 KB, 1.
 CANDIDATES = {
     "shipped": {},
     "tile_32": {"decode_tile_n": 32},
-    "tile_32_s3": {"decode_tile_n": 32, "decode_num_stages": 3},
-    "tile_32_s4": {"decode_tile_n": 32, "decode_num_stages": 4},
-    "tile_32_w2_s3": {"decode_tile_n": 32, "decode_num_warps": 2, "decode_num_stages": 3},
-    "tile_64_w2": {"decode_tile_n": 64, "decode_num_warps": 2},
-    "tile_16_s4": {"decode_tile_n": 16, "decode_num_stages": 4},
-    # Split-KV beyond today's limit (B * Hkv <= 128): every decode batch, cut into about this many programs.
-    "split_all_1k": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 1024},
+    "tile_16_s5": {"decode_tile_n": 16, "decode_num_stages": 5},
+    "tile_16_s8": {"decode_tile_n": 16, "decode_num_stages": 8},
+    "tile_32_s5": {"decode_tile_n": 32, "decode_num_stages": 5},
+    "tile_32_w8_s5": {"decode_tile_n": 32, "decode_num_warps": 8, "decode_num_stages": 5},
+    "tile_64_s5": {"decode_tile_n": 64, "decode_num_stages": 5},
+    # The split-KV kernel (batches of B * Hkv <= 128 today) double-buffered as well.
+    "split_t16_s5": {"split_tile_n": 16, "split_num_stages": 5},
+    "tile_16_s5+split_t16_s5": {"decode_tile_n": 16, "decode_num_stages": 5, "split_tile_n": 16,
+                                "split_num_stages": 5},
+    # Split-KV at every batch size, each sequence cut so that the batch makes at least this many programs.
+    "split_all_1k_t32_s5": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 1024, "split_tile_n": 32,
+                            "split_num_stages": 5},
+    "split_all_2k_t16_s5": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 2048, "split_tile_n": 16,
+                            "split_num_stages": 5},
+    "split_all_4k_t16_s5": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 4096, "split_tile_n": 16,
+                            "split_num_stages": 5},
     "split_all_2k": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 2048},
-    "split_all_4k": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 4096},
-    "split_all_2k_t32": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 2048, "split_tile_n": 32},
-    "split_all_2k_t32_s3": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 2048, "split_tile_n": 32,
-                            "split_num_stages": 3},
-    "split_to_512_2k": {"split_kv_max_programs": 512, "split_kv_target_programs": 2048},
 }
 SMOKE_CANDIDATES = {"shipped": {}, "tile_16": {"decode_tile_n": 16},
                     "split_all_8": {"split_kv_max_programs": 1 << 20, "split_kv_target_programs": 8, "split_tile_n": 4}}
@@ -133,6 +146,7 @@ def part_logits(args, device: str, speed: float, w: common.Workload) -> dict:
                    "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
     layer_weights = {name: (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
                      for name, (k, n) in layer_gemms.items()}
+    norm_w = torch.randn(hidden, generator=g).to(device, dtype)
     totals: dict[str, float] = Counter()
     libraries = ("cublas", "cublaslt") if device == "cuda" else ("cublas",)
     for rows, count in sorted(steps.items()):
@@ -159,18 +173,28 @@ def part_logits(args, device: str, speed: float, w: common.Workload) -> dict:
                 seconds(lambda x=x, m=m: F.linear(x, m)) for x, m in layer_inputs)
         _blas("default")
         per_rows["sampler_uncapped"] = seconds(lambda: fused.gumbel_argmax(F.linear(h, weight), temperature, seeds))
+        # Each layer's post-attention norm, then the residual add + pre-feed-forward norm: two kernels or one.
+        branch = torch.randn(rows, hidden, generator=g).to(device, dtype)
+        layers = config["num_hidden_layers"]
+        per_rows["post_norm:separate"] = layers * seconds(lambda: fused.add_rms_norm(
+            h, fused.rms_norm(branch, norm_w, 1e-6, True), [], norm_w, 1e-6, True))
+        per_rows["post_norm:fused"] = layers * seconds(lambda: fused.add_rms_norm(
+            h, branch, [], norm_w, 1e-6, True, delta_norm=(norm_w, 1e-6)))
         for key, value in per_rows.items():
             totals[key] += value * count
         emit({"record": "logits_at", "rows": rows, "steps": count, "seconds_per_step": per_rows})
     head_bound = sum(steps.values()) * weight.numel() * weight.element_size() / speed
     emit({"record": "logits", "decode_steps": sum(steps.values()), "seconds": dict(totals),
           "head_weight_bound_seconds": head_bound,
-          "vs_today": {k: v / totals["cublas:torch"] for k, v in totals.items() if ":" in k and "layers" not in k}})
+          "vs_today": {k: v / totals["cublas:torch"] for k, v in totals.items() if k.startswith("cublas")
+                       and "layers" not in k}})
     env = {}
     library = min(libraries, key=lambda lib: min(totals[f"{lib}:{m}"] for m in SOFTCAP_MODES) + totals[f"{lib}:layers"])
     if library == "cublaslt":
         env["TORCH_BLAS_PREFER_CUBLASLT"] = "1"
     env["STEERABLE_FINAL_SOFTCAP"] = min(SOFTCAP_MODES, key=lambda m: totals[f"{library}:{m}"])
+    if totals["post_norm:fused"] < totals["post_norm:separate"]:
+        env["STEERABLE_FUSE_POST_NORM"] = "1"
     return env
 
 

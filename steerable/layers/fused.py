@@ -201,12 +201,13 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(res_ptr, delta_ptr, w_ptr, bias_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
-                         stride_y, H, eps,
+                         stride_y, H, eps, pre_w_ptr, pre_eps,
                          i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, w1_ptr, g1_ptr, stride_d1r, stride_d1k,
                          i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, w2_ptr, g2_ptr, stride_d2r, stride_d2k,
                          HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr, SPLIT1: tl.constexpr,
                          ADD2: tl.constexpr, CLAMPS2: tl.constexpr, SPLIT2: tl.constexpr, BLOCK: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PDL: tl.constexpr):
+                         UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PRE_NORM: tl.constexpr,
+                         PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -217,6 +218,9 @@ if triton is not None:
         x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
             d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
+            if PRE_NORM:  # the branch's own RMSNorm first (Gemma's post-attention norm), rounded as _norm_kernel rounds
+                d = _norm_row(d, pre_w_ptr, pre_w_ptr, offs, mask, H, pre_eps, dtype, UNIT_OFFSET, False)
+                d = d.to(dtype).to(tl.float32)
             x = (x + d).to(dtype).to(tl.float32)
         x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, w1_ptr, g1_ptr, stride_d1r, stride_d1k, offs, mask,
                         dtype, ADD1, CLAMPS1, SPLIT1)
@@ -373,12 +377,15 @@ def steer(hidden: torch.Tensor, write: SiteWrite) -> torch.Tensor:
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
-                 weight: torch.Tensor, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, eps: float, unit_offset: bool = False,
+                 delta_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + delta``, then the steering writes of up to two hook points in order (each an
     additive table row and projection clamps, rounded to the activation dtype as the separate ops
     round), and ``rms_norm(h)``, in one kernel: the residual add and steering cost no pass of their
-    own. residual/delta: [N, H]; each write's index covers at least N rows."""
-    return _add_norm(residual, delta, writes, weight, None, eps, unit_offset)
+    own. residual/delta: [N, H]; each write's index covers at least N rows. ``delta_norm`` (weight,
+    eps): ``delta`` is first ``rms_norm``-ed with them (the same ``unit_offset``), bit for bit what
+    ``rms_norm`` returns, so a branch's post-norm (Gemma's) costs no kernel of its own."""
+    return _add_norm(residual, delta, writes, weight, None, eps, unit_offset, delta_norm)
 
 
 def add_layer_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
@@ -389,7 +396,9 @@ def add_layer_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: S
 
 def _add_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
               weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-              unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              unit_offset: bool, delta_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta_norm is not None and (delta is None or bias is not None):
+        raise ValueError("delta_norm normalises a delta before an RMSNorm: it needs a delta and no bias")
     if len(writes) > 2:
         raise ValueError(f"add_rms_norm takes the writes of at most two hook points, got {len(writes)}")
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
@@ -404,10 +413,11 @@ def _add_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequen
         _add_norm_kernel[(n,)](
             residual, delta if delta is not None else residual, weight, bias if bias is not None else weight, out, y,
             residual.stride(0), delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps,
+            delta_norm[0] if delta_norm is not None else weight, float(delta_norm[1]) if delta_norm is not None else 0.0,
             *args1, *args2, HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, SPLIT1=split1, ADD2=add2,
             CLAMPS2=clamps2, SPLIT2=split2,
             BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, LAYER_NORM=bias is not None,
-            num_warps=_num_warps(width), **pdl_args(residual))
+            PRE_NORM=delta_norm is not None, num_warps=_num_warps(width), **pdl_args(residual))
     return out, y
 
 

@@ -43,6 +43,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 FINAL_SOFTCAP = os.environ.get("STEERABLE_FINAL_SOFTCAP", "torch")
 if FINAL_SOFTCAP not in ("torch", "kernel", "sampler"):
     raise ValueError(f"STEERABLE_FINAL_SOFTCAP must be torch, kernel or sampler, got {FINAL_SOFTCAP!r}")
+# Whether the post-attention norm runs inside the fused residual add + pre-feed-forward norm kernel
+# (one kernel a layer fewer, bit for bit the same) instead of as a kernel of its own.
+# STEERABLE_FUSE_POST_NORM=1 / 0 overrides it for a tuning run.
+FUSE_POST_NORM = os.environ.get("STEERABLE_FUSE_POST_NORM", "0") == "1"
 _DEFAULT_PATTERN = 6  # every sixth layer is global when a config has no layer_types
 # Checkpoint prefixes of the multimodal model's text tower (transformers 5, then 4.x) and of what we skip.
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -150,8 +154,13 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         """As ``LlamaDecoderLayer``: the stream entering is ``h + mlp_out``; the branch outputs
         handed on are already post-normed, so the deferred residual adds are Gemma's."""
         h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
-        attn_out = self.post_attention_layernorm(self.self_attn(positions, x, ctx))
-        h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn_out, self.pre_feedforward_layernorm, ctx)
+        attn = self.self_attn(positions, x, ctx)
+        if FUSE_POST_NORM:  # the post-attention norm inside the next add + norm kernel: the same values
+            h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn, self.pre_feedforward_layernorm, ctx,
+                                            delta_norm=self.post_attention_layernorm)
+        else:
+            h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, self.post_attention_layernorm(attn),
+                                            self.pre_feedforward_layernorm, ctx)
         x = self.hooks.mlp_in(self.layer, x, ctx)
         return h, self.hooks.mlp_out(self.layer, self.post_feedforward_layernorm(self.mlp(x, ctx)), ctx)
 
