@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from functools import partial
 
 import numpy as np
 import torch
@@ -147,39 +148,44 @@ def part_logits(args, device: str, speed: float, w: common.Workload) -> dict:
     layer_weights = {name: (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
                      for name, (k, n) in layer_gemms.items()}
     norm_w = torch.randn(hidden, generator=g).to(device, dtype)
-    totals: dict[str, float] = Counter()
+    layers = config["num_hidden_layers"]
     libraries = ("cublas", "cublaslt") if device == "cuda" else ("cublas",)
-    for rows, count in sorted(steps.items()):
+
+    def at_rows(rows: int) -> dict[str, float]:
+        """Seconds of one decode step's pieces at ``rows`` rows."""
         h = torch.randn(rows, hidden, generator=g).to(device, dtype)
         layer_inputs = [(torch.randn(rows, m.shape[1], generator=g).to(device, dtype), m) for m in layer_weights.values()]
         temperature = torch.full((rows,), TEMPERATURE, device=device)
         seeds = torch.arange(rows, device=device)
+
+        def chain(mode: str) -> None:
+            logits = F.linear(h, weight)
+            if mode == "torch":
+                logits = torch.tanh(logits / cap) * cap
+            elif mode == "kernel":
+                fused.softcap_(logits, cap)
+            fused.gumbel_argmax(logits, temperature, seeds, cap if mode == "sampler" else None)
+
         per_rows = {}
         for library in libraries:
             _blas(library)
-
-            def chain(mode: str) -> None:
-                logits = F.linear(h, weight)
-                if mode == "torch":
-                    logits = torch.tanh(logits / cap) * cap
-                elif mode == "kernel":
-                    fused.softcap_(logits, cap)
-                fused.gumbel_argmax(logits, temperature, seeds, cap if mode == "sampler" else None)
-
             per_rows[f"{library}:head"] = seconds(lambda: F.linear(h, weight))
             for mode in SOFTCAP_MODES:
-                per_rows[f"{library}:{mode}"] = seconds(lambda mode=mode: chain(mode))
-            per_rows[f"{library}:layers"] = config["num_hidden_layers"] * sum(
-                seconds(lambda x=x, m=m: F.linear(x, m)) for x, m in layer_inputs)
+                per_rows[f"{library}:{mode}"] = seconds(partial(chain, mode))
+            per_rows[f"{library}:layers"] = layers * sum(seconds(partial(F.linear, x, m)) for x, m in layer_inputs)
         _blas("default")
         per_rows["sampler_uncapped"] = seconds(lambda: fused.gumbel_argmax(F.linear(h, weight), temperature, seeds))
         # Each layer's post-attention norm, then the residual add + pre-feed-forward norm: two kernels or one.
         branch = torch.randn(rows, hidden, generator=g).to(device, dtype)
-        layers = config["num_hidden_layers"]
         per_rows["post_norm:separate"] = layers * seconds(lambda: fused.add_rms_norm(
             h, fused.rms_norm(branch, norm_w, 1e-6, True), [], norm_w, 1e-6, True))
         per_rows["post_norm:fused"] = layers * seconds(lambda: fused.add_rms_norm(
             h, branch, [], norm_w, 1e-6, True, delta_norm=(norm_w, 1e-6)))
+        return per_rows
+
+    totals: dict[str, float] = Counter()
+    for rows, count in sorted(steps.items()):
+        per_rows = at_rows(rows)
         for key, value in per_rows.items():
             totals[key] += value * count
         emit({"record": "logits_at", "rows": rows, "steps": count, "seconds_per_step": per_rows})

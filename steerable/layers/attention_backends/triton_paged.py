@@ -62,12 +62,12 @@ from steerable.layers import fused
 
 __all__ = [
     "CONFIG",
+    "CONFIG_WIDE",
     "DecodeWorkspace",
     "TritonAttentionConfig",
     "apply_overrides",
-    "paged_attention",
-    "CONFIG_WIDE",
     "config_for",
+    "paged_attention",
     "score_scale",
     "split_segments",
     "store_kv",
@@ -538,7 +538,7 @@ def _split_kv_reduce_kernel(
 # --------------------------------------------------------------------------------------
 
 
-def split_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: "DecodeWorkspace | None",
+def split_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: DecodeWorkspace | None,
                    head_d: int | None = None) -> int:
     """Segments per sequence where ``paged_attention`` attends this shape (heads ``head_d`` wide, by
     default the workspace's) with the split-KV kernels, 0 where the unified kernel attends it."""
@@ -555,7 +555,7 @@ def split_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, workspa
     return segments if segments > 1 else 0
 
 
-def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: "DecodeWorkspace | None") -> bool:
+def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: DecodeWorkspace | None) -> bool:
     """Whether ``paged_attention`` attends this shape with the split-KV kernels (else the unified one)."""
     return split_segments(num_seqs, num_kv_heads, max_query_len, workspace) > 0
 
