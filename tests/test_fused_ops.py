@@ -15,7 +15,7 @@ if not torch.cuda.is_available() and not INTERPRET:
                 allow_module_level=True)
 
 from steerable.hook_points import SiteWrite  # noqa: E402
-from steerable.layers import fused, gemv  # noqa: E402
+from steerable.layers import fused, gemv, logit_kernels  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
 from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
 from steerable.step import NO_CLAMP  # noqa: E402
@@ -345,27 +345,27 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
 def test_gumbel_argmax_greedy_and_distribution():
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(4, 20000, generator=g) * 2).to(DEVICE)  # three vocabulary chunks
-    greedy = fused.gumbel_argmax(logits, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE))
+    greedy = logit_kernels.gumbel_argmax(logits, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE))
     assert torch.equal(greedy, logits.argmax(-1))
     tied = torch.zeros(2, 20000, device=DEVICE)
     tied[0, [7, 5, 9000]] = 1.0  # maxima in different Philox lanes and chunks
     tied[1, [19999, 8193]] = 1.0
-    ties = fused.gumbel_argmax(tied, torch.zeros(2, device=DEVICE), torch.arange(2, device=DEVICE))
+    ties = logit_kernels.gumbel_argmax(tied, torch.zeros(2, device=DEVICE), torch.arange(2, device=DEVICE))
     assert ties.tolist() == [5, 8193] == tied.argmax(-1).tolist()  # the lowest index, as torch
     if DEVICE == "cuda":  # 16-bit logits are read as they are, upcast in registers
         half = logits.bfloat16()
-        assert torch.equal(fused.gumbel_argmax(half, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE)),
+        assert torch.equal(logit_kernels.gumbel_argmax(half, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE)),
                            half.float().argmax(-1))
     # One row of 8 tokens sampled under n seeds: frequencies follow softmax(logits / T) (the
     # interpreter runs a program at a time, so it draws fewer and allows 3 standard deviations).
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2], device=DEVICE)
     n, tolerance = (4000, 0.03) if DEVICE == "cuda" else (600, 0.06)
-    tokens = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
+    tokens = logit_kernels.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                  torch.arange(n, device=DEVICE) * 7919 + 1)
     freq = torch.bincount(tokens.cpu(), minlength=8).float() / n
     expected = torch.softmax(row.cpu() / 1.5, -1)
     assert (freq - expected).abs().max() < tolerance
-    again = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
+    again = logit_kernels.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                 torch.arange(n, device=DEVICE) * 7919 + 1)
     assert torch.equal(tokens, again)  # same seeds, same samples
 
@@ -393,11 +393,11 @@ def test_softcap_in_place_rounds_as_torch(dtype):
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(5, 3001, generator=g) * 40).to(DEVICE, dtype)  # well past the cap: it bends
     ref = _torch_softcap(logits, 30.0)
-    got = fused.softcap_(logits.clone(), 30.0)
+    got = logit_kernels.softcap_(logits.clone(), 30.0)
     assert _same_up_to_tanh(got, ref)
     assert (ref.float() - logits.float()).abs().max() > 5  # the cap changes the logits (effect size)
     with pytest.raises(ValueError, match="contiguous"):
-        fused.softcap_(logits.t(), 30.0)
+        logit_kernels.softcap_(logits.t(), 30.0)
 
 
 @pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
@@ -408,15 +408,15 @@ def test_gumbel_argmax_caps_in_registers(dtype):
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(6, 9000, generator=g) * 20).to(DEVICE, dtype)
     logits[0, [4000, 17]] = torch.tensor([1000.0, 900.0], dtype=dtype)  # both cap to 30: the lowest index wins
-    capped = fused.softcap_(logits.clone(), 30.0)
+    capped = logit_kernels.softcap_(logits.clone(), 30.0)
     zeros, seeds = torch.zeros(6, device=DEVICE), torch.arange(6, device=DEVICE) * 31 + 5
-    greedy = fused.gumbel_argmax(logits, zeros, seeds, softcap=30.0)
-    assert torch.equal(greedy, fused.gumbel_argmax(capped, zeros, seeds))
+    greedy = logit_kernels.gumbel_argmax(logits, zeros, seeds, softcap=30.0)
+    assert torch.equal(greedy, logit_kernels.gumbel_argmax(capped, zeros, seeds))
     assert int(greedy[0]) == 17
     temps = torch.full((6,), 0.7, device=DEVICE)
-    sampled = fused.gumbel_argmax(logits, temps, seeds, softcap=30.0)
-    assert torch.equal(sampled, fused.gumbel_argmax(capped, temps, seeds))
-    assert not torch.equal(sampled, fused.gumbel_argmax(logits, temps, seeds))  # the cap matters
+    sampled = logit_kernels.gumbel_argmax(logits, temps, seeds, softcap=30.0)
+    assert torch.equal(sampled, logit_kernels.gumbel_argmax(capped, temps, seeds))
+    assert not torch.equal(sampled, logit_kernels.gumbel_argmax(logits, temps, seeds))  # the cap matters
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,7 +17,7 @@ from conftest import hf_model  # noqa: E402
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap  # noqa: E402
 
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec  # noqa: E402
-from steerable.layers import fused, gemv  # noqa: E402
+from steerable.layers import fused, gemv, logit_kernels  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -153,15 +153,15 @@ def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
     from steerable.models import gemma3
 
     calls = {"softcap_": 0, "gumbel_capped": 0}
-    real_softcap, real_gumbel = fused.softcap_, fused.gumbel_argmax
-    monkeypatch.setattr(fused, "softcap_", lambda *a: calls.__setitem__("softcap_", calls["softcap_"] + 1)
+    real_softcap, real_gumbel = logit_kernels.softcap_, logit_kernels.gumbel_argmax
+    monkeypatch.setattr(logit_kernels, "softcap_", lambda *a: calls.__setitem__("softcap_", calls["softcap_"] + 1)
                         or real_softcap(*a))
 
     def gumbel(logits, temperature, seeds, softcap=None):
         calls["gumbel_capped"] += softcap is not None
         return real_gumbel(logits, temperature, seeds, softcap)
 
-    monkeypatch.setattr(fused, "gumbel_argmax", gumbel)
+    monkeypatch.setattr(logit_kernels, "gumbel_argmax", gumbel)
     path = capture_dirs["gemma2"]
     llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=4)
     hf = hf_model(path)

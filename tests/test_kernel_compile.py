@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from steerable.layers import fused, fused_moe, gemv  # noqa: E402
+from steerable.layers import fused, fused_moe, gemv, logit_kernels  # noqa: E402
 from steerable.layers.attention_backends import triton_paged  # noqa: E402
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
@@ -190,11 +190,11 @@ def test_shared_prefix_kernels(kv, softcap):
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_final_softcap_kernels(dtype):
     """Gemma's final soft-cap with CUDA's tanhf (libdevice), in place and inside the sampler."""
-    ptx = compile_for_hopper(fused._softcap_kernel, x_ptr=dtype, n=1, inv_cap=1.0, cap=1.0, BLOCK=4096, LIBDEVICE=True)
+    ptx = compile_for_hopper(logit_kernels._softcap_kernel, x_ptr=dtype, n=1, inv_cap=1.0, cap=1.0, BLOCK=4096, LIBDEVICE=True)
     assert "tanh" in ptx or "ex2" in ptx  # libdevice's tanhf, inlined
     sampler = dict(logits_ptr=dtype, temp_ptr=FP32, seed_ptr=I64, val_ptr=FP32, idx_ptr=I64, stride=1, V=1,
                    inv_cap=1.0, cap=1.0, CHUNK=8192, BLOCK=512, SOFTCAP=True, LIBDEVICE=True)
-    compile_for_hopper(fused._gumbel_argmax_kernel, **sampler)
+    compile_for_hopper(logit_kernels._gumbel_argmax_kernel, **sampler)
 
 
 _ALIGNED = frozenset({"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",

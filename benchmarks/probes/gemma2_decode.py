@@ -10,7 +10,7 @@ Three parts (``--parts``, all by default), each against today's defaults in the 
 - ``logits``: what a decode step spends from the final hidden states to the sampled tokens, at each
   decode batch size the workload runs (padded to the CUDA-graph ladder, weighted by its steps):
   the LM head (cuBLAS ``F.linear``, and cuBLASLt), the final soft-cap as HF's three PyTorch ops
-  (today), as one kernel (``fused.softcap_``) and inside the sampler's registers, then the fused
+  (today), as one kernel (``logit_kernels.softcap_``) and inside the sampler's registers, then the fused
   sampler at the workload's temperature; beside them the weight read's time at copy speed, the
   decoder layers' GEMMs under cuBLAS and cuBLASLt, and each layer's post-attention norm as a kernel
   of its own (today) or inside the next fused add + norm (``STEERABLE_FUSE_POST_NORM``);
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from steerable.layers import fused
+from steerable.layers import fused, logit_kernels
 from steerable.worker.cuda_graphs import CudaGraphRunner
 
 from .. import common, provenance
@@ -163,8 +163,8 @@ def part_logits(args, device: str, speed: float, w: common.Workload) -> dict:
             if mode == "torch":
                 logits = torch.tanh(logits / cap) * cap
             elif mode == "kernel":
-                fused.softcap_(logits, cap)
-            fused.gumbel_argmax(logits, temperature, seeds, cap if mode == "sampler" else None)
+                logit_kernels.softcap_(logits, cap)
+            logit_kernels.gumbel_argmax(logits, temperature, seeds, cap if mode == "sampler" else None)
 
         per_rows = {}
         for library in libraries:
@@ -174,7 +174,7 @@ def part_logits(args, device: str, speed: float, w: common.Workload) -> dict:
                 per_rows[f"{library}:{mode}"] = seconds(partial(chain, mode))
             per_rows[f"{library}:layers"] = layers * sum(seconds(partial(F.linear, x, m)) for x, m in layer_inputs)
         _blas("default")
-        per_rows["sampler_uncapped"] = seconds(lambda: fused.gumbel_argmax(F.linear(h, weight), temperature, seeds))
+        per_rows["sampler_uncapped"] = seconds(lambda: logit_kernels.gumbel_argmax(F.linear(h, weight), temperature, seeds))
         # Each layer's post-attention norm, then the residual add + pre-feed-forward norm: two kernels or one.
         branch = torch.randn(rows, hidden, generator=g).to(device, dtype)
         per_rows["post_norm:separate"] = layers * seconds(lambda: fused.add_rms_norm(

@@ -28,7 +28,7 @@ from torch import nn
 
 from steerable.config import ModelConfig, rope_parameters
 from steerable.hook_points import POST_ATTN, HookPoints
-from steerable.layers import fused
+from steerable.layers import fused, logit_kernels
 from steerable.layers.norm import GemmaRMSNorm
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -193,7 +193,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = self.cfg.final_logit_softcapping
         if cap and logits is not None:  # None: a tensor-parallel rank that does not sample
             if FINAL_SOFTCAP != "torch" and fused.enabled(logits) and logits.is_contiguous():
-                return fused.softcap_(logits, cap)
+                return logit_kernels.softcap_(logits, cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
 

@@ -25,7 +25,7 @@ from steerable.config import EngineConfig, ModelConfig
 from steerable.distributed.groups import ParallelContext, building
 from steerable.hook_points import ATTENTION_PATTERNS, HookPoints
 from steerable.kv_groups import KVGroups
-from steerable.layers import fused
+from steerable.layers import fused, logit_kernels
 from steerable.layers.attention import Attention, value_cache_view
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, dummy_weights, iter_weights
@@ -261,7 +261,7 @@ class ModelRunner:
         if not sample:
             return hidden, None
         logits, softcap = self.model.logits_for_sampler(hidden)
-        tokens = fused.gumbel_argmax(logits, views.temperature, views.seeds, softcap)
+        tokens = logit_kernels.gumbel_argmax(logits, views.temperature, views.seeds, softcap)
         self.buffers.last_sampled.index_copy_(0, views.request_slots, tokens)
         return hidden, tokens
 
