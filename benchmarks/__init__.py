@@ -55,6 +55,7 @@ BENCHMARKS = (
 # Probes still in use: modules of ``benchmarks.probes``.
 PROBES = (
     "attention_replay",
+    "gemma2_decode",
     "moe_tune",
     "profile_kernels",
 )

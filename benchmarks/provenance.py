@@ -80,6 +80,16 @@ def _gpus() -> tuple[str | None, int]:
     return (torch.cuda.get_device_name(0) if count else None), count
 
 
+# Environment variables that change which kernels the engine runs and how they launch.
+TUNING_ENV = ("STEERABLE_ATTENTION_CONFIG", "STEERABLE_ATTENTION_CONFIG_WIDE", "STEERABLE_FINAL_SOFTCAP",
+              "STEERABLE_FUSE_POST_NORM", "STEERABLE_PDL", "TORCH_BLAS_PREFER_CUBLASLT")
+
+
+def tuning_env() -> dict[str, str]:
+    """The ``TUNING_ENV`` variables this run has (``benchmarks/probes/gemma2_decode.py`` sets them)."""
+    return {k: os.environ[k] for k in TUNING_ENV if k in os.environ}
+
+
 def describe(args: argparse.Namespace, path: str | None) -> dict:
     """The header's fields: time, commit, card, versions, host, the shape, the command and every argument."""
     import transformers
@@ -90,7 +100,7 @@ def describe(args: argparse.Namespace, path: str | None) -> dict:
             "cpu": _cpu_name(), "host": platform.node(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": _version("triton"), "transformers": transformers.__version__,
             "python": sys.version.split()[0], "shape": None if args.model else args.shape, "model": path,
-            "smoke": args.smoke, "command": command(), "args": vars(args)}
+            "smoke": args.smoke, "command": command(), "env": tuning_env(), "args": vars(args)}
 
 
 def results_file(bench: str, args: argparse.Namespace) -> str | None:

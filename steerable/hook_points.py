@@ -179,16 +179,17 @@ class HookPoints:
         return hidden
 
     def residual_norm(self, sites: Sequence[Site], residual: torch.Tensor, delta: torch.Tensor | None,
-                      norm: nn.Module, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                      norm: nn.Module, ctx: Any, delta_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``residual + delta`` passes the hook points ``sites`` in order and is
-        then normalised by ``norm``: returns (the residual, its norm).
+        then normalised by ``norm``: returns (the residual, its norm). ``delta_norm``: the branch
+        output ``delta`` is normalised by it first (a post-norm no hook point sees).
 
         When no read needs a value that a later write changes, the norm may do all of it, the
         steering writes (adds and clamps) included, in one kernel (``norm.fused_add_norm``);
         otherwise each point is applied in turn. Both give the same values."""
         writes = self._fusable_writes(sites, ctx)
         if writes is not None:
-            fused = norm.fused_add_norm(residual, delta, writes)
+            fused = norm.fused_add_norm(residual, delta, writes, delta_norm)
             if fused is not None:
                 hidden, normed = fused
                 for site in sites:  # no write follows a read here (``_fusable_writes``)
@@ -197,6 +198,8 @@ class HookPoints:
                     if ctx.capture is not None:
                         ctx.capture.record(site, hidden)
                 return hidden, normed
+        if delta_norm is not None and delta is not None:
+            delta = delta_norm(delta)
         hidden = residual if delta is None else residual + delta
         for point, layer in sites:
             hidden = self.residual(point, layer, hidden, ctx)

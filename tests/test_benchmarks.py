@@ -355,13 +355,51 @@ def test_attention_replay_under_the_interpreter(cache_dir):
     r = run("attention_replay", cache_dir, model=False, env={"TRITON_INTERPRET": "1", "STEERABLE_FUSED_ON_CPU": "1"})
     configs = r["config"]
     assert {(c["config"], c["kv_dtype"]) for c in configs} == {
-        (name, dtype) for name in ("shipped", "unified_tile_16") for dtype in ("float32", "float8_e4m3fn")}
-    for c in configs:  # the split-KV path (shipped) and the unified kernel agree on every step
-        positive(c, "seconds", "vs_shipped")
+        (name, dtype) for name in ("shipped", "unified_tile_16", "split_target_8")
+        for dtype in ("float32", "float8_e4m3fn")}
+    for c in configs:  # the split-KV paths (shipped, a program target) and the unified kernel agree on every step
+        positive(c, "seconds", "vs_shipped", "bound_seconds", "fraction_of_bound")
         assert c["max_abs_diff_vs_shipped"] < 1e-5
         assert sum(c["by_batch"].values()) == pytest.approx(c["seconds"])
         if c["config"] == "shipped":
             assert c["vs_shipped"] == 1.0
+
+
+@pytest.mark.triton
+def test_gemma2_decode_under_the_interpreter(cache_dir, tmp_path):
+    """The probe's kernel parts: every attention candidate replayed and exact, the logits chain per
+    soft-cap mode weighted by the workload's decode steps, and the winners' environment written out."""
+    _interpreter_in_a_subprocess()
+    env_file = tmp_path / "knobs.env"
+    r = run("gemma2_decode", cache_dir, "--parts", "attention,logits", "--env-file", str(env_file), model=False,
+            env={"TRITON_INTERPRET": "1", "STEERABLE_FUSED_ON_CPU": "1"})
+    assert [c["config"] for c in r["config"]] == ["shipped", "tile_16", "split_all_8"]
+    for c in r["config"]:
+        positive(c, "seconds", "bound_seconds", "fraction_of_bound")
+        assert c["max_abs_diff_vs_shipped"] < 1e-4
+    logits = r["logits"][0]
+    assert logits["decode_steps"] == sum(at["steps"] for at in r["logits_at"])
+    for key in ("cublas:head", "cublas:torch", "cublas:kernel", "cublas:sampler", "cublas:layers",
+                "post_norm:separate", "post_norm:fused"):
+        positive(logits["seconds"], key)
+    choice = r["choice"][0]["env"]
+    assert choice.get("STEERABLE_FINAL_SOFTCAP", "kernel") in ("kernel", "sampler")
+    assert env_file.read_text() == "".join(f"{k}={v}\n" for k, v in choice.items())
+
+
+def test_gemma2_decode_throughput_runs(cache_dir, tmp_path):
+    """Its throughput part: today's defaults and a candidate environment, each throughput.py in a
+    subprocess whose records go beside the probe's, under a header naming the variables it ran with."""
+    env = {"STEERABLE_FINAL_SOFTCAP": "kernel", "STEERABLE_ATTENTION_CONFIG_WIDE": "decode_tile_n=32"}
+    r = run("gemma2_decode", cache_dir, "--parts", "throughput", "--throughput-shapes", "gemma2-2b", "--repeats", "1",
+            "--env", json.dumps(env), "--out", str(tmp_path), model=False)
+    runs = r["throughput"]
+    assert [(t["run"], t["env"]) for t in runs] == [("defaults", {}), ("candidate", env)]
+    for t in runs:
+        positive(t, "output_tok_s", "fraction_of_roofline", "measured_step_ms")
+    (records,) = tmp_path.glob("*-throughput.jsonl")
+    headers = [json.loads(line) for line in records.read_text().splitlines() if '"record": "header"' in line]
+    assert [h["env"] for h in headers] == [{}, env]
 
 
 @pytest.mark.triton

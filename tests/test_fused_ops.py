@@ -15,7 +15,7 @@ if not torch.cuda.is_available() and not INTERPRET:
                 allow_module_level=True)
 
 from steerable.hook_points import SiteWrite  # noqa: E402
-from steerable.layers import fused, gemv  # noqa: E402
+from steerable.layers import fused, gemv, logit_kernels  # noqa: E402
 from steerable.layers.rotary import RotaryEmbedding  # noqa: E402
 from steerable.steering.ops import add_rows, clamp_rows  # noqa: E402
 from steerable.step import NO_CLAMP  # noqa: E402
@@ -23,6 +23,9 @@ from steerable.step import NO_CLAMP  # noqa: E402
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+# The interpreter converts float32 to bfloat16 by truncation (CUDA rounds to nearest even), so
+# kernels whose point is their rounding are checked there in float32 and float16.
+ROUNDING_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 def _ref_rms(x, w, eps):
@@ -140,6 +143,28 @@ def test_add_rms_norm(dtype, sites, with_delta):
         untouched = (torch.stack([wr.index[:rows] for wr in writes]) == 0).all(0)
         assert torch.equal(out[untouched], start[untouched])
         assert not torch.equal(out, start)  # the writes did act
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("sites", [(), ((True, 1),)], ids=["none", "ac1"])
+def test_add_rms_norm_normalises_the_delta_first(dtype, unit_offset, sites):
+    """``delta_norm``: the branch output is normalised inside the kernel (Gemma's post-attention norm),
+    bit for bit the standalone norm kernel followed by the fused add + steering + norm; the pre-norm
+    has its own weight and eps, and it matters (effect size)."""
+    g = torch.Generator().manual_seed(12 + unit_offset)
+    rows, width = 7, 2304  # Gemma 2 2B's hidden size
+    residual = (torch.randn(rows, width, generator=g) * 3).to(DEVICE, dtype)
+    branch = (torch.randn(rows, width, generator=g) * 5).to(DEVICE, dtype)
+    w, pre_w = ((torch.randn(width, generator=g) * 0.5).to(DEVICE, dtype) for _ in range(2))
+    writes = [_site_write(g, rows, width, dtype, add, clamps) for add, clamps in sites]
+    out, normed = fused.add_rms_norm(residual, branch, writes, w, 1e-6, unit_offset, delta_norm=(pre_w, 1e-5))
+    separate = fused.add_rms_norm(residual, fused.rms_norm(branch, pre_w, 1e-5, unit_offset), writes, w, 1e-6,
+                                  unit_offset)
+    assert torch.equal(out, separate[0]) and torch.equal(normed, separate[1])
+    assert not torch.equal(out, fused.add_rms_norm(residual, branch, writes, w, 1e-6, unit_offset)[0])
+    with pytest.raises(ValueError, match="needs a delta"):
+        fused.add_rms_norm(residual, None, writes, w, 1e-6, unit_offset, delta_norm=(pre_w, 1e-5))
 
 
 def _ref_layer_norm(x, w, b, eps):
@@ -320,29 +345,78 @@ def test_qk_norm_rope(dtype, qk_norm, heads, kv_heads, head_dim):
 def test_gumbel_argmax_greedy_and_distribution():
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(4, 20000, generator=g) * 2).to(DEVICE)  # three vocabulary chunks
-    greedy = fused.gumbel_argmax(logits, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE))
+    greedy = logit_kernels.gumbel_argmax(logits, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE))
     assert torch.equal(greedy, logits.argmax(-1))
     tied = torch.zeros(2, 20000, device=DEVICE)
     tied[0, [7, 5, 9000]] = 1.0  # maxima in different Philox lanes and chunks
     tied[1, [19999, 8193]] = 1.0
-    ties = fused.gumbel_argmax(tied, torch.zeros(2, device=DEVICE), torch.arange(2, device=DEVICE))
+    ties = logit_kernels.gumbel_argmax(tied, torch.zeros(2, device=DEVICE), torch.arange(2, device=DEVICE))
     assert ties.tolist() == [5, 8193] == tied.argmax(-1).tolist()  # the lowest index, as torch
     if DEVICE == "cuda":  # 16-bit logits are read as they are, upcast in registers
         half = logits.bfloat16()
-        assert torch.equal(fused.gumbel_argmax(half, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE)),
+        assert torch.equal(logit_kernels.gumbel_argmax(half, torch.zeros(4, device=DEVICE), torch.arange(4, device=DEVICE)),
                            half.float().argmax(-1))
     # One row of 8 tokens sampled under n seeds: frequencies follow softmax(logits / T) (the
     # interpreter runs a program at a time, so it draws fewer and allows 3 standard deviations).
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2], device=DEVICE)
     n, tolerance = (4000, 0.03) if DEVICE == "cuda" else (600, 0.06)
-    tokens = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
+    tokens = logit_kernels.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                  torch.arange(n, device=DEVICE) * 7919 + 1)
     freq = torch.bincount(tokens.cpu(), minlength=8).float() / n
     expected = torch.softmax(row.cpu() / 1.5, -1)
     assert (freq - expected).abs().max() < tolerance
-    again = fused.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
+    again = logit_kernels.gumbel_argmax(row.expand(n, 8).contiguous(), torch.full((n,), 1.5, device=DEVICE),
                                 torch.arange(n, device=DEVICE) * 7919 + 1)
     assert torch.equal(tokens, again)  # same seeds, same samples
+
+
+def _torch_softcap(logits, cap):
+    """HF's final logit soft-cap: three PyTorch ops, each rounding to the logits' dtype."""
+    return torch.tanh(logits / cap) * cap
+
+
+def _same_up_to_tanh(got, ref):
+    """``got`` equals ``ref`` bit for bit on CUDA (``softcap_`` calls CUDA's tanhf, as PyTorch does).
+    The interpreter's tanh (``fused.tanh_exp2``) is off by up to about 1e-7 absolute: float32 values
+    agree to that (times the cap), and a 16-bit value at most one unit in the last place where it
+    crosses a rounding boundary, which almost none do."""
+    if DEVICE == "cuda":
+        return torch.equal(got, ref)
+    if ref.dtype == torch.float32:
+        return bool(((got - ref).abs() <= 30 * 2e-7 + 1e-6 * ref.abs()).all())
+    ulp = torch.finfo(ref.dtype).eps * ref.float().abs()
+    return bool(((got.float() - ref.float()).abs() <= ulp).all()) and (got == ref).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+def test_softcap_in_place_rounds_as_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 3001, generator=g) * 40).to(DEVICE, dtype)  # well past the cap: it bends
+    ref = _torch_softcap(logits, 30.0)
+    got = logit_kernels.softcap_(logits.clone(), 30.0)
+    assert _same_up_to_tanh(got, ref)
+    assert (ref.float() - logits.float()).abs().max() > 5  # the cap changes the logits (effect size)
+    with pytest.raises(ValueError, match="contiguous"):
+        logit_kernels.softcap_(logits.t(), 30.0)
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+def test_gumbel_argmax_caps_in_registers(dtype):
+    """The sampler capping in registers picks what it picks from the capped logits: greedy is the
+    argmax of the capped values (ties the rounding makes go to the lowest index), and sampling
+    draws the same tokens as from logits capped beforehand (same seeds, same values)."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 9000, generator=g) * 20).to(DEVICE, dtype)
+    logits[0, [4000, 17]] = torch.tensor([1000.0, 900.0], dtype=dtype)  # both cap to 30: the lowest index wins
+    capped = logit_kernels.softcap_(logits.clone(), 30.0)
+    zeros, seeds = torch.zeros(6, device=DEVICE), torch.arange(6, device=DEVICE) * 31 + 5
+    greedy = logit_kernels.gumbel_argmax(logits, zeros, seeds, softcap=30.0)
+    assert torch.equal(greedy, logit_kernels.gumbel_argmax(capped, zeros, seeds))
+    assert int(greedy[0]) == 17
+    temps = torch.full((6,), 0.7, device=DEVICE)
+    sampled = logit_kernels.gumbel_argmax(logits, temps, seeds, softcap=30.0)
+    assert torch.equal(sampled, logit_kernels.gumbel_argmax(capped, temps, seeds))
+    assert not torch.equal(sampled, logit_kernels.gumbel_argmax(logits, temps, seeds))  # the cap matters
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

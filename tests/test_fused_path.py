@@ -17,7 +17,7 @@ from conftest import hf_model  # noqa: E402
 from hf_oracle import HFSteered, add_edit, clamp_edit, max_logprob_gap  # noqa: E402
 
 from steerable import LLM, CaptureSpec, Clamp, SamplingParams, SelectSpec, SteeringSpec  # noqa: E402
-from steerable.layers import fused, gemv  # noqa: E402
+from steerable.layers import fused, gemv, logit_kernels  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -143,3 +143,46 @@ def test_qwen3_moe_fused_experts_equal_hf(tmp_path):
     for layer, expected in enumerate(ref):
         got = plain.captures["router_logits"][layer]
         assert (got - expected.reshape(len(prompt), -1)).abs().max().item() <= 1e-5
+
+
+def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
+    """Gemma 2's final logit soft-cap as one kernel and inside the fused sampler, and the
+    post-attention norm inside the next fused add + norm kernel: greedy tokens and logprobs equal
+    HF's (and differ from uncapped ones: the cap matters); seeded samples (decode steps that sample
+    in the fused sampler) are the ones the three PyTorch ops and the separate norm give."""
+    from steerable.models import gemma3
+
+    calls = {"softcap_": 0, "gumbel_capped": 0}
+    real_softcap, real_gumbel = logit_kernels.softcap_, logit_kernels.gumbel_argmax
+    monkeypatch.setattr(logit_kernels, "softcap_", lambda *a: calls.__setitem__("softcap_", calls["softcap_"] + 1)
+                        or real_softcap(*a))
+
+    def gumbel(logits, temperature, seeds, softcap=None):
+        calls["gumbel_capped"] += softcap is not None
+        return real_gumbel(logits, temperature, seeds, softcap)
+
+    monkeypatch.setattr(logit_kernels, "gumbel_argmax", gumbel)
+    path = capture_dirs["gemma2"]
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=1024, attention_backend="triton", max_num_seqs=4)
+    hf = hf_model(path)
+    prompts = [llm.get_tokenizer()(text).input_ids for text in ("Soft caps bend the logits", "A second prompt")]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    sampled = [SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(2)]
+    tokens, logprobs = HFSteered(hf, []).greedy(prompts[0], 4)
+    runs = {}
+    real_add_norm = fused.add_rms_norm
+    pre_normed = []  # the fused add + norm calls that normalised their delta first
+    monkeypatch.setattr(fused, "add_rms_norm", lambda *a, **k: pre_normed.append(k.get("delta_norm") is not None)
+                        or real_add_norm(*a, **k))
+    for mode in ("torch", "kernel", "sampler"):
+        monkeypatch.setattr(gemma3, "FINAL_SOFTCAP", mode)
+        monkeypatch.setattr(gemma3, "FUSE_POST_NORM", mode == "sampler")
+        out = llm.generate([prompts[0]], greedy, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == tokens
+        assert max_logprob_gap(out, logprobs) <= 1e-4
+        runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
+    assert runs["kernel"] == runs["torch"] == runs["sampler"]
+    assert calls["softcap_"] > 0 and calls["gumbel_capped"] > 0 and any(pre_normed)  # the fused paths ran
+    monkeypatch.setattr(llm.llm_engine.worker.model.cfg, "final_logit_softcapping", None)
+    uncapped = llm.generate([prompts[0]], greedy, use_tqdm=False)[0]
+    assert max_logprob_gap(uncapped, logprobs) > 1e-3  # the cap matters

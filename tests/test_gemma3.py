@@ -250,3 +250,26 @@ def test_preemption(model_dirs, gemma, alone):
     assert _tokens(llm.generate(_prompts(gemma), GREEDY, use_tqdm=False)) == alone
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_post_attention_norm_handed_to_the_next_norm_changes_nothing(gemma, monkeypatch):
+    """``FUSE_POST_NORM``: the post-attention norm goes to ``residual_norm`` as the delta's norm (on a
+    GPU, inside the fused add + norm kernel; here the PyTorch path applies it first): the same logprobs
+    to the bit."""
+    from steerable.hook_points import HookPoints
+    from steerable.models import gemma3
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = _prompts(gemma)[:2]
+    before = gemma.generate(prompts, params, use_tqdm=False)
+    handed = []  # the delta norms residual_norm was given
+    real = HookPoints.residual_norm
+    monkeypatch.setattr(HookPoints, "residual_norm", lambda self, *a, delta_norm=None: handed.append(delta_norm)
+                        or real(self, *a, delta_norm=delta_norm))
+    monkeypatch.setattr(gemma3, "FUSE_POST_NORM", True)
+    after = gemma.generate(prompts, params, use_tqdm=False)
+    assert any(isinstance(norm, gemma3.GemmaRMSNorm) for norm in handed)
+    for a, b in zip(before, after):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in e.items()} for e in a.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in e.items()} for e in b.outputs[0].logprobs]

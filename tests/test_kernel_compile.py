@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from steerable.layers import fused, fused_moe, gemv  # noqa: E402
+from steerable.layers import fused, fused_moe, gemv, logit_kernels  # noqa: E402
 from steerable.layers.attention_backends import triton_paged  # noqa: E402
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
@@ -27,18 +27,28 @@ _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16
 def compile_for_hopper(kernel, **args) -> str:
     """PTX of ``kernel`` for sm_90: tensors give pointer types, ints and floats scalar types; the
     kernel's constexpr parameters take their values from ``args``."""
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    return _compile(kernel, args).asm["ptx"]
+
+
+def _compile(kernel, args: dict, aligned: frozenset = frozenset(), num_stages: int = 3):
+    """``aligned``: the integer parameters the JIT would see divisible by 16 (pointers always are
+    then, and ints of 1 become constants), as a launch specialises them: what decides whether
+    Triton's pipeliner copies tiles asynchronously, so shared memory is counted as on a GPU."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
         value = args[param.name]
-        if param.is_constexpr:
+        if param.is_constexpr or (aligned and value == 1 and not isinstance(value, (float, torch.dtype))):
             signature[param.name], constexprs[param.name] = "constexpr", value
         elif isinstance(value, torch.dtype):
             signature[param.name] = _TYPES[value]
+            if aligned:
+                attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = "fp32" if isinstance(value, float) else "i64"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": args.get("num_warps", 4)})
-    return compiled.asm["ptx"]
+            if param.name in aligned:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": args.get("num_warps", 4), "num_stages": num_stages})
 
 
 BF16, FP32, FP8, I64, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64, torch.int32
@@ -56,7 +66,8 @@ def _site(suffix: str) -> dict:
 def test_fused_steering_kernels(add1, clamps1, add2, clamps2, layer_norm, split):
     """``split``: feature clamps (own write direction and gate) at the clamped sites."""
     norm = dict(res_ptr=BF16, delta_ptr=BF16, w_ptr=BF16, bias_ptr=BF16, out_ptr=BF16, y_ptr=BF16, stride_res=1,
-                stride_delta=1, stride_out=1, stride_y=1, H=1, eps=1.0, **_site("1"), **_site("2"), HAS_DELTA=True,
+                stride_delta=1, stride_out=1, stride_y=1, H=1, eps=1.0, pre_w_ptr=BF16, pre_eps=1.0, **_site("1"),
+                **_site("2"), HAS_DELTA=True, PRE_NORM=not layer_norm,  # Gemma's post-norm inside, on RMSNorm variants
                 ADD1=add1, CLAMPS1=clamps1, SPLIT1=split and clamps1 > 0, ADD2=add2, CLAMPS2=clamps2,
                 SPLIT2=split and clamps2 > 0, BLOCK=1024,
                 UNIT_OFFSET=add2 and not layer_norm,  # Gemma's (1 + w) as well
@@ -174,3 +185,44 @@ def test_shared_prefix_kernels(kv, softcap):
                 GQA_PAD=2, BLOCK_Q=8, BLOCK_M=16, HEAD_D=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=128, DOT_PREC="tf32",
                 FP16_TILES=kv == FP8, V_BY_BLOCK=kv == FP8, SOFTCAP=softcap)
     assert "mma" in compile_for_hopper(shared_prefix._shared_pass_kernel, **args)  # an MMA over 8 rows' queries
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_final_softcap_kernels(dtype):
+    """Gemma's final soft-cap with CUDA's tanhf (libdevice), in place and inside the sampler."""
+    ptx = compile_for_hopper(logit_kernels._softcap_kernel, x_ptr=dtype, n=1, inv_cap=1.0, cap=1.0, BLOCK=4096, LIBDEVICE=True)
+    assert "tanh" in ptx or "ex2" in ptx  # libdevice's tanhf, inlined
+    sampler = dict(logits_ptr=dtype, temp_ptr=FP32, seed_ptr=I64, val_ptr=FP32, idx_ptr=I64, stride=1, V=1,
+                   inv_cap=1.0, cap=1.0, CHUNK=8192, BLOCK=512, SOFTCAP=True, LIBDEVICE=True)
+    compile_for_hopper(logit_kernels._gumbel_argmax_kernel, **sampler)
+
+
+_ALIGNED = frozenset({"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
+                      "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_wab", "stride_wah", "stride_was",
+                      "stride_wmb", "stride_wmh", "window"})
+_SMEM_SM90 = 227 * 1024  # the most shared memory a block may take on an H100 / H200
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unified", "split_kv"])
+@pytest.mark.parametrize("tile_n, num_warps, num_stages", [(64, 4, 2), (32, 4, 5), (16, 4, 5), (16, 4, 8),
+                                                           (32, 8, 5), (64, 4, 5)])
+def test_wide_head_decode_candidates_fit_hopper(split, tile_n, num_warps, num_stages):
+    """Gemma 2's decode attention (heads of 256, GQA 2, soft-capped, windowed) at the tiles
+    ``benchmarks/probes/gemma2_decode.py`` replays: each compiles with the launch's specialisations,
+    copies its tiles asynchronously and fits an SM's shared memory."""
+    cache = dict(k_cache_ptr=BF16, v_cache_ptr=BF16, stride_kb=16384, stride_ko=1024, stride_kh=256,
+                 stride_vb=16384, stride_vo=1024, stride_vh=256, stride_vd=1, block_table_ptr=I32, stride_bt=512,
+                 qsl_ptr=I32, seq_lens_ptr=I32, qk_scale=1.0, softcap=1.0, window=4096, HEAD_D=256, D_PAD=256,
+                 BLOCK_SIZE=16, USE_WINDOW=True, DOT_PREC="tf32", FP16_TILES=False, V_BY_BLOCK=False, SOFTCAP=True,
+                 TILE_N=tile_n, num_warps=num_warps, q_ptr=BF16, ws_acc_ptr=FP32, ws_max_ptr=FP32, ws_sum_ptr=FP32,
+                 stride_qt=2048, stride_qh=256, stride_wab=2048 * 16, stride_wah=256 * 16, stride_wmb=8 * 16,
+                 stride_wmh=16, NUM_Q_PER_KV=2, BLOCK_M=16)
+    if split:
+        kernel, args = triton_paged._split_kv_decode_kernel, dict(cache, stride_was=256, NUM_SEGMENTS=4, PDL=True)
+    else:
+        kernel, args = triton_paged._unified_attention_kernel, dict(
+            cache, out_ptr=BF16, num_seqs=2, v_scale=1.0, stride_ot=2048, stride_oh=256, prefix_lens_ptr=I32,
+            GQA_PAD=2, BLOCK_Q=1, NUM_KV_HEADS=4, ONE_TOKEN_PER_SEQ=True, RESUME=False)
+    compiled = _compile(kernel, args, _ALIGNED, num_stages)
+    assert "cp.async" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= _SMEM_SM90

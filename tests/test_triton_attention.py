@@ -384,12 +384,13 @@ def test_tile_configurations(monkeypatch, prefill_block_m, tile_n, block_size):
 
 
 def test_wide_heads_take_their_own_decode_tile(monkeypatch):
-    """Heads wider than 128 (Gemma 2's 256) decode with ``decode_tile_n_wide``: with the narrow
-    tile set to a size the kernel cannot build, a 256-wide decode batch still runs and is exact,
-    soft-capped as Gemma 2 caps, and a 128-wide one fails."""
-    monkeypatch.setattr(tp.CONFIG, "split_kv_max_programs", 0)  # the unified kernel's decode tile
+    """Heads wider than 128 (Gemma 2's 256) decode with ``CONFIG_WIDE``: with the narrow tile set to a
+    size the kernel cannot build, a 256-wide decode batch still runs and is exact, soft-capped as
+    Gemma 2 caps, and a 128-wide one fails."""
+    monkeypatch.setattr(tp.CONFIG_WIDE, "split_kv_max_programs", 0)  # the unified kernel's decode tile
     monkeypatch.setattr(tp.CONFIG, "decode_tile_n", 3)
-    monkeypatch.setattr(tp.CONFIG, "decode_tile_n_wide", 32)
+    monkeypatch.setattr(tp.CONFIG_WIDE, "decode_tile_n", 32)
+    assert tp.config_for(256) is tp.CONFIG_WIDE and tp.config_for(128) is tp.CONFIG
     wide = make_case([(n - 1, 1) for n in (1, 40, 97)], 4, 2, 256, 16, seed=73)
     run_and_check(wide)
     run_and_check(wide, softcap=50.0)
@@ -400,6 +401,75 @@ def test_wide_heads_take_their_own_decode_tile(monkeypatch):
         chain.append(str(error))
         error = error.__cause__ or error.__context__
     assert any("power of 2" in message for message in chain)
+
+
+WIDE_DECODE = [(n - 1, 1) for n in (1, 17, 64, 97, 130)]
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=_dtype_id)
+@pytest.mark.parametrize("softcap,window", [(None, None), (50.0, None), (None, 40), (2.0, 40)])
+@pytest.mark.parametrize("tile_n", [16, 32, 64])
+def test_wide_decode_tiles(monkeypatch, dtype, softcap, window, tile_n):
+    """The wide decode tiles attention_replay / gemma2_decode sweep (16, 32, 64 positions), on the
+    unified kernel, against the reference: soft-cap and window on and off (scale 1 and a cap of 2
+    bend the scores; 50 is Gemma 2's)."""
+    monkeypatch.setattr(tp.CONFIG_WIDE, "split_kv_max_programs", 0)
+    monkeypatch.setattr(tp.CONFIG_WIDE, "decode_tile_n", tile_n)
+    case = make_case(WIDE_DECODE, 4, 2, 256, 16, dtype, seed=75)
+    if softcap == 2.0:
+        case["scale"] = 0.25
+    run_and_check(case, sliding_window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=_dtype_id)
+@pytest.mark.parametrize("softcap,window", [(None, None), (2.0, None), (50.0, 40)])
+@pytest.mark.parametrize("target,split_tile", [(20, 32), (64, 16), (1000, 64)])
+def test_split_kv_program_target(monkeypatch, dtype, softcap, window, target, split_tile):
+    """``split_kv_target_programs``: a decode batch of any size may take split-KV, cut into at least that
+    many programs (a power of two of segments, at most the workspace's); exact against the reference
+    and the unified kernel, soft-capped and windowed."""
+    for name, value in (("split_kv_max_programs", 1024), ("split_kv_target_programs", target),
+                        ("split_tile_n", split_tile)):
+        monkeypatch.setattr(tp.CONFIG_WIDE, name, value)
+    case = make_case(WIDE_DECODE, 4, 2, 256, 16, dtype, seed=76)
+    case["scale"] = 0.25
+    ws = DecodeWorkspace(8, 4, 256, DEVICE, num_segments=8)
+    segments = tp.split_segments(5, 2, 1, ws)
+    assert segments == min(8, 1 << (-(-target // 10) - 1).bit_length())  # 5 sequences x 2 KV heads
+    split = run_and_check(case, sliding_window=window, workspace=ws, softcap=softcap)
+    monkeypatch.setattr(tp.CONFIG_WIDE, "split_kv_max_programs", 0)
+    unified = run_and_check(case, sliding_window=window, softcap=softcap)
+    n = int(case["query_start_loc"][-1])
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(split[:n], unified[:n], atol=tol, rtol=tol)
+
+
+def test_split_kv_program_target_limits(monkeypatch):
+    """A target a batch already meets gives one segment, which is the unified kernel (no reduce);
+    a batch past split_kv_max_programs or the workspace's rows is unified too; the narrow config is
+    not touched by the wide one's target. Shared-prefix attention shares exactly where split-KV is off."""
+    from steerable.layers.attention_backends.shared_prefix import shares
+
+    monkeypatch.setattr(tp.CONFIG_WIDE, "split_kv_max_programs", 512)
+    monkeypatch.setattr(tp.CONFIG_WIDE, "split_kv_target_programs", 256)
+    wide, narrow = DecodeWorkspace(300, 8, 256, DEVICE), DecodeWorkspace(300, 8, 128, DEVICE)
+    assert [tp.split_segments(b, 4, 1, wide) for b in (1, 4, 12, 16, 32, 64, 128, 129)] == [16, 16, 8, 4, 2, 0, 0, 0]
+    assert tp.split_segments(16, 4, 2, wide) == 0  # prefill hints never split
+    assert tp.split_segments(16, 4, 1, DecodeWorkspace(8, 8, 256, DEVICE)) == 0  # more sequences than rows
+    assert [tp.split_segments(b, 4, 1, narrow) for b in (16, 32, 33)] == [16, 16, 0]  # CONFIG: 128 programs
+    assert [shares(b, 4, 1, wide) for b in (16, 64)] == [False, True]
+
+
+def test_config_overrides():
+    config = tp.TritonAttentionConfig()
+    tp.apply_overrides(config, "decode_tile_n=32, split_kv_target_programs=2048,")
+    assert (config.decode_tile_n, config.split_kv_target_programs) == (32, 2048)
+    tp.apply_overrides(config, "")
+    assert config.decode_tile_n == 32
+    with pytest.raises(ValueError, match="unknown attention config field 'tile'"):
+        tp.apply_overrides(config, "tile=3")
+    with pytest.raises(ValueError, match="takes an integer"):
+        tp.apply_overrides(config, "decode_tile_n=big")
 
 
 # --------------------------------------------------------------------------------------

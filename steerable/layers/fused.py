@@ -26,8 +26,8 @@ except ImportError:  # CPU-only installs: callers use the PyTorch path
 
 # Tests only: with Triton's CPU interpreter (TRITON_INTERPRET=1), STEERABLE_FUSED_ON_CPU=1 sends CPU
 # tensors down the fused path too, so a machine without a GPU still exercises these kernels in a model.
-_ON_CPU = (os.environ.get("STEERABLE_FUSED_ON_CPU") == "1"
-           and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton's CPU interpreter runs the kernels
+_ON_CPU = os.environ.get("STEERABLE_FUSED_ON_CPU") == "1" and INTERPRETED
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -78,6 +78,14 @@ if triton is not None:
         position-major V relies on (it reads whole blocks and weights the slots it must skip 0)."""
         y = x.to(tl.float32) / scale
         return tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0).to(dtype)
+
+    @triton.jit
+    def tanh_exp2(x):
+        """tanh from one exp2 (no libdevice call, so the CPU interpreter runs it too); absolute
+        error about 1e-7."""
+        e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))  # exp(-2|x|), in (0, 1]: no overflow
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
 
     @triton.jit
     def _norm_scale(xhat, w, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
@@ -171,12 +179,13 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(res_ptr, delta_ptr, w_ptr, bias_ptr, out_ptr, y_ptr, stride_res, stride_delta, stride_out,
-                         stride_y, H, eps,
+                         stride_y, H, eps, pre_w_ptr, pre_eps,
                          i1_ptr, a1_ptr, stride_a1, d1_ptr, b1_ptr, w1_ptr, g1_ptr, stride_d1r, stride_d1k,
                          i2_ptr, a2_ptr, stride_a2, d2_ptr, b2_ptr, w2_ptr, g2_ptr, stride_d2r, stride_d2k,
                          HAS_DELTA: tl.constexpr, ADD1: tl.constexpr, CLAMPS1: tl.constexpr, SPLIT1: tl.constexpr,
                          ADD2: tl.constexpr, CLAMPS2: tl.constexpr, SPLIT2: tl.constexpr, BLOCK: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PDL: tl.constexpr):
+                         UNIT_OFFSET: tl.constexpr, LAYER_NORM: tl.constexpr, PRE_NORM: tl.constexpr,
+                         PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -187,6 +196,9 @@ if triton is not None:
         x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
             d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
+            if PRE_NORM:  # the branch's own RMSNorm first (Gemma's post-attention norm), rounded as _norm_kernel rounds
+                d = _norm_row(d, pre_w_ptr, pre_w_ptr, offs, mask, H, pre_eps, dtype, UNIT_OFFSET, False)
+                d = d.to(dtype).to(tl.float32)
             x = (x + d).to(dtype).to(tl.float32)
         x = _steer_site(x, add1, row, i1_ptr, d1_ptr, b1_ptr, w1_ptr, g1_ptr, stride_d1r, stride_d1k, offs, mask,
                         dtype, ADD1, CLAMPS1, SPLIT1)
@@ -343,12 +355,15 @@ def steer(hidden: torch.Tensor, write: SiteWrite) -> torch.Tensor:
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
-                 weight: torch.Tensor, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, eps: float, unit_offset: bool = False,
+                 delta_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + delta``, then the steering writes of up to two hook points in order (each an
     additive table row and projection clamps, rounded to the activation dtype as the separate ops
     round), and ``rms_norm(h)``, in one kernel: the residual add and steering cost no pass of their
-    own. residual/delta: [N, H]; each write's index covers at least N rows."""
-    return _add_norm(residual, delta, writes, weight, None, eps, unit_offset)
+    own. residual/delta: [N, H]; each write's index covers at least N rows. ``delta_norm`` (weight,
+    eps): ``delta`` is first ``rms_norm``-ed with them (the same ``unit_offset``), bit for bit what
+    ``rms_norm`` returns, so a branch's post-norm (Gemma's) costs no kernel of its own."""
+    return _add_norm(residual, delta, writes, weight, None, eps, unit_offset, delta_norm)
 
 
 def add_layer_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
@@ -359,7 +374,9 @@ def add_layer_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: S
 
 def _add_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
               weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-              unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              unit_offset: bool, delta_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta_norm is not None and (delta is None or bias is not None):
+        raise ValueError("delta_norm normalises a delta before an RMSNorm: it needs a delta and no bias")
     if len(writes) > 2:
         raise ValueError(f"add_rms_norm takes the writes of at most two hook points, got {len(writes)}")
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
@@ -374,10 +391,11 @@ def _add_norm(residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequen
         _add_norm_kernel[(n,)](
             residual, delta if delta is not None else residual, weight, bias if bias is not None else weight, out, y,
             residual.stride(0), delta.stride(0) if delta is not None else 0, out.stride(0), y.stride(0), width, eps,
+            delta_norm[0] if delta_norm is not None else weight, float(delta_norm[1]) if delta_norm is not None else 0.0,
             *args1, *args2, HAS_DELTA=delta is not None, ADD1=add1, CLAMPS1=clamps1, SPLIT1=split1, ADD2=add2,
             CLAMPS2=clamps2, SPLIT2=split2,
             BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, LAYER_NORM=bias is not None,
-            num_warps=_num_warps(width), **pdl_args(residual))
+            PRE_NORM=delta_norm is not None, num_warps=_num_warps(width), **pdl_args(residual))
     return out, y
 
 
@@ -439,61 +457,3 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn, UNIT_OFFSET=unit_offset,
             num_warps=4, **pdl_args(qkv))
     return q, k, v
-
-
-if triton is not None:
-
-    @triton.jit
-    def _race_step(logits_ptr, offs, V, temp, u, best_val, best_idx):
-        """Fold the vocabulary entries ``offs`` (with uniforms ``u``) into the running best; ties
-        go to the lowest index, as ``torch.argmax`` breaks them."""
-        mask = offs < V
-        x = tl.load(logits_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
-        if temp > 0:
-            x = tl.where(mask, x / temp - tl.log(-tl.log(tl.maximum(u, 1e-20))), -float("inf"))
-        value = tl.max(x, axis=0)
-        index = tl.min(tl.where(x == value, offs, V), axis=0)
-        better = (value > best_val) | ((value == best_val) & (index < best_idx))
-        return tl.where(better, value, best_val), tl.where(better, index, best_idx)
-
-    @triton.jit
-    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, seed_ptr, val_ptr, idx_ptr, stride, V, CHUNK: tl.constexpr,
-                              BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
-        temp = tl.load(temp_ptr + row)
-        seed = tl.load(seed_ptr + row)
-        row_ptr = logits_ptr + row * stride
-        best_val = -float("inf")
-        best_idx = V
-        for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), 4 * BLOCK):
-            # One Philox draw gives the uniforms of four neighbouring entries: index 4i + k gets
-            # lane k of counter i.
-            base = start + 4 * tl.arange(0, BLOCK)
-            u0, u1, u2, u3 = tl.rand4x(seed, base // 4)
-            best_val, best_idx = _race_step(row_ptr, base, V, temp, u0, best_val, best_idx)
-            best_val, best_idx = _race_step(row_ptr, base + 1, V, temp, u1, best_val, best_idx)
-            best_val, best_idx = _race_step(row_ptr, base + 2, V, temp, u2, best_val, best_idx)
-            best_val, best_idx = _race_step(row_ptr, base + 3, V, temp, u3, best_val, best_idx)
-        chunks = tl.num_programs(1)
-        tl.store(val_ptr + row * chunks + chunk, best_val)
-        tl.store(idx_ptr + row * chunks + chunk, best_idx)
-
-
-_GUMBEL_CHUNK = 8192
-
-
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """Argmax of logits (temperature 0) or of logits / T + Gumbel noise drawn from Philox(seed, vocab
-    index), which samples softmax(logits / T) without materialising it. Logits are read once in
-    their own dtype (upcast in registers); the vocabulary is split into chunks so a small batch
-    still fills the GPU, and the per-chunk winners are reduced (ties go to the lowest index)."""
-    rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, _GUMBEL_CHUNK)
-    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
-    if not rows:
-        return indices[:, 0]
-    _gumbel_argmax_kernel[(rows, chunks)](logits, temperature, seeds, values, indices, logits.stride(0), vocab,
-                                          CHUNK=_GUMBEL_CHUNK, BLOCK=512, num_warps=4)
-    return indices.gather(1, values.argmax(1, keepdim=True)).squeeze(1)

@@ -30,14 +30,20 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+                       delta_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(residual + delta with each site's steering writes applied, its norm)`` in one kernel
         where this norm has one for this device, with the rounding of the separate ops; None
-        otherwise."""
+        otherwise. ``delta_norm``: ``delta`` passes that norm first (an RMSNorm of this kind)."""
         if not fused.enabled(residual):
             return None
-        return fused.add_rms_norm(residual, delta, writes, self.weight, self.eps, unit_offset=self.unit_offset)
+        pre = None
+        if delta_norm is not None:
+            if type(delta_norm) is not type(self) or delta is None:
+                return None
+            pre = (delta_norm.weight, delta_norm.eps)
+        return fused.add_rms_norm(residual, delta, writes, self.weight, self.eps, unit_offset=self.unit_offset,
+                                  delta_norm=pre)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -65,8 +71,8 @@ class PassThrough(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
-                       ) -> None:
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+                       delta_norm: nn.Module | None = None) -> None:
         return None
 
 
@@ -84,9 +90,9 @@ class LayerNorm(nn.Module):
             return fused.layer_norm(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
-    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite]
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """As ``RMSNorm.fused_add_norm``, with a LayerNorm at the end."""
-        if not fused.enabled(residual):
+    def fused_add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, writes: Sequence[SiteWrite],
+                       delta_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As ``RMSNorm.fused_add_norm``, with a LayerNorm at the end (and no ``delta_norm``)."""
+        if not fused.enabled(residual) or delta_norm is not None:
             return None
         return fused.add_layer_norm(residual, delta, writes, self.weight, self.bias, self.eps)

@@ -106,6 +106,11 @@ class CausalLM(nn.Module):
         on tensor-parallel rank 0 of the last stage; None on the other ranks of that stage."""
         return self.lm_head(hidden)
 
+    def logits_for_sampler(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, float | None]:
+        """(logits, the soft-cap the fused sampler applies to them in registers, or None): where a
+        model's last logit op can run inside the sampler, it is left out here (Gemma's final cap)."""
+        return self.compute_logits(hidden), None
+
     # ------------------------------------------------------------ weights
 
     def map_name(self, name: str) -> str | None:

@@ -17,6 +17,7 @@ transcoders read and write.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
@@ -27,6 +28,7 @@ from torch import nn
 
 from steerable.config import ModelConfig, rope_parameters
 from steerable.hook_points import POST_ATTN, HookPoints
+from steerable.layers import fused, logit_kernels
 from steerable.layers.norm import GemmaRMSNorm
 from steerable.layers.rotary import RotaryEmbedding
 from steerable.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -34,6 +36,17 @@ from steerable.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCa
 logger = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Where the final logit soft-cap (``final_logit_softcapping``: Gemma 2) runs: "torch", HF's three
+# PyTorch ops (three reads and writes of the logits); "kernel", one Triton kernel in place with the
+# same rounding; "sampler", inside the fused sampler's registers where a decode step samples there
+# (the kernel elsewhere). STEERABLE_FINAL_SOFTCAP overrides it for a tuning run.
+FINAL_SOFTCAP = os.environ.get("STEERABLE_FINAL_SOFTCAP", "torch")
+if FINAL_SOFTCAP not in ("torch", "kernel", "sampler"):
+    raise ValueError(f"STEERABLE_FINAL_SOFTCAP must be torch, kernel or sampler, got {FINAL_SOFTCAP!r}")
+# Whether the post-attention norm runs inside the fused residual add + pre-feed-forward norm kernel
+# (one kernel a layer fewer, bit for bit the same) instead of as a kernel of its own.
+# STEERABLE_FUSE_POST_NORM=1 / 0 overrides it for a tuning run.
+FUSE_POST_NORM = os.environ.get("STEERABLE_FUSE_POST_NORM", "0") == "1"
 _DEFAULT_PATTERN = 6  # every sixth layer is global when a config has no layer_types
 # Checkpoint prefixes of the multimodal model's text tower (transformers 5, then 4.x) and of what we skip.
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -141,8 +154,13 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         """As ``LlamaDecoderLayer``: the stream entering is ``h + mlp_out``; the branch outputs
         handed on are already post-normed, so the deferred residual adds are Gemma's."""
         h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
-        attn_out = self.post_attention_layernorm(self.self_attn(positions, x, ctx))
-        h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn_out, self.pre_feedforward_layernorm, ctx)
+        attn = self.self_attn(positions, x, ctx)
+        if FUSE_POST_NORM:  # the post-attention norm inside the next add + norm kernel: the same values
+            h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn, self.pre_feedforward_layernorm, ctx,
+                                            delta_norm=self.post_attention_layernorm)
+        else:
+            h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, self.post_attention_layernorm(attn),
+                                            self.pre_feedforward_layernorm, ctx)
         x = self.hooks.mlp_in(self.layer, x, ctx)
         return h, self.hooks.mlp_out(self.layer, self.post_feedforward_layernorm(self.mlp(x, ctx)), ctx)
 
@@ -174,8 +192,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.cfg.final_logit_softcapping
         if cap and logits is not None:  # None: a tensor-parallel rank that does not sample
+            if FINAL_SOFTCAP != "torch" and fused.enabled(logits) and logits.is_contiguous():
+                return logit_kernels.softcap_(logits, cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def logits_for_sampler(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, float | None]:
+        cap = self.cfg.final_logit_softcapping
+        if cap and FINAL_SOFTCAP == "sampler":
+            return super().compute_logits(hidden), cap
+        return self.compute_logits(hidden), None
 
     def map_name(self, name: str) -> str | None:
         """The multimodal checkpoint's text tower loads under our names; vision weights are skipped."""

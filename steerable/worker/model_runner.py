@@ -25,7 +25,7 @@ from steerable.config import EngineConfig, ModelConfig
 from steerable.distributed.groups import ParallelContext, building
 from steerable.hook_points import ATTENTION_PATTERNS, HookPoints
 from steerable.kv_groups import KVGroups
-from steerable.layers import fused
+from steerable.layers import fused, logit_kernels
 from steerable.layers.attention import Attention, value_cache_view
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, dummy_weights, iter_weights
@@ -260,7 +260,8 @@ class ModelRunner:
         hidden = self.model(ctx.input_ids, ctx.positions, ctx)
         if not sample:
             return hidden, None
-        tokens = fused.gumbel_argmax(self.model.compute_logits(hidden), views.temperature, views.seeds)
+        logits, softcap = self.model.logits_for_sampler(hidden)
+        tokens = logit_kernels.gumbel_argmax(logits, views.temperature, views.seeds, softcap)
         self.buffers.last_sampled.index_copy_(0, views.request_slots, tokens)
         return hidden, tokens
 

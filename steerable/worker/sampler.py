@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from steerable.layers import fused
+from steerable.layers import fused, logit_kernels
 from steerable.step import PenaltyInput, SamplingInput
 from steerable.structured.bitmask import apply_bitmask
 from steerable.worker.penalties import apply_penalties
@@ -55,7 +55,7 @@ class Sampler:
         temperature = torch.from_numpy(sampling.temperature)
         seeds = torch.from_numpy(sampling.seeds)
         if fused.enabled(logits) and not sampling.filtered:
-            tokens = fused.gumbel_argmax(logits, temperature.to(logits.device, non_blocking=True),
+            tokens = logit_kernels.gumbel_argmax(logits, temperature.to(logits.device, non_blocking=True),
                                          seeds.to(logits.device, non_blocking=True))  # reads the logits' own dtype
         else:
             tokens = _sample_torch(logits.float(), sampling)

@@ -19,9 +19,9 @@ softcap=None)``
     slots must then all hold finite values).
 ``DecodeWorkspace``
     Preallocated fp32 buffers for the split-KV decode path (keeps the op CUDA-graph safe).
-``CONFIG``
-    Module-level :class:`TritonAttentionConfig` with the tile sizes / warps / stages, so the
-    kernels can be tuned without touching call sites.
+``CONFIG``, ``CONFIG_WIDE``
+    Module-level :class:`TritonAttentionConfig` with the tile sizes / warps / stages for heads up to
+    128 wide and wider ones, so the kernels can be tuned without touching call sites.
 
 Kernel design
 -------------
@@ -50,6 +50,7 @@ on the host, so both paths are CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,14 @@ from steerable.layers import fused
 
 __all__ = [
     "CONFIG",
+    "CONFIG_WIDE",
     "DecodeWorkspace",
     "TritonAttentionConfig",
+    "apply_overrides",
+    "config_for",
     "paged_attention",
     "score_scale",
+    "split_segments",
     "store_kv",
     "unified_launch",
     "uses_split_kv",
@@ -76,7 +81,8 @@ _LOG2E = 1.4426950408889634
 @dataclass
 class TritonAttentionConfig:
     """Launch parameters (all become constexpr / launch options; safe to change at runtime,
-    each new combination just compiles a new kernel variant)."""
+    each new combination just compiles a new kernel variant). ``CONFIG`` holds them for heads up
+    to 128 wide, ``CONFIG_WIDE`` for wider ones (``config_for``)."""
 
     # Unified kernel, prefill-ish batches (max_query_len > 1): target rows per program
     # (query tokens x packed GQA heads) and KV positions per inner-loop tile.
@@ -89,11 +95,6 @@ class TritonAttentionConfig:
     # decode steps replayed on the H200 (`python -m benchmarks attention_replay`; bf16 4.39 s against 4.55
     # and 5.44, float8 3.53 against 3.71 and 3.87).
     decode_tile_n: int = 128
-    # Heads wider than 128 (Gemma 2's 256): a 128-position K and V tile pair is 128 KB, two stages
-    # do not fit beside each other in shared memory, and one program per SM hides no latency. 64
-    # beat 128 (4.22 s against 4.86 over the Gemma 2 2B workload's decode steps replayed on the
-    # H200) and 32; 8 warps or 1 or 3 stages did not help (docs/benchmarks.md, "Gemma 2 2B shape").
-    decode_tile_n_wide: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # Split-KV decode.
@@ -102,11 +103,48 @@ class TritonAttentionConfig:
     split_num_stages: int = 2
     # Use split-KV when max_query_len == 1, a workspace is given and B * Hkv <= this.
     split_kv_max_programs: int = 128
+    # Segments per sequence on the split-KV path: 0 cuts every sequence into the workspace's
+    # ``num_segments``; above 0, into at least this many programs over the batch: ceil(target / (B *
+    # Hkv)) segments rounded up to a power of two (at most the workspace's; where that is 1 the
+    # unified kernel attends), so a large batch is not cut finer than it needs to fill the device.
+    split_kv_target_programs: int = 0
     # store_kv
     store_num_warps: int = 4
 
 
 CONFIG = TritonAttentionConfig()
+# Heads wider than 128 (Gemma 2's 256): a 128-position K and V tile pair is 128 KB, two stages do
+# not fit beside each other in shared memory, and one program per SM hides no latency. 64-position
+# decode tiles beat 128 (4.22 s against 4.86 over the Gemma 2 2B workload's decode steps replayed on
+# the H200) and 32; 8 warps or 1 or 3 stages did not help (docs/benchmarks.md, "Gemma 2 2B shape").
+CONFIG_WIDE = TritonAttentionConfig(decode_tile_n=64)
+_WIDE_HEAD = 128  # heads wider than this take CONFIG_WIDE
+
+
+def config_for(head_d: int) -> TritonAttentionConfig:
+    """The launch parameters of heads ``head_d`` wide."""
+    return CONFIG if head_d <= _WIDE_HEAD else CONFIG_WIDE
+
+
+def apply_overrides(config: TritonAttentionConfig, text: str) -> None:
+    """Set fields of ``config`` from ``"field=value,field=value"`` (integers): how a tuning run
+    (``benchmarks/probes/gemma2_decode.py``) tries a configuration in a whole engine without an
+    edit. ``ValueError`` names an unknown field or a value that is not an integer."""
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in TritonAttentionConfig.__dataclass_fields__:
+            raise ValueError(f"unknown attention config field {name!r} in {text!r}")
+        try:
+            setattr(config, name, int(value))
+        except ValueError:
+            raise ValueError(f"attention config field {name!r} takes an integer, got {value!r}") from None
+
+
+# STEERABLE_ATTENTION_CONFIG / STEERABLE_ATTENTION_CONFIG_WIDE: "field=value,..." over the defaults
+# above, for heads up to 128 wide and wider ones (tuning runs; unset in normal use).
+apply_overrides(CONFIG, os.environ.get("STEERABLE_ATTENTION_CONFIG", ""))
+apply_overrides(CONFIG_WIDE, os.environ.get("STEERABLE_ATTENTION_CONFIG_WIDE", ""))
 
 
 class DecodeWorkspace:
@@ -209,15 +247,6 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from one exp2 (no libdevice call, so the CPU interpreter runs it too); absolute
-    error about 1e-7."""
-    e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))  # exp(-2|x|), in (0, 1]: no overflow
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
 def _kv_tile_step(
     q, m_i, l_i, acc,
     tile, bt_row_ptr, k_cache_ptr, v_cache_ptr,
@@ -257,7 +286,7 @@ def _kv_tile_step(
                 mask=k_valid[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [D_PAD, TILE_N]
     s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N], log2 domain (k's scale folded in)
     if SOFTCAP:
-        s = _tanh(s) * softcap
+        s = fused.tanh_exp2(s) * softcap
 
     mask = row_valid[:, None] & k_valid[None, :]
     if CAUSAL_PER_ROW:
@@ -509,10 +538,26 @@ def _split_kv_reduce_kernel(
 # --------------------------------------------------------------------------------------
 
 
-def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: "DecodeWorkspace | None") -> bool:
+def split_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: DecodeWorkspace | None,
+                   head_d: int | None = None) -> int:
+    """Segments per sequence where ``paged_attention`` attends this shape (heads ``head_d`` wide, by
+    default the workspace's) with the split-KV kernels, 0 where the unified kernel attends it."""
+    if max_query_len > 1 or workspace is None or num_seqs > workspace.max_num_seqs:
+        return 0
+    cfg = config_for(workspace.head_size if head_d is None else head_d)
+    programs = num_seqs * num_kv_heads
+    if programs > cfg.split_kv_max_programs:
+        return 0
+    if cfg.split_kv_target_programs <= 0:
+        return workspace.num_segments
+    # A power of two: a handful of kernel variants (each batch size of the graph ladder compiles one).
+    segments = min(workspace.num_segments, triton.next_power_of_2(-(-cfg.split_kv_target_programs // max(programs, 1))))
+    return segments if segments > 1 else 0
+
+
+def uses_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int, workspace: DecodeWorkspace | None) -> bool:
     """Whether ``paged_attention`` attends this shape with the split-KV kernels (else the unified one)."""
-    return (max_query_len <= 1 and workspace is not None and num_seqs * num_kv_heads <= CONFIG.split_kv_max_programs
-            and num_seqs <= workspace.max_num_seqs)
+    return split_segments(num_seqs, num_kv_heads, max_query_len, workspace) > 0
 
 
 def score_scale(scale: float, k_scale: float, softcap: float | None) -> tuple[float, float, bool]:
@@ -530,10 +575,10 @@ def unified_launch(head_d: int, gqa_pad: int, max_query_len: int) -> tuple[int, 
     ``tl.dot`` with the same bits at any row count, but ``tl.sum`` over a tile's keys reduces in a
     layout that follows the tile's shape (measured on the H200: docs/benchmarks.md): a kernel that must
     reproduce this one's rows (the shared-prefix pass) uses the same rows and warps."""
-    cfg = CONFIG
+    cfg = config_for(head_d)
     if max_query_len <= 1:
         block_q = 1
-        tile_n = cfg.decode_tile_n if head_d <= 128 else cfg.decode_tile_n_wide
+        tile_n = cfg.decode_tile_n
         num_warps, num_stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_q = min(triton.next_power_of_2(max_query_len), max(1, cfg.prefill_block_m // gqa_pad))
@@ -567,7 +612,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     tiles of that many keys; the unified kernel runs whatever the batch size.
 
     Path: split-KV decode when ``max_query_len <= 1`` and ``workspace`` is given and
-    ``B * Hkv <= CONFIG.split_kv_max_programs`` and ``B <= workspace.max_num_seqs`` (then every
+    ``B * Hkv <= split_kv_max_programs`` of the head size's config and ``B <= workspace.max_num_seqs``
+    (and, with ``split_kv_target_programs``, the batch wants more than one segment; then every
     sequence must have query_len <= 1); otherwise the unified kernel, which is correct for any
     ``max_query_len`` hint (the hint only shapes the tiles / grid), except that a hint of 1 with
     as many tokens as sequences is read as one token per sequence (no sequence lookup).
@@ -595,7 +641,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     if T == 0 or B == 0:
         return
 
-    cfg = CONFIG
+    cfg = config_for(head_d)
     group = num_q_heads // num_kv_heads
     gqa_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_d))
@@ -610,10 +656,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
 
     if prefix_lens is not None and (workspace is None or B > workspace.max_num_seqs or prefix_lens.shape[0] < B):
         raise ValueError("prefix_lens needs a workspace of B rows and a length per sequence")
-    if prefix_lens is None and uses_split_kv(B, num_kv_heads, max_query_len, workspace):
+    nseg = 0 if prefix_lens is not None else split_segments(B, num_kv_heads, max_query_len, workspace, head_d)
+    if nseg:
         if workspace.num_q_heads != num_q_heads or workspace.head_size_padded < d_pad:
             raise ValueError("DecodeWorkspace was allocated for a different head layout")
-        nseg = workspace.num_segments
         pdl_launch = fused.pdl_args(q)  # batch-1 decode is a chain of short kernels: each launches before the last ends
         _split_kv_decode_kernel[(B, num_kv_heads, nseg)](
             q, k_cache, v_cache, workspace.acc, workspace.max, workspace.sum,
