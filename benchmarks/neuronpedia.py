@@ -3,9 +3,14 @@
 C concurrent ``/neuronpedia/v1/steer/completion`` calls with ``types: [STEERED, DEFAULT]`` (a random
 SAE's feature, SIMPLE_ADDITIVE), T tokens each, then the same 2C generations through
 ``/v1/completions`` (C with the same feature steering, C unsteered, same prompts and seeds), all
-concurrent, on one server (``--no-prefix-caching``, so repeats and modes prefill alike). The
-generations are identical token for token (checked on the texts), so the throughput ratio is the
-ratio of wall times; modes alternate over the repeats, medians reported. Target: neuronpedia >=
+concurrent, on one server (``--no-prefix-caching``, so repeats and modes prefill alike). Every
+mode's throughput counts its tokens on the word tokenizer's texts; modes alternate over the
+repeats, medians reported.
+On CPU in float32 the engine is batch-invariant and the texts must be identical too; on a GPU in
+bfloat16 a different batch company moves logits by rounding, and sampled continuations of a random
+model (a nearly flat distribution) part at such ties, so there the records give each mode's share
+of texts identical to the first completions run next to completions' own repeat-to-repeat share
+(the noise floor) instead of failing. Target: neuronpedia >=
 0.9x completions (issue 50), Qwen3-0.6B shape, random weights, a random SAE of 16k features.
 
     python -m benchmarks neuronpedia [--calls 64] [--tokens 64] [--repeats 3]
@@ -116,7 +121,7 @@ async def neuronpedia(client: httpx.AsyncClient, call: dict, tokens: int, model:
     return [o["output"] for o in json.loads(last.removeprefix("data: "))["outputs"]]
 
 
-async def completions(client: httpx.AsyncClient, call: dict, tokens: int, model: str) -> tuple[list[str], int]:
+async def completions(client: httpx.AsyncClient, call: dict, tokens: int, model: str) -> list[str]:
     """The call's two generations as plain requests: the feature through ``steering_vectors``, and none."""
     base = {"model": model, "prompt": call["ids"], "max_tokens": tokens, "temperature": TEMPERATURE,
             "seed": call["seed"]}
@@ -125,8 +130,7 @@ async def completions(client: httpx.AsyncClient, call: dict, tokens: int, model:
                                    client.post("/v1/completions", json=base))
     for r in answers:
         r.raise_for_status()
-    bodies = [r.json() for r in answers]
-    return [b["choices"][0]["text"] for b in bodies], sum(b["usage"]["completion_tokens"] for b in bodies)
+    return [r.json()["choices"][0]["text"] for r in answers]
 
 
 async def run_mode(url: str, mode: str, calls: list[dict], tokens: int, model: str) -> dict[str, Any]:
@@ -135,13 +139,21 @@ async def run_mode(url: str, mode: str, calls: list[dict], tokens: int, model: s
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as client:
         start = time.perf_counter()
         if mode == "completions":
-            results = await asyncio.gather(*[completions(client, c, tokens, model) for c in calls])
-            texts, count = [t for t, _ in results], sum(n for _, n in results)
+            texts = await asyncio.gather(*[completions(client, c, tokens, model) for c in calls])
         else:
             texts = await asyncio.gather(*[neuronpedia(client, c, tokens, model, mode == "neuronpedia_stream")
                                            for c in calls])
-            count = None
-        return {"seconds": time.perf_counter() - start, "texts": texts, "tokens": count}
+        return {"seconds": time.perf_counter() - start, "texts": texts}
+
+
+def words(texts: list[list[str]]) -> int:
+    """Generated tokens: the word tokenizer decodes each id to one space-separated word."""
+    return sum(len(text.split()) for pair in texts for text in pair)
+
+
+def identical_share(texts: list[list[str]], reference: list[list[str]]) -> float:
+    pairs = [(a, b) for ours, theirs in zip(texts, reference) for a, b in zip(ours, theirs)]
+    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,19 +187,21 @@ def main(argv: list[str] | None = None) -> None:
             for mode in (modes if r % 2 == 0 else modes[::-1]):
                 runs[mode].append(asyncio.run(run_mode(server.url, mode, calls, args.tokens, "bench")))
     reference = runs["completions"][0]["texts"]
-    tokens = runs["completions"][0]["tokens"]
-    seconds = {mode: common.median([run["seconds"] for run in results]) for mode, results in runs.items()}
+    strict = not torch.cuda.is_available() or args.device == "cpu"
+    speed = {}
     for mode, results in runs.items():
-        same = all(run["texts"] == reference for run in results)
-        emit({"record": "run", "mode": mode, "generations": 2 * args.calls, "output_tokens": tokens,
-              "seconds": seconds[mode], "seconds_all": [run["seconds"] for run in results],
-              "output_tok_s": tokens / seconds[mode], "same_texts_as_completions": same})
-        if not same:
+        shares = [identical_share(run["texts"], reference) for run in results]
+        rates = [words(run["texts"]) / run["seconds"] for run in results]
+        speed[mode] = common.median(rates)
+        emit({"record": "run", "mode": mode, "generations": 2 * args.calls,
+              "output_tokens": [words(run["texts"]) for run in results],
+              "seconds_all": [run["seconds"] for run in results], "output_tok_s": speed[mode],
+              "identical_share": shares})
+        if strict and min(shares) < 1.0:
             raise SystemExit(f"{mode}: the generations differ from /v1/completions' (same prompts, seeds, steering)")
-    emit({"record": "ratio", "neuronpedia_over_completions": seconds["completions"] / seconds["neuronpedia"],
-          "neuronpedia_stream_over_completions": seconds["completions"] / seconds["neuronpedia_stream"],
+    emit({"record": "ratio", "neuronpedia_over_completions": speed["neuronpedia"] / speed["completions"],
+          "neuronpedia_stream_over_completions": speed["neuronpedia_stream"] / speed["completions"],
           "target": 0.9})
-
 
 if __name__ == "__main__":
     main()
