@@ -94,7 +94,10 @@ class CudaGraphRunner:
             ctx.capture.reset()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a graph is captured lazily, mid-run, while consumers on other threads
+        # (dashboard accumulators, activation streams) keep working on their own streams; the
+        # default global mode would fail their allocations and synchronisations.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             graph_output, graph_tokens = program()
         if self.pool is None:
             self.pool = graph.pool()
