@@ -165,6 +165,12 @@ def chat_mode_detail(run: Run, r: dict) -> str | None:
             + (f"; {eager} steps captured without a graph" if eager else ""))
 
 
+def dashboards_detail(run: Run, r: dict) -> str:
+    speed = {m["mode"]: m["prompt_tok_s"] for _, m in run.records if m.get("record") == "run"}
+    return (f"{speed['dashboards']:,.0f} against {speed['sparse_capture']:,.0f} tok/s, "
+            f"{r['tokens_seen']:,} tokens, mean L0 {r['mean_l0']:.0f}")
+
+
 def steered(run: Run, r: dict) -> str | None:
     s = run.first("latency", mode="steered")
     return f"steered {s['overhead_pct']:+.1f} %" if s else None
@@ -255,6 +261,10 @@ TARGETS = Table("targets", (
            goal=at_most(15, "≤ 15 %")),
     Figure("Gemma 2 2B shape, of the byte roofline", "throughput", "roofline", "fraction_of_roofline", pct,
            _throughput("gemma2-2b"), roofline_step, at_least(0.7, "≥ 70 %")),
+    Figure("Neuronpedia steer calls (STEERED + DEFAULT), of `/v1/completions`", "neuronpedia", "ratio",
+           "neuronpedia_over_completions", times, {"shape": "qwen3-0.6b"}, goal=at_least(0.9, "≥ 0.9×")),
+    Figure("feature dashboards of every feature in one pass, of sparse capture's speed", "dashboards", "ratio",
+           "dashboards_vs_sparse_capture", pct, {"d_sae": 65536}, dashboards_detail, at_least(0.7, "≥ 70 %")),
     Figure("CPU, SmolLM2 fp32, 64 prompts, of vLLM-CPU's speed", "cpu_duel", "ratio", "steerable_over_vllm", times,
            {"workload": "batch64"}, goal=at_least(1.0, "≥ 1×")),
     Figure("… batch 1", "cpu_duel", "ratio", "steerable_over_vllm", times, {"workload": "batch1"},
