@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import sys
 
 import pytest
 from conftest import smollm2_gguf
@@ -22,5 +23,9 @@ def test_doc_examples_run(doc, tmp_path, monkeypatch):
     assert blocks
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": f"doc_{doc.stem}"}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"{doc.name}[block {i}]", "exec"), namespace)
+    try:
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"{doc.name}[block {i}]", "exec"), namespace)
+    finally:  # a failed example must not leave its local Ray cluster to the next test's ray.init
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
