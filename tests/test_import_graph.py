@@ -17,6 +17,22 @@ GROUND = {path.stem for path in PACKAGE.glob("*.py")} | {"selection"}
 # Files allowed over 500 lines: GPU kernels, which read best whole.
 KERNELS = {"layers/attention_backends/triton_paged.py"}
 ROOM_OF_RAY = "ray"
+# The floors above the ground (docs/architecture.md#floors): a module imports from its own floor or
+# below. Rooms are top-level packages; the dashboards, a tool that drives an engine, sit above sae/.
+FLOORS = {"distributed": 1, "structured": 1, "layers": 2, "sae": 3, "steering": 3, "capture": 3, "models": 3,
+          "worker": 4, "executor": 4, "engine": 5, "vectors": 6, "sae.dashboards": 6, "entrypoints": 7, "ray": 8}
+# Imports inside a function that reach a higher floor: a public call living beside the plane it
+# drives hands its work to an engine it builds (LLM) or to Ray, both optional at import time.
+REACH_UP = {("steerable.capture.corpus", "steerable.entrypoints.llm"), ("steerable.capture.corpus", "steerable.ray.corpus"),
+            ("steerable.capture.replicas", "steerable.entrypoints.llm"),
+            ("steerable.entrypoints.cli.dashboards", "steerable.ray.dashboards")}
+# Imports inside a function that close a circle of one room: a class's load/save conveniences call
+# its format module (which builds the class), the steering parser checks items on its edges.
+LAZY_BACK_EDGES = {("steerable.sae.model", "steerable.sae.files"),
+                   ("steerable.sae.transcoder", "steerable.sae.transcoder_files"),
+                   ("steerable.vectors.control_vector", "steerable.vectors.files"),
+                   ("steerable.steering.spec", "steerable.steering.edits"),
+                   ("steerable.steering.spec", "steerable.steering.wire")}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -83,6 +99,18 @@ def _room(module: str) -> str:
     return module.split(".")[1] if "." in module else ""
 
 
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in GROUND:
+        return 0
+    return FLOORS[".".join(parts[1:3])] if ".".join(parts[1:3]) in FLOORS else FLOORS[parts[1]]
+
+
+def _edges(module: str, module_level_only: bool) -> set[str]:
+    targets = {_resolve(n) for n in _imports(module, module_level_only) if n.startswith("steerable.")}
+    return {t for t in targets if t and t != module and not module.startswith(t + ".")}
+
+
 def test_no_module_level_import_circle():
     graph, state, circles = _module_graph(), {}, []
 
@@ -126,3 +154,36 @@ def test_files_are_short_and_the_top_level_has_no_scraps():
     scraps = {p.name: n for p in PACKAGE.glob("*.py")
               if (n := len(p.read_text().splitlines())) < 30 and p.name not in ("errors.py", "__init__.py")}
     assert not scraps, f"top-level modules under 30 lines (fold them into the package they serve): {scraps}"
+
+
+def test_imports_stay_on_their_floor_or_below():
+    up = {(m, t) for m in MODULES for t in _edges(m, module_level_only=False) if _floor(t) > _floor(m)}
+    module_level = {(m, t) for m, t in up if t in _edges(m, module_level_only=True)}
+    assert not module_level, f"module-level imports up a floor: {sorted(module_level)}"
+    assert up == REACH_UP, f"function-level imports up a floor, not in REACH_UP (or gone): {sorted(up ^ REACH_UP)}"
+
+
+def test_circles_closed_inside_functions_are_the_listed_ones():
+    graph = _module_graph()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+        return False
+
+    lazy = {(m, t) for m in MODULES for t in _edges(m, False) - _edges(m, True) if reaches(t, m)}
+    assert lazy == LAZY_BACK_EDGES, f"import circles closed inside functions, not listed: {sorted(lazy ^ LAZY_BACK_EDGES)}"
+
+
+def test_every_room_has_a_floor_in_the_docs():
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - GROUND
+    assert rooms <= set(FLOORS), f"packages without a floor: {sorted(rooms - set(FLOORS))}"
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    floors = docs[docs.index("## Floors"):docs.index("\n## ", docs.index("## Floors") + 1)]
+    assert all(f"{room.replace('.', '/')}/" in floors for room in FLOORS), "docs/architecture.md#floors misses a room"

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from steerable.errors import InvalidRequestError
-from steerable.vectors.datafiles import read_jsonl
+from steerable.files import read_jsonl
 
 TOKEN_COLUMNS = ("token_ids", "input_ids", "tokens")
 

@@ -3,28 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from importlib import resources
 from typing import Any
 
 from steerable.errors import InvalidRequestError
+from steerable.files import read_jsonl
 from steerable.vectors.items import ABItem
-
-
-def read_jsonl(path: str | os.PathLike) -> list[Any]:
-    """Every non-empty line parsed as JSON; a bad line fails naming the file and line number."""
-    if not os.path.isfile(path):
-        raise InvalidRequestError(f"{path}: no such file")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise InvalidRequestError(f"{path}:{number}: not JSON ({err})") from None
-    return records
 
 
 def parse_pairs(records: list[Any], where: str = "pairs") -> tuple[list[str], list[str]]:

@@ -131,7 +131,7 @@ def layer_list(text: str) -> list[int]:
 
 def read_texts(path: str, field: str) -> list[str]:
     """The non-empty string ``field`` of every record of a JSON-lines file (CliError otherwise)."""
-    from steerable.vectors.datafiles import read_jsonl
+    from steerable.files import read_jsonl
 
     texts = []
     for i, record in enumerate(read_jsonl(path)):
