@@ -18,7 +18,8 @@ Adding one:
 
 1. write ``benchmarks/NAME.py`` as above (its ``--smoke`` must run on a CPU in seconds);
 2. add ``"NAME"`` to ``BENCHMARKS`` below (one line);
-3. add a smoke test to ``tests/test_benchmarks.py`` (``run("NAME", cache_dir, ...)``);
+3. add a smoke test to ``tests/test_benchmarks.py`` (``run("NAME", bench_cache_dir, ...)`` from
+   ``tests/bench_harness.py``; a plane's benchmark goes to ``test_benchmarks_planes.py``);
 4. for a figure the docs should show, add a ``Figure`` to ``benchmarks/tables.py``, commit the
    run's records and run ``python -m benchmarks report``.
 

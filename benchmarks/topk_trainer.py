@@ -16,7 +16,7 @@ Adam at a constant 3e-4, betas 0.9 / 0.999, gradients clipped to norm 1), float3
 The bookkeeping is kept as SAELens keeps it (firing counts, steps since each latent fired, the
 count of dead latents read on the host every step, a boolean-mask write), so a step synchronises
 with the device where SAELens' does and costs what it costs. Logging, checkpoints and wandb are
-off, as in a run without them. ``tests/test_benchmarks.py`` checks the weights step for step
+off, as in a run without them. ``tests/test_benchmarks_planes.py`` checks the weights step for step
 against SAELens on a CPU; ``SAELensTrainer`` is SAELens' own, for machines that have it.
 """
 

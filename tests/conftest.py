@@ -244,3 +244,9 @@ def offline(model_dirs):
     from steerable import LLM
 
     return LLM(model_dirs["qwen3"], device="cpu", kv_cache_tokens=8192)
+
+
+@pytest.fixture(scope="session")
+def bench_cache_dir(tmp_path_factory) -> str:
+    """Where the benchmarks' random checkpoints are built, once for every benchmark test file."""
+    return str(tmp_path_factory.mktemp("bench-cache"))
