@@ -4,6 +4,7 @@ replay == eager in bfloat16 with steering and capture inside the graph (Qwen3, G
 against HF in bfloat16."""
 
 import random
+import threading
 
 import pytest
 import torch
@@ -60,6 +61,42 @@ def test_greedy_matches_hf_on_gpu(model_dirs, family):
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 16)
     assert llm.llm_engine.stats()["graph_replays"] > 0
+
+
+def test_graphs_captured_mid_run_leave_other_threads_working(model_dirs):
+    """The engine captures graphs lazily (here: for each new steering vector) while a consumer on
+    another thread (a dashboard pass, an activation stream) allocates and synchronises on its own
+    stream; in the global capture mode the consumer's calls failed ("operation not permitted when
+    stream is capturing"). Both sides finish, and graphed tokens equal an eager engine's."""
+    path = model_dirs["qwen3"]
+    llm = LLM(path, dtype="float32", device="cuda", kv_cache_tokens=8192)
+    eager = LLM(path, dtype="float32", device="cuda", kv_cache_tokens=8192, enforce_eager=True)
+    stop, errors = threading.Event(), []
+
+    def consumer():
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                while not stop.is_set():
+                    x = torch.randn(2048, 256, device="cuda")
+                    (x @ x.T).sum().item()
+        except Exception as err:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(err)
+
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                             steering_vectors=SteeringSpec(vectors={"post_mlp": {1: _vec(seed)}})) for seed in range(6)]
+    before = llm.llm_engine.stats()["graph_captures"]
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    try:
+        outs = [llm.generate(PROMPTS[:3], p, use_tqdm=False) for p in params]
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert llm.llm_engine.stats()["graph_captures"] > before
+    for p, out in zip(params, outs):
+        ref = eager.generate(PROMPTS[:3], p, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
 
 
 @pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_mlp"])
