@@ -379,11 +379,12 @@ def test_streaming_last_message_equals_the_answer(http, path, body):
         assert events[-1] == whole.text
         return
     # Two runs of the same request: tokens identical, logprobs to float32 rounding (the two types
-    # may join the batch a step apart, which changes the CPU's reduction order in the last bits).
+    # may join the batch a step apart, which changes the CPU's reduction order in the last bits;
+    # CI saw a logprob near -2 move by 2e-5).
     last, answer = json.loads(events[-1]), whole.json()
     values = [(lp["logprob"], want["logprob"]) for a, w in zip(last["outputs"], answer["outputs"])
               for got, want in zip(a["logprobs"], w["logprobs"]) for lp in [got]]
-    assert values and max(abs(x - y) for x, y in values) <= 1e-5
+    assert values and max(abs(x - y) for x, y in values) <= 1e-4
     assert _without_values(last) == _without_values(answer)
 
 
