@@ -80,7 +80,7 @@ def _block(dtype, experts=8, top_k=2, hidden=64, inter=48, norm_topk=True):
 def test_grouped_gemm_equals_expert_loop(dtype, tokens, experts, top_k):
     block = _block(dtype, experts, top_k)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
-    ctx = type("Ctx", (), {"capture": None})()
+    ctx = type("Ctx", (), {"capture": None, "steering": None})()
     with torch.no_grad():
         chosen, weights = block.route(x, ctx)
         fast = fused_experts(x, chosen, weights, block.experts_gate_up, block.experts_down)
@@ -199,7 +199,7 @@ def test_sparse_block_one_token_uses_the_gemv_kernels(dtype, monkeypatch):
     x = torch.randn(1, 1, 72, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
     if not fused.enabled(x):
         pytest.skip("CPU tensors take the fused path only with STEERABLE_FUSED_ON_CPU=1")
-    ctx = type("Ctx", (), {"capture": _Capture()})()
+    ctx = type("Ctx", (), {"capture": _Capture(), "steering": None})()
     with torch.no_grad():
         logits = torch.nn.functional.linear(x[0], block.gate.weight)
         chosen, weights = block.route(x[0], ctx)
@@ -235,7 +235,7 @@ def test_every_table_config_equals_expert_loop(name, tokens, config):
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     block = _block(dtype, experts=16, top_k=4, hidden=96, inter=80)
     x = torch.randn(min(tokens, 40), 96, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    ctx = type("Ctx", (), {"capture": None})()
+    ctx = type("Ctx", (), {"capture": None, "steering": None})()
     with torch.no_grad():
         chosen, weights = block.route(x, ctx)
         fast = fused_experts(x, chosen, weights, block.experts_gate_up, block.experts_down, configs=config)
@@ -339,7 +339,7 @@ def test_fused_block_routes_with_the_kernel(monkeypatch):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     if not fused.enabled(x):
         pytest.skip("CPU tensors take the fused path only with STEERABLE_FUSED_ON_CPU=1")
-    ctx = type("Ctx", (), {"capture": None})()
+    ctx = type("Ctx", (), {"capture": None, "steering": None})()
     with torch.no_grad():
         ref_experts, ref_weights = route_topk_reference(block.gate(x), 4, True)
         monkeypatch.setattr(qwen3_moe, "route_topk_reference", _unavailable)
