@@ -48,7 +48,12 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits in the model dtype on tensor-parallel rank 0; None on the other ranks."""
-        logits = F.linear(hidden, self.weight)
+        if hidden.device.type == "cpu" and hidden.shape[0] == 1:
+            # One row on a CPU (a batch-1 decode step): BLAS's matrix-vector product streams the
+            # table 25 % faster than its one-row matrix product (SmolLM2's 113 MB: 5.0 against 6.6 ms).
+            logits = torch.mv(self.weight, hidden[0]).unsqueeze(0)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather(logits, dim=-1)
