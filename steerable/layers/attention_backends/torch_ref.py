@@ -46,15 +46,22 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @dataclass
-class DecodePlan:
-    """Where a step's decode rows read their K/V: ``rows`` (query row of each decode sequence),
-    ``index`` [n, L] (cache slots, row-major over ``[blocks * block_size]``; padding repeats a real
-    slot) and ``mask`` [n, 1, 1, L] (True: a position the row attends to). Sequences with more than
-    one query token are in ``prefill``, as (sequence, first query row, last query row + 1)."""
+class DecodeBatch:
+    """Decode rows that attend together: ``rows`` (their query rows; None: all rows of the step,
+    in order), ``index`` [n, L] (cache slots, row-major over ``[blocks * block_size]``; padding
+    repeats a real slot) and ``mask`` [n, 1, 1, L] (True: a position the row attends to)."""
 
     rows: torch.Tensor | None
-    index: torch.Tensor | None
-    mask: torch.Tensor | None
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class DecodePlan:
+    """Where a step's decode rows read their K/V (``batches``), and its sequences with more than one
+    query token (``prefill``: sequence, first query row, last query row + 1)."""
+
+    batches: list[DecodeBatch]
     prefill: list[tuple[int, int, int]]
     seq_lens: list[int]
 
@@ -67,10 +74,22 @@ class StepPlans:
     plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict)
 
 
+def _split(count: np.ndarray) -> int:
+    """Where to cut rows sorted by length into a short and a long batch (0: keep one): the cut
+    that pads least, taken when it saves at least a tenth of the padded reads (the K/V bytes a
+    decode step's attention moves; a second batch costs a few ops more)."""
+    n = len(count)
+    padded = np.arange(1, n) * count[:-1] + (n - np.arange(1, n)) * count[-1]
+    if n < 8 or not len(padded):
+        return 0
+    cut = int(padded.argmin())
+    return cut + 1 if padded[cut] <= 0.9 * n * count[-1] else 0
+
+
 def decode_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
                 sliding_window: int | None) -> DecodePlan:
     """The step's ``DecodePlan``: a decode row reads the positions of its window (all before it
-    without one), at most the longest of them padded."""
+    without one); rows of very different lengths go to two batches, each padded to its longest."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode, firsts, prefill = [], [], []
@@ -84,18 +103,24 @@ def decode_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
         decode.append(b)
         firsts.append(0 if sliding_window is None else max(0, seq_len - sliding_window))
     if not decode:
-        return DecodePlan(None, None, None, prefill, lens)
-    seqs = np.asarray(decode)
-    first = np.asarray(firsts)
+        return DecodePlan([], prefill, lens)
+    seqs, first = np.asarray(decode), np.asarray(firsts)
     count = np.asarray(lens)[seqs] - first
-    width = int(count.max())
-    pos = first[:, None] + np.minimum(np.arange(width)[None, :], count[:, None] - 1)
     table = block_table.numpy() if block_table.device.type == "cpu" else block_table.cpu().numpy()
-    slots = table[seqs[:, None], pos // block_size].astype(np.int64) * block_size + pos % block_size
-    mask = np.arange(width)[None, :] < count[:, None]
-    rows = torch.as_tensor(np.asarray(starts)[seqs], device=query_start_loc.device)
-    return DecodePlan(rows, torch.as_tensor(slots, device=query_start_loc.device),
-                      torch.as_tensor(mask, device=query_start_loc.device)[:, None, None, :], prefill, lens)
+    device = query_start_loc.device
+    order = np.argsort(count, kind="stable")
+    cut = _split(count[order])
+    groups = [order[:cut], order[cut:]] if cut else [np.arange(len(seqs))]
+    every = len(decode) == len(starts) - 1 and not prefill
+    batches = []
+    for group in groups:
+        width = int(count[group].max())
+        pos = first[group, None] + np.minimum(np.arange(width)[None, :], count[group, None] - 1)
+        slots = table[seqs[group, None], pos // block_size].astype(np.int64) * block_size + pos % block_size
+        mask = torch.as_tensor(np.arange(width)[None, :] < count[group, None], device=device)[:, None, None, :]
+        rows = None if every and len(groups) == 1 else torch.as_tensor(np.asarray(starts)[seqs[group]], device=device)
+        batches.append(DecodeBatch(rows, torch.as_tensor(slots, device=device), mask))
+    return DecodePlan(batches, prefill, lens)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -112,22 +137,21 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                     plan: DecodePlan, scale: float, k_scale: float, v_scale: float, softcap: float | None) -> None:
-    """The plan's decode rows, attending together: K/V gathered to [n, Hkv, L, D], masked past
+                     batch: DecodeBatch, scale: float, k_scale: float, v_scale: float, softcap: float | None) -> None:
+    """One batch of decode rows, attending together: K/V gathered to [n, Hkv, L, D], masked past
     each row's length."""
-    n, width = plan.index.shape
+    n, width = batch.index.shape
     heads = k_cache.shape[2]
-    flat = plan.index.view(-1)
+    flat = batch.index.view(-1)
     rows = (-1, *k_cache.shape[2:])  # a view of the engine's caches (a copy of a permuted one)
     keys = dequantize(k_cache.reshape(rows).index_select(0, flat), k_scale).view(n, width, heads, -1).transpose(1, 2)
     values = dequantize(v_cache.reshape(rows).index_select(0, flat), v_scale).view(n, width, heads, -1).transpose(1, 2)
-    all_rows = n == q.shape[0]
-    query = (q if all_rows else q.index_select(0, plan.rows)).float().unsqueeze(2)  # [n, Hq, 1, D]
-    result = _attend(query, keys, values, plan.mask, scale, softcap).squeeze(2).to(out.dtype)
-    if all_rows:
+    query = (q if batch.rows is None else q.index_select(0, batch.rows)).float().unsqueeze(2)  # [n, Hq, 1, D]
+    result = _attend(query, keys, values, batch.mask, scale, softcap).squeeze(2).to(out.dtype)
+    if batch.rows is None:
         out.copy_(result)
     else:
-        out.index_copy_(0, plan.rows, result)
+        out.index_copy_(0, batch.rows, result)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -143,8 +167,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan = decode_plan(query_start_loc, seq_lens, block_table, block_size, sliding_window)
         if workspace is not None:
             workspace.plans[key] = plan
-    if plan.index is not None:
-        decode_attention(q, k_cache, v_cache, out, plan, scale, k_scale, v_scale, softcap)
+    for batch in plan.batches:
+        decode_attention(q, k_cache, v_cache, out, batch, scale, k_scale, v_scale, softcap)
     for b, q_start, q_end in plan.prefill:
         seq_len = plan.seq_lens[b]
         first = 0
@@ -158,7 +182,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        query = q[q_start:q_end].transpose(0, 1).float()
-        keys = dequantize(keys, k_scale).transpose(0, 1)
-        values = dequantize(values, v_scale).transpose(0, 1)
-        out[q_start:q_end] = _attend(query, keys, values, mask, scale, softcap).transpose(0, 1).to(out.dtype)
+        # [1, H, L, D]: PyTorch's fused CPU attention takes batched 4-d inputs only
+        query = q[q_start:q_end].transpose(0, 1).float()[None]
+        keys = dequantize(keys, k_scale).transpose(0, 1)[None]
+        values = dequantize(values, v_scale).transpose(0, 1)[None]
+        out[q_start:q_end] = _attend(query, keys, values, mask, scale, softcap)[0].transpose(0, 1).to(out.dtype)
