@@ -81,10 +81,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, through the one-row kernel where it applies (a batch-1 decode step), or on a CPU
-    through oneDNN's prepacked weights for a decode batch (``packed_cpu_linear``)."""
+    engine (not the fused GPU path run there) through oneDNN's prepacked weights for a decode batch
+    (``packed_cpu_linear``)."""
     if eligible(x, weight):
         return gemv(x, weight, bias)
-    if (x.device.type == "cpu" and x.dim() == 2 and 2 <= x.shape[0] <= CPU_PACKED_MAX_ROWS
+    if (x.device.type == "cpu" and not fused.enabled(x) and x.dim() == 2 and 2 <= x.shape[0] <= CPU_PACKED_MAX_ROWS
             and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
         return packed_cpu_linear(x, weight, bias)
     return F.linear(x, weight, bias)
