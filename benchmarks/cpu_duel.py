@@ -134,7 +134,8 @@ def run_record(engine: str, duel: Duel, r: int, seconds: float) -> dict:
     tokens = len(duel.prompts) * duel.max_tokens
     record = {"record": "run", "engine": engine, "workload": duel.name, "round": r, "seconds": seconds,
               "requests": len(duel.prompts), "prompt_tokens": sum(map(len, duel.prompts)), "output_tokens": tokens,
-              "output_tok_s": tokens / seconds}
+              "output_tok_s": tokens / seconds,
+              "load_1min": os.getloadavg()[0]}  # 1 while one engine runs on a quiet box; more: another job ran
     if len(duel.prompts) == 1:
         record["ms_per_token"] = seconds * 1e3 / duel.max_tokens
     return record
