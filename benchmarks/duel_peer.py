@@ -34,8 +34,8 @@ def vllm_engine(args: argparse.Namespace) -> tuple[Callable[[list[list[int]], in
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    settings = dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, enable_prefix_caching=False, seed=0)
+    settings = {"dtype": "float32", "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_model_len": args.max_model_len, "enable_prefix_caching": False, "seed": 0}
     llm = LLM(model=args.model, **settings)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -52,9 +52,9 @@ def steerable_engine(args: argparse.Namespace) -> tuple[Callable[[list[list[int]
     import steerable
     from steerable import LLM, SamplingParams
 
-    settings = dict(dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    enable_prefix_caching=False, cpu_threads=1)
+    settings = {"dtype": "float32", "device": "cpu", "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+                "enable_prefix_caching": False, "cpu_threads": 1}
     llm = LLM(args.model, **settings)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
