@@ -51,6 +51,7 @@ BENCHMARKS = (
     "host_step_cost",
     "activation_stream",
     "neuronpedia",
+    "cpu_duel",
 )
 
 # Probes still in use: modules of ``benchmarks.probes``.

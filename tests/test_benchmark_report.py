@@ -23,7 +23,8 @@ from benchmarks.tables import TABLES, Figure, Table, at_most
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package's own modules: everything else in benchmarks/ is a benchmark and must be registered.
 INFRASTRUCTURE = {"__init__", "__main__", "common", "provenance", "results", "report", "tables",
-                  "topk_trainer"}  # activation_stream's trainer, not a benchmark of its own
+                  "topk_trainer",  # activation_stream's trainer, not a benchmark of its own
+                  "duel_peer"}  # cpu_duel's other engine, a process of its own
 
 
 def runner(*args: str) -> subprocess.CompletedProcess:

@@ -341,8 +341,10 @@ class ModelRunner:
                           sampling.temperature if inside else None)
         # A mixed graph serves any query lengths: its attention tiles follow the padded size.
         query_len_hint = padded if mixed else step.max_query_len
+        # The reference backend plans each step's decode reads afresh (torch_ref.StepPlans).
+        workspace = torch_ref.StepPlans() if self.backend is torch_ref else self.workspace
         attn = AttentionMetadata(views.slot_mapping, views.query_start, views.seq_lens, views.block_table,
-                                 query_len_hint, self.workspace)
+                                 query_len_hint, workspace)
         shared = self._shares_prefix(step, pad_seqs, query_len_hint)
         if shared:
             attn.prefix_lens, attn.shared_group = views.prefix_lens, step.shared_prefix.group

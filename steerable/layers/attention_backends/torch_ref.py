@@ -5,11 +5,17 @@ Same contract as ``triton_paged``: K/V for every position < seq_len is in the pa
 position ``seq_len - query_len + i`` and attends causally (optionally within a sliding window;
 blocks wholly before the window of the first query are not read, so a sliding-window KV group may
 have released them); with ``softcap`` the scaled scores are capped as ``softcap * tanh(s / softcap)``
-before the mask (Gemma 2). Loops over sequences, so it syncs with the device.
+before the mask (Gemma 2). Prefill rows loop over their sequences (it syncs with the device);
+the decode rows of a step (one query each) attend together, as one padded batch: their K/V rows
+are gathered once per layer through an index built once per step and KV group (``StepPlans``), so
+a CPU decode step costs a few ops per layer instead of a few per sequence and layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,20 +45,132 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache[blocks, offsets] = quantize(value[valid], v_scale, v_cache.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                    max_query_len: int, scale: float, sliding_window: int | None = None,
-                    workspace: object = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    softcap: float | None = None) -> None:
-    block_size = k_cache.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
+@dataclass
+class DecodeBatch:
+    """Decode rows that attend together: ``rows`` (their query rows; None: all rows of the step,
+    in order), ``index`` [n, L] (cache slots, row-major over ``[blocks * block_size]``; padding
+    repeats a real slot) and ``mask`` [n, 1, 1, L] (True: a position the row attends to)."""
+
+    rows: torch.Tensor | None
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class DecodePlan:
+    """Where a step's decode rows read their K/V (``batches``), and its sequences with more than one
+    query token (``prefill``: sequence, first query row, last query row + 1)."""
+
+    batches: list[DecodeBatch]
+    prefill: list[tuple[int, int, int]]
+    seq_lens: list[int]
+
+
+@dataclass
+class StepPlans:
+    """One step's ``DecodePlan`` per (block table, window), built by the first layer that needs it:
+    every layer of a KV group reads the same positions."""
+
+    plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict)
+
+
+def _split(count: np.ndarray) -> int:
+    """Where to cut rows sorted by length into a short and a long batch (0: keep one): the cut
+    that pads least, taken when it saves at least a tenth of the padded reads (the K/V bytes a
+    decode step's attention moves; a second batch costs a few ops more)."""
+    n = len(count)
+    padded = np.arange(1, n) * count[:-1] + (n - np.arange(1, n)) * count[-1]
+    if n < 8 or not len(padded):
+        return 0
+    cut = int(padded.argmin())
+    return cut + 1 if padded[cut] <= 0.9 * n * count[-1] else 0
+
+
+def decode_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                sliding_window: int | None) -> DecodePlan:
+    """The step's ``DecodePlan``: a decode row reads the positions of its window (all before it
+    without one); rows of very different lengths go to two batches, each padded to its longest."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    decode, firsts, prefill = [], [], []
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         if q_end == q_start or seq_len == 0:
             continue
+        if q_end - q_start > 1:
+            prefill.append((b, q_start, q_end))
+            continue
+        decode.append(b)
+        firsts.append(0 if sliding_window is None else max(0, seq_len - sliding_window))
+    if not decode:
+        return DecodePlan([], prefill, lens)
+    seqs, first = np.asarray(decode), np.asarray(firsts)
+    count = np.asarray(lens)[seqs] - first
+    table = block_table.numpy() if block_table.device.type == "cpu" else block_table.cpu().numpy()
+    device = query_start_loc.device
+    order = np.argsort(count, kind="stable")
+    cut = _split(count[order])
+    groups = [order[:cut], order[cut:]] if cut else [np.arange(len(seqs))]
+    every = len(decode) == len(starts) - 1 and not prefill
+    batches = []
+    for group in groups:
+        width = int(count[group].max())
+        pos = first[group, None] + np.minimum(np.arange(width)[None, :], count[group, None] - 1)
+        slots = table[seqs[group, None], pos // block_size].astype(np.int64) * block_size + pos % block_size
+        mask = torch.as_tensor(np.arange(width)[None, :] < count[group, None], device=device)[:, None, None, :]
+        rows = None if every and len(groups) == 1 else torch.as_tensor(np.asarray(starts)[seqs[group]], device=device)
+        batches.append(DecodeBatch(rows, torch.as_tensor(slots, device=device), mask))
+    return DecodePlan(batches, prefill, lens)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v over [..., Hq, Lq, D] queries and [..., Hkv, L, D] keys and
+    values (grouped-query heads share a KV head). Without a soft-cap, PyTorch's fused CPU attention."""
+    if not softcap:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = query.shape[-3] // keys.shape[-3]
+    keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32), values)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                     batch: DecodeBatch, scale: float, k_scale: float, v_scale: float, softcap: float | None) -> None:
+    """One batch of decode rows, attending together: K/V gathered to [n, Hkv, L, D], masked past
+    each row's length."""
+    n, width = batch.index.shape
+    heads = k_cache.shape[2]
+    flat = batch.index.view(-1)
+    rows = (-1, *k_cache.shape[2:])  # a view of the engine's caches (a copy of a permuted one)
+    keys = dequantize(k_cache.reshape(rows).index_select(0, flat), k_scale).view(n, width, heads, -1).transpose(1, 2)
+    values = dequantize(v_cache.reshape(rows).index_select(0, flat), v_scale).view(n, width, heads, -1).transpose(1, 2)
+    query = (q if batch.rows is None else q.index_select(0, batch.rows)).float().unsqueeze(2)  # [n, Hq, 1, D]
+    result = _attend(query, keys, values, batch.mask, scale, softcap).squeeze(2).to(out.dtype)
+    if batch.rows is None:
+        out.copy_(result)
+    else:
+        out.index_copy_(0, batch.rows, result)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    max_query_len: int, scale: float, sliding_window: int | None = None,
+                    workspace: StepPlans | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    softcap: float | None = None) -> None:
+    """``workspace``: the step's ``StepPlans`` (None: the plan is built for this call alone)."""
+    block_size = k_cache.shape[1]
+    key = (block_table.data_ptr(), sliding_window)
+    plan = workspace.plans.get(key) if workspace is not None else None
+    if plan is None:
+        plan = decode_plan(query_start_loc, seq_lens, block_table, block_size, sliding_window)
+        if workspace is not None:
+            workspace.plans[key] = plan
+    for batch in plan.batches:
+        decode_attention(q, k_cache, v_cache, out, batch, scale, k_scale, v_scale, softcap)
+    for b, q_start, q_end in plan.prefill:
+        seq_len = plan.seq_lens[b]
         first = 0
         if sliding_window is not None:
             first = max(0, seq_len - (q_end - q_start) - sliding_window + 1) // block_size * block_size
@@ -64,12 +182,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        query = q[q_start:q_end].transpose(0, 1)
-        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
-        values = values.transpose(0, 1).repeat_interleave(group, dim=0)
-        scores = torch.matmul(query.float(), dequantize(keys, k_scale).transpose(1, 2)) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        out[q_start:q_end] = torch.matmul(probs, dequantize(values, v_scale)).transpose(0, 1).to(out.dtype)
+        # [1, H, L, D]: PyTorch's fused CPU attention takes batched 4-d inputs only
+        query = q[q_start:q_end].transpose(0, 1).float()[None]
+        keys = dequantize(keys, k_scale).transpose(0, 1)[None]
+        values = dequantize(values, v_scale).transpose(0, 1)[None]
+        out[q_start:q_end] = _attend(query, keys, values, mask, scale, softcap)[0].transpose(0, 1).to(out.dtype)
