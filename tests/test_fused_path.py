@@ -167,7 +167,7 @@ def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
     hf = hf_model(path)
     prompts = [llm.get_tokenizer()(text).input_ids for text in ("Soft caps bend the logits", "A second prompt")]
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
-    sampled = [SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(2)]
+    sampled = [SamplingParams(max_tokens=3, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(2)]
     tokens, logprobs = HFSteered(hf, []).greedy(prompts[0], 4)
     runs = {}
     real_add_norm = fused.add_rms_norm
