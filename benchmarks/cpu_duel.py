@@ -92,7 +92,11 @@ class Peer:
                    "--max-num-batched-tokens", str(STEP_TOKENS), "--max-model-len", str(MAX_MODEL_LEN),
                    "--core", str(core)]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self._read()
+        try:
+            self.info = self._read()
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -107,8 +111,14 @@ class Peer:
         return reply["seconds"], reply["token_ids"]
 
     def close(self) -> None:
+        """End of stdin ends the peer; one that does not end within two minutes is killed."""
         self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
 
 
 def check_same(workload: str, ours: list[list[int]], theirs: list[list[int]]) -> None:

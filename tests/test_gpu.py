@@ -97,6 +97,8 @@ def test_graphs_captured_mid_run_leave_other_threads_working(model_dirs):
     for p, out in zip(params, outs):
         ref = eager.generate(PROMPTS[:3], p, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    llm.shutdown()
+    eager.shutdown()
 
 
 @pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_mlp"])
