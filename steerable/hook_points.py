@@ -54,6 +54,13 @@ def transformer_lens_name(layer: int, hook: str) -> str:
     return f"blocks.{layer}.{_TRANSFORMER_LENS[hook]}"
 
 
+def layers_needed(layers: Sequence[int], hook: str) -> int:
+    """How many leading layers a forward must run to reach ``hook`` at every one of ``layers``
+    (TransformerLens' ``stop_at_layer``): the stream entering a layer (``pre_attn``) needs only the
+    layers below it; a point inside or after a layer needs that layer too."""
+    return max(layer + (hook != PRE_ATTN) for layer in layers)
+
+
 def check_residual_point(hook: Any, where: str) -> str:
     """``hook`` if it names a residual point, else ``InvalidRequestError`` naming ``where``."""
     if hook not in RESIDUAL_POINTS:
@@ -204,6 +211,17 @@ class HookPoints:
         for point, layer in sites:
             hidden = self.residual(point, layer, hidden, ctx)
         return hidden, norm(hidden)
+
+    def stream_entering(self, layer: int, num_layers: int, residual: torch.Tensor, delta: torch.Tensor | None,
+                        ctx: Any) -> torch.Tensor:
+        """The residual stream ``residual + delta`` entering ``layer`` (leaving the model when it is
+        ``num_layers``) through the hook points there, for a forward that stops before ``layer``:
+        the same points, in the same order, as that layer's first norm passes it."""
+        hidden = residual if delta is None else residual + delta
+        sites = [(POST_MLP, layer - 1)] * (layer > 0) + [(PRE_ATTN, layer)] * (layer < num_layers)
+        for point, at in sites:
+            hidden = self.residual(point, at, hidden, ctx)
+        return hidden
 
     def mlp_in(self, layer: int, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         """The MLP's input after its norm (``blocks.L.ln2.hook_normalized``): steering writes, then

@@ -77,6 +77,8 @@ class Request:
         self.hash_keys: list[tuple[int, bytes]] = []
         if params.cache_salt is not None:
             self.hash_keys.append((0, b"salt:" + params.cache_salt.encode()))
+        # Rows wanted only up to this layer (``add_request``'s ``stop_at_layer``); None: every layer.
+        self.stop_at_layer: int | None = None
         # Streaming input (``resumable``): a finished chunk pauses the request, keeping its KV blocks
         # and plane registrations; queued chunks (token ids, params) resume it, until input closes.
         self.resumable = False

@@ -374,6 +374,9 @@ class StepInput:
     shared_prefix: SharedPrefix | None = None  # rows of one query token only (0 for prefill chunks)
     prompt_logprobs: list[PromptLogprobsInput] | None = None
     sae_update: SaeUpdate | None = None
+    # Every request of the step wants rows only up to this layer and discards its token: the layers
+    # from it up, the logits and the sampler are skipped (placeholder tokens come back).
+    stop_at_layer: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -34,7 +34,7 @@ from steerable.capture.shard_stores import (
 )
 from steerable.capture.sparse import SparseFeatures
 from steerable.capture.store import StreamRows, resolve_storage_dtype
-from steerable.hook_points import HIDDEN_STATES
+from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
@@ -126,6 +126,7 @@ class CorpusRun:
         self.open: deque[_OpenShard] = deque()  # oldest first
         self.in_engine: dict[str, _OpenShard] = {}  # client id -> its shard, while queued or running
         self.queued: list[Any] = []  # the engine's QueuedPrompts of each shard, for their admission errors
+        self.stop = stop_layer(engine, spec)
 
     def run(self, tasks: Iterator[ShardTask]) -> None:
         """Each shard's examples are queued in the engine (admitted as the scheduler has room,
@@ -210,7 +211,7 @@ class CorpusRun:
             self.in_engine[client_id] = shard
             requests.append((client_id, prompt, self.PARAMS))
         self.queued = [b for b in self.queued if b.entries or b.error is not None]
-        self.queued.append(self.engine.queue_requests(requests))
+        self.queued.append(self.engine.queue_requests(requests, stop_at_layer=self.stop))
         self.stats.shard_seconds += time.perf_counter() - started
         return prepared
 
@@ -229,6 +230,15 @@ class CorpusRun:
         for shard in self.open:
             shard.buffer.check()
         self.stats.shard_seconds += time.perf_counter() - started
+
+
+def stop_layer(engine: Any, spec: ShardSpec) -> int:
+    """The layers a shard's requests run: up to the captured point (the SAE's, for features), as
+    TransformerLens' ``stop_at_layer`` does; nothing above it changes a captured row."""
+    if spec.sae is None:
+        return layers_needed(spec.layers, spec.hook)
+    sae = engine.saes.get(spec.sae)
+    return layers_needed(getattr(sae, "layers", [sae.layer]), sae.hook)
 
 
 class _SplitFeatures:

@@ -26,7 +26,7 @@ import torch
 
 from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import LABELS
-from steerable.hook_points import HIDDEN_STATES
+from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
@@ -152,7 +152,8 @@ class WindowFeed:
         if item is None:
             return False
         chunk, index, window = item
-        group = self.engine.add_request(f"window-{index}", window, _PARAMS)
+        group = self.engine.add_request(f"window-{index}", window, _PARAMS,
+                                        stop_at_layer=layers_needed(self.layers, self.hook))
         self.in_engine[group.client_id] = chunk
         self.router.expect(group.children[0].request_id, chunk.buffer, index)
         return True

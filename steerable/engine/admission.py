@@ -11,8 +11,9 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from steerable.checks import all_ints
+from steerable.checks import all_ints, is_int
 from steerable.engine.output_processor import RequestGroup
 from steerable.errors import InvalidRequestError
 from steerable.request import Request
@@ -31,6 +32,7 @@ class CheckedPrompt:
     token_ids: list[int]
     params: SamplingParams
     steering: list[Intervention]
+    stop_at_layer: int | None = None
 
 
 @dataclass
@@ -53,11 +55,12 @@ class Admission:
     the loop) runs under the engine lock."""
 
     def _add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
-                     stream: bool, resumable: bool, increments: bool) -> RequestGroup:
-        return self._admit_checked(self._check(client_id, prompt, params, resumable), stream, resumable, increments)
+                     stream: bool, resumable: bool, increments: bool, stop_at_layer: int | None = None) -> RequestGroup:
+        checked = self._check(client_id, prompt, params, resumable, stop_at_layer)
+        return self._admit_checked(checked, stream, resumable, increments)
 
     def _check(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
-               resumable: bool = False) -> CheckedPrompt:
+               resumable: bool = False, stop_at_layer: int | None = None) -> CheckedPrompt:
         """Every check of one prompt (each bad field a ``ValueError`` naming it), holding nothing."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -69,6 +72,8 @@ class Admission:
             raise InvalidRequestError("prompt_logprobs: not supported with streaming input")
         if resumable:
             refuse_streaming_input(params)
+        if stop_at_layer is not None:
+            self._check_stop(stop_at_layer, params, resumable)
         self._check_token_ids(params)
         self.structured.check(params)
         if client_id in self.groups:
@@ -80,12 +85,16 @@ class Admission:
         prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
         steering = self.steering.parse_request(params)
         self.capture.check(params)
-        return CheckedPrompt(client_id, prompt_text, token_ids, params, steering)
+        return CheckedPrompt(client_id, prompt_text, token_ids, params, steering, stop_at_layer)
 
     def _admit_checked(self, checked: CheckedPrompt, stream: bool, resumable: bool, increments: bool) -> RequestGroup:
         client_id, params = checked.client_id, checked.params
         if params.n == 1:
             first = self._admit(client_id, 0, checked.prompt_text, checked.token_ids, params, steering=checked.steering)
+            if checked.stop_at_layer is not None:
+                first.stop_at_layer = checked.stop_at_layer
+                # its KV above the layer is never written: its blocks are no other request's prefix
+                first.hash_keys.append((0, b"stop:%d" % checked.stop_at_layer))
             group = RequestGroup(client_id, [first], stream, increments)
         else:
             group = self._admit_group(checked, stream, increments)
@@ -94,9 +103,11 @@ class Admission:
             self._enqueue(child, group, resumable)
         return group
 
-    def _queue_checked(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]]) -> QueuedPrompts:
+    def _queue_checked(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
+                       stop_at_layer: int | None = None) -> QueuedPrompts:
         """Check every prompt of a call (the first bad one raises, nothing is queued), then queue them."""
-        batch = QueuedPrompts(deque(self._check(client_id, prompt, params) for client_id, prompt, params in requests))
+        batch = QueuedPrompts(deque(self._check(client_id, prompt, params, stop_at_layer=stop_at_layer)
+                                    for client_id, prompt, params in requests))
         self._queued.append(batch)
         return batch
 
@@ -124,6 +135,16 @@ class Admission:
 
     def _num_queued(self) -> int:
         return sum(len(batch.entries) for batch in self._queued)
+
+    def _check_stop(self, stop_at_layer: Any, params: SamplingParams, resumable: bool) -> None:
+        """A request that stops below the last layer has no logits: it asks for one token (a
+        placeholder it discards), no prompt logprobs, one completion, no streaming input."""
+        layers = self.model_config.num_layers
+        if not is_int(stop_at_layer) or not 0 <= stop_at_layer <= layers:
+            raise InvalidRequestError(f"stop_at_layer: expected a layer count in [0, {layers}], got {stop_at_layer!r}")
+        if params.max_tokens != 1 or params.n != 1 or params.prompt_logprobs is not None or resumable:
+            raise InvalidRequestError("stop_at_layer: the request computes no logits; it takes max_tokens=1, n=1, "
+                                      "no prompt_logprobs and no streaming input (its token is a placeholder)")
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in the parameters name entries of this model's vocabulary."""

@@ -155,24 +155,29 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
                                              config.shared_prefix_min_requests)
 
     def add_request(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    stream: bool = False, resumable: bool = False, increments: bool = False) -> RequestGroup:
+                    stream: bool = False, resumable: bool = False, increments: bool = False,
+                    stop_at_layer: int | None = None) -> RequestGroup:
         """Validate and queue one prompt's ``params.n`` completions; ``stream`` reports every token.
         ``resumable`` (streaming input, n=1) pauses the request when a chunk's generation ends
         instead of finishing it: see ``extend_request`` and ``close_request_input``. ``increments``:
         each report is what is new since the last (``OutputProcessor.increment``), not a cumulative
-        ``RequestOutput``, for a consumer across a process boundary. Raises ``InvalidRequestError``
-        (naming the field) and keeps nothing."""
+        ``RequestOutput``, for a consumer across a process boundary. ``stop_at_layer=L`` (corpus
+        capture, whose requests are only their prompt rows): the layers from L up never run for
+        this request, which takes ``max_tokens=1`` and gets a placeholder token (see
+        ``Admission._check_stop``). Raises ``InvalidRequestError`` (naming the field) and keeps nothing."""
         with self.lock.hold():
             self._check_open()
-            return self._add_request(client_id, prompt, params, stream, resumable, increments)
+            return self._add_request(client_id, prompt, params, stream, resumable, increments, stop_at_layer)
 
-    def queue_requests(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]]) -> QueuedPrompts:
+    def queue_requests(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
+                       stop_at_layer: int | None = None) -> QueuedPrompts:
         """Check ``(client_id, prompt, params)`` (each ``n`` = 1) now, raising the first bad one's
         ``InvalidRequestError`` with nothing queued, then queue them to be admitted as the scheduler
-        has room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``."""
+        has room (``QueuedPrompts``); the caller steps the engine and raises the batch's ``error``.
+        ``stop_at_layer``: as ``add_request``'s, for every one of them."""
         with self.lock.hold():
             self._check_open()
-            return self._queue_checked(requests)
+            return self._queue_checked(requests, stop_at_layer)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """The token ids ``add_request`` would run for ``prompt`` (errors name ``prompt``)."""

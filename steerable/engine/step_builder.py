@@ -61,6 +61,9 @@ class StepBuilder:
                          max_query_len, update)
         if self.shared_prefix is not None:
             step.shared_prefix = self._shared_prefix(slots, step.seq_lens, counts)
+        stops = [s.request.stop_at_layer for s in scheduled]
+        if None not in stops:  # no request of the step needs the layers above these, nor a token
+            step.stop_at_layer = max(stops)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
         if sampling_rows:
             step.sampling = self._sampling([scheduled[i].request for i in sampling_rows],

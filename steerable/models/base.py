@@ -90,13 +90,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Final-normed hidden states of every row on the last stage (logits are computed only for
         sampled rows); on an earlier stage, ``(h, delta)`` stacked for the next stage, which
-        receives them as ``ctx.pipeline_in``."""
+        receives them as ``ctx.pipeline_in``; with ``ctx.stop_at_layer`` (one stage only), the
+        stream entering that layer, the layers above it left out."""
         if self.embed_tokens is not None:
             h, delta = self.embed_at(input_ids, positions), None
         else:
             h, delta = ctx.pipeline_in[0], ctx.pipeline_in[1]
-        for layer in self.stage_layers:
+        stop = ctx.stop_at_layer  # a step whose rows are wanted only up to that layer (single stage)
+        for layer in self.stage_layers if stop is None else self.stage_layers[:stop]:
             h, delta = layer(positions, h, delta, ctx)
+        if stop is not None:
+            return self.hooks.stream_entering(stop, self.cfg.num_layers, h, delta, ctx)
         if self.norm is None:
             return torch.stack((h, delta))
         return self.hooks.residual_norm([(POST_MLP, self.cfg.num_layers - 1)], h, delta, self.norm, ctx)[1]

@@ -39,6 +39,7 @@ class ForwardContext:
     steering: StepSteering | None = None
     capture: StepCapture | None = None
     pipeline_in: torch.Tensor | None = None  # [2, T_padded, H]: (h, delta) from the previous pipeline stage
+    stop_at_layer: int | None = None  # run only the layers below it (``StepInput.stop_at_layer``)
 
     @property
     def num_padded_tokens(self) -> int:

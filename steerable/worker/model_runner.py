@@ -67,6 +67,7 @@ class Launched:
     copied: torch.cuda.Event | None
     graphed: bool
     prompt_logprobs: list[list[torch.Tensor]] | None = None
+    placeholders: int = 0  # a step stopped below the last layer: tokens it reports without sampling
 
 
 class ModelRunner:
@@ -110,6 +111,7 @@ class ModelRunner:
         # Under tensor parallelism the sampled tokens, which feed the next step, go to every rank.
         self.share_samples = self.parallel.tp.size > 1 and placement.pp_size == 1
         self.single_rank = self.parallel.tp.size == 1 and placement.pp_size == 1
+        self.single_stage = placement.pp_size == 1  # where a forward may stop below the last layer
         self.kv_dtype = config.resolve_kv_dtype(dtype)
         self.workspace = None
         self.shared_attention = None  # the shared-prefix decode op, where the backend has one
@@ -239,6 +241,10 @@ class ModelRunner:
             hidden, tokens = program()
             staged = ctx.capture.staged() if ctx.capture is not None else []
         samples = plp = None
+        if ctx.stop_at_layer is not None:  # nothing above the layer was computed: nothing to sample
+            captured, copied = self.capture.copy_to_host(staged, step.capture) if staged else ([], None)
+            rows = len(step.sampling.rows) if step.sampling is not None else 0
+            return Launched(step.step_id, None, captured, copied, False, placeholders=rows)
         if step.prompt_logprobs and self.parallel.placement.is_last_stage:
             plp = prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits)
         if not self.parallel.placement.is_last_stage:
@@ -284,6 +290,8 @@ class ModelRunner:
     def finish(self, launched: Launched) -> StepOutput:
         """Wait for a launched step and bring its samples and captured rows to the host."""
         tokens, logprobs = self.sampler.finalize(launched.samples) if launched.samples is not None else ([], [])
+        if launched.placeholders:  # discarded by the requests of a stopped step (token 0 of the vocabulary)
+            tokens, logprobs = [0] * launched.placeholders, [None] * launched.placeholders
         if launched.copied is not None:
             launched.copied.synchronize()
         return StepOutput(launched.step_id, tokens, logprobs, launched.captured, launched.graphed,
@@ -297,7 +305,7 @@ class ModelRunner:
         masked and sampled after it), on an engine of
         one rank (tensor-parallel ranks gather their logits and share the samples; only a pipeline's last stage samples)."""
         sampling = step.sampling
-        return (sampling is not None and self.single_rank and step.max_query_len == 1
+        return (sampling is not None and self.single_rank and step.max_query_len == 1 and step.stop_at_layer is None
                 and len(sampling.rows) == step.num_tokens and fused.enabled(self.buffers.tokens)
                 and not sampling.filtered and not sampling.penalties and not sampling.suppress
                 and not sampling.logit_bias and not sampling.allowed and sampling.grammar_rows is None
@@ -316,7 +324,7 @@ class ModelRunner:
         decode step pads its sequences to the decode ladder; a mixed step pads its tokens to the
         mixed ladder and its sequences to one more than the engine runs. Capture rows ride along
         (their indices are buffers, the plan's shape is in the key), except attention patterns."""
-        if self.graphs is None or _captures_patterns(step):
+        if self.graphs is None or _captures_patterns(step) or self._stops(step):
             return None
         if step.max_query_len == 1:
             size = self.graphs.padded_size(step.num_requests)
@@ -350,7 +358,8 @@ class ModelRunner:
             attn.prefix_lens, attn.shared_group = views.prefix_lens, step.shared_prefix.group
             attn.shared_attention = self.shared_attention.shared_prefix_attention
             self.num_shared_prefix_steps += 1
-        ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens)
+        ctx = ForwardContext(views.input_ids, views.positions, attn, num_tokens,
+                             stop_at_layer=step.stop_at_layer if self._stops(step) else None)
         if self.pipeline_in is not None:
             ctx.pipeline_in = self.pipeline_in[:2 * padded].view(2, padded, self.model_config.hidden_size)
         if step.steering is not None:
@@ -362,6 +371,11 @@ class ModelRunner:
             key = (padded, step.steering.signature if step.steering is not None else None,
                    step.capture.signature if step.capture is not None else None, inside, shared, mixed)
         return ctx, views, key, inside
+
+    def _stops(self, step: StepInput) -> bool:
+        """Whether the step's forward stops below the last layer: asked for, on one pipeline
+        stage (a pipeline runs every stage; the requests discard their tokens all the same)."""
+        return step.stop_at_layer is not None and self.single_stage
 
     # ------------------------------------------------------------ lifecycle
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from steerable.capture.store import StreamRows
 from steerable.checks import is_int
 from steerable.errors import EngineError, InvalidRequestError
-from steerable.hook_points import HIDDEN_STATES
+from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sae.dashboards import files
 from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
 from steerable.sae.dashboards.logits import LogitTables, logit_tables, unembedding
@@ -237,6 +237,7 @@ class _Pass:
         self.exclude_positions = torch.tensor(settings.exclude_positions, dtype=torch.long)
         self.exclude_tokens = torch.tensor(settings.exclude_tokens, dtype=torch.int32)
         self.todo_texts = sum(s.remaining for s in self.shards)
+        self.stop = layers_needed([settings.layer], settings.hook)  # the layers above the SAE's never run
 
     # ------------------------------------------------------------ the engine loop
 
@@ -291,7 +292,7 @@ class _Pass:
         self.bar.total = self.bar.n + round(self.added[1] / self.added[0] * (self.todo_texts - self.added[0])) + sum(
             in_engine.values()) + len(ids)  # tokens: those done, in the engine, and an estimate of the rest
         try:
-            group = self.engine.add_request(f"dashboards-{example}", ids, self.PARAMS)
+            group = self.engine.add_request(f"dashboards-{example}", ids, self.PARAMS, stop_at_layer=self.stop)
         except InvalidRequestError as err:
             raise InvalidRequestError(f"texts[{example}]: {err}") from None
         self.buffers[group.children[0].request_id] = (shard, _Text(example, torch.tensor(ids, dtype=torch.int32)))
