@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steerable.distributed.groups import current_tp
+from steerable.layers import gemv
 from steerable.layers.linear import Weight, check_shape, default_weight_loader
 
 
@@ -48,7 +49,8 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits in the model dtype on tensor-parallel rank 0; None on the other ranks."""
-        logits = _cpu_logits(hidden, self.weight) if hidden.device.type == "cpu" else F.linear(hidden, self.weight)
+        logits = (gemv.packed_cpu_linear(hidden, self.weight, None) if gemv.cpu_packed_eligible(hidden, self.weight)
+                  else F.linear(hidden, self.weight))
         if self.tp.size == 1:
             return logits
         full = self.tp.gather(logits, dim=-1)
@@ -56,22 +58,3 @@ class LMHead(VocabEmbedding):
             return full
         return full[:, :self.vocab_size].contiguous()  # drop the padding rows of the last block
 
-
-CPU_VOCAB_SLICE = 1024  # rows of the table per product on a CPU (see _cpu_logits)
-
-
-def _cpu_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden W^T`` on a CPU, where BLAS's one product over a large vocabulary is slow: one row
-    takes the matrix-vector product (SmolLM2's 113 MB table: 5.0 against 6.6 ms), a few rows or
-    more one product per slice of 1024 table rows, whose output slice stays in cache (64 rows:
-    27 against 35 ms, the same values)."""
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    if rows == 1:
-        return torch.mv(weight, hidden[0]).unsqueeze(0)
-    if rows < 4 or vocab <= CPU_VOCAB_SLICE:
-        return F.linear(hidden, weight)
-    logits = torch.empty(rows, vocab, dtype=hidden.dtype)
-    for start in range(0, vocab, CPU_VOCAB_SLICE):
-        part = weight[start:start + CPU_VOCAB_SLICE]
-        torch.mm(hidden, part.t(), out=logits[:, start:start + part.shape[0]])
-    return logits
