@@ -72,4 +72,5 @@ def test_rows_of_very_different_lengths_split_in_two():
     assert torch_ref._split(torch.tensor([30, 31, 32, 33, 34, 35, 36, 37]).numpy()) == 0  # alike: one batch
     *_, table, starts, lens = case([1] * 10, [3, 5, 4, 40, 2, 38, 37, 1, 6, 39])
     plan = torch_ref.decode_plan(starts, lens, table, BLOCK, None)
-    assert [b.index.shape for b in plan.batches] == [(6, 6), (4, 40)]
+    assert [b.index.shape for b in plan.batches] == [(6, 2), (4, 10)]  # whole blocks: 6 and 40 positions
+    assert [b.mask.shape[-1] for b in plan.batches] == [2 * BLOCK, 10 * BLOCK]

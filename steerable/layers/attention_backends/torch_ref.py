@@ -6,9 +6,11 @@ position ``seq_len - query_len + i`` and attends causally (optionally within a s
 blocks wholly before the window of the first query are not read, so a sliding-window KV group may
 have released them); with ``softcap`` the scaled scores are capped as ``softcap * tanh(s / softcap)``
 before the mask (Gemma 2). Prefill rows loop over their sequences (it syncs with the device);
-the decode rows of a step (one query each) attend together, as one padded batch: their K/V rows
-are gathered once per layer through an index built once per step and KV group (``StepPlans``), so
-a CPU decode step costs a few ops per layer instead of a few per sequence and layer.
+the decode rows of a step (one query each) attend together, as one padded batch: their K/V blocks
+(whole cache blocks, not single rows) are gathered once per layer through an index built once per
+step and KV group (``StepPlans``), and the query heads that share a KV head attend as that head's
+rows (no copy of K/V per query head), so a CPU decode step costs a few ops per layer instead of a
+few per sequence and layer.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 @dataclass
 class DecodeBatch:
     """Decode rows that attend together: ``rows`` (their query rows; None: all rows of the step,
-    in order), ``index`` [n, L] (cache slots, row-major over ``[blocks * block_size]``; padding
-    repeats a real slot) and ``mask`` [n, 1, 1, L] (True: a position the row attends to)."""
+    in order), ``index`` [n, W] (cache blocks, each row's in order from the block of its first
+    position; padding repeats a real block) and ``mask`` [n, 1, 1, W * block_size] (True: a
+    position the row attends to)."""
 
     rows: torch.Tensor | None
     index: torch.Tensor
@@ -114,12 +117,15 @@ def decode_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     every = len(decode) == len(starts) - 1 and not prefill
     batches = []
     for group in groups:
-        width = int(count[group].max())
-        pos = first[group, None] + np.minimum(np.arange(width)[None, :], count[group, None] - 1)
-        slots = table[seqs[group, None], pos // block_size].astype(np.int64) * block_size + pos % block_size
-        mask = torch.as_tensor(np.arange(width)[None, :] < count[group, None], device=device)[:, None, None, :]
+        start = first[group] // block_size  # each row's first block
+        blocks = (np.asarray(lens)[seqs[group]] - 1) // block_size - start + 1
+        width = int(blocks.max())
+        ids = table[seqs[group, None], start[:, None] + np.minimum(np.arange(width)[None, :], blocks[:, None] - 1)]
+        pos = start[:, None] * block_size + np.arange(width * block_size)[None, :]
+        valid = (pos >= first[group, None]) & (pos < np.asarray(lens)[seqs[group], None])
+        mask = torch.as_tensor(valid, device=device)[:, None, None, :]
         rows = None if every and len(groups) == 1 else torch.as_tensor(np.asarray(starts)[seqs[group]], device=device)
-        batches.append(DecodeBatch(rows, torch.as_tensor(slots, device=device), mask))
+        batches.append(DecodeBatch(rows, torch.as_tensor(ids.astype(np.int64), device=device), mask))
     return DecodePlan(batches, prefill, lens)
 
 
@@ -138,16 +144,17 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      batch: DecodeBatch, scale: float, k_scale: float, v_scale: float, softcap: float | None) -> None:
-    """One batch of decode rows, attending together: K/V gathered to [n, Hkv, L, D], masked past
-    each row's length."""
-    n, width = batch.index.shape
-    heads = k_cache.shape[2]
+    """One batch of decode rows, attending together: K/V blocks gathered to [n, Hkv, L, D], masked
+    past each row's length; the query heads of a KV head are its [group] query rows."""
+    n, heads = batch.index.shape[0], k_cache.shape[2]
+    # whole blocks of the engine's caches (a float8 GPU V cache is a permuted view: index_select
+    # copies the blocks into the logical layout)
     flat = batch.index.view(-1)
-    rows = (-1, *k_cache.shape[2:])  # a view of the engine's caches (a copy of a permuted one)
-    keys = dequantize(k_cache.reshape(rows).index_select(0, flat), k_scale).view(n, width, heads, -1).transpose(1, 2)
-    values = dequantize(v_cache.reshape(rows).index_select(0, flat), v_scale).view(n, width, heads, -1).transpose(1, 2)
-    query = (q if batch.rows is None else q.index_select(0, batch.rows)).float().unsqueeze(2)  # [n, Hq, 1, D]
-    result = _attend(query, keys, values, batch.mask, scale, softcap).squeeze(2).to(out.dtype)
+    keys = dequantize(k_cache.index_select(0, flat), k_scale).view(n, -1, heads, k_cache.shape[3]).transpose(1, 2)
+    values = dequantize(v_cache.index_select(0, flat), v_scale).view(n, -1, heads, v_cache.shape[3]).transpose(1, 2)
+    query = (q if batch.rows is None else q.index_select(0, batch.rows)).float()
+    query = query.view(n, heads, -1, query.shape[-1])  # [n, Hkv, group, D]: HF's repeat_interleave order
+    result = _attend(query, keys, values, batch.mask, scale, softcap).reshape(n, -1, q.shape[-1]).to(out.dtype)
     if batch.rows is None:
         out.copy_(result)
     else:
