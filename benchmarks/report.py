@@ -44,11 +44,16 @@ def _matches(figure: Figure, run: Run, record: dict) -> bool:
     return True
 
 
+def _on_card(run: Run, card: str) -> bool:
+    """Whether a run is on a figure's card: ``CPU`` takes every processor (``CPU (AMD EPYC)``...)."""
+    return run.card == card or run.card.startswith(f"{card} (")
+
+
 def newest(figure: Figure, runs: list[Run]) -> list[Found]:
     """The newest matching record of each card (smoke runs never count), cards in name order."""
     best: dict[str, Found] = {}
     for run in runs:
-        if run.bench != figure.bench or run.header.get("smoke") or (figure.card and run.card != figure.card):
+        if run.bench != figure.bench or run.header.get("smoke") or (figure.card and not _on_card(run, figure.card)):
             continue
         for line, record in run.records:
             if _matches(figure, run, record):

@@ -28,10 +28,12 @@ def card_slug(gpu: str | None, gpus: int) -> str:
 
 
 def card_label(header: dict) -> str:
-    """A card as the docs' tables name it: ``H200``, ``2× H200``, ``H100 80GB HBM3``, ``CPU``."""
+    """A card as the docs' tables name it: ``H200``, ``2× H200``, ``H100 80GB HBM3``, ``CPU`` or, where
+    the header names the processor, ``CPU (AMD EPYC)`` (CPU figures of different machines differ)."""
     gpu, gpus = header.get("gpu"), header.get("gpus") or 0
     if not gpu or not gpus:
-        return "CPU"
+        cpu = re.sub(r"\((R|TM)\)|\s+Processor\b", "", header.get("cpu") or "").strip()
+        return f"CPU ({cpu})" if cpu else "CPU"
     name = re.sub(r"^NVIDIA\s+", "", gpu)
     return f"{gpus}× {name}" if gpus > 1 else name
 

@@ -43,7 +43,7 @@ class Figure:
     where: Mapping[str, Any] = field(default_factory=dict)  # record fields, header fields or run arguments
     detail: Callable[[Run, dict], str | None] | None = None  # more of the same run, after the number
     goal: Goal | None = None
-    card: str | None = None  # a goal set on one card (``card_label``): only that card's runs count
+    card: str | None = None  # a goal set on one card (``card_label``, ``CPU`` for any processor): only its runs count
 
 
 @dataclass(frozen=True)

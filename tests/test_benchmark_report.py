@@ -165,6 +165,7 @@ def test_card_names():
     assert results.card_slug("NVIDIA H100 80GB HBM3", 1) == "h100" and results.card_slug(None, 0) == "cpu"
     assert results.card_label({"gpu": "NVIDIA H200", "gpus": 2}) == "2× H200"
     assert results.card_label({"gpu": None, "gpus": 0}) == "CPU"
+    assert results.card_label({"gpu": None, "gpus": 0, "cpu": "Intel(R) Xeon(R) Processor"}) == "CPU (Intel Xeon)"
 
 
 def test_results_file(tmp_path, monkeypatch):
