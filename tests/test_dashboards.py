@@ -221,14 +221,19 @@ def test_feature_subset_and_topk_sae(setup, capture_dirs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda(setup):
+def test_on_cuda(setup, monkeypatch):
     """float32 on CUDA equals the reference (several chunks on the accumulator's own stream, pinned
-    staging, graphs on); bfloat16 agrees with the engine's own feature capture of every feature."""
+    staging, graphs on; the pools' windows on the device, and on the host as when they do not fit
+    there); bfloat16 agrees with the engine's own feature capture of every feature."""
     import steerable
+    from steerable.sae.dashboards import accumulate
 
     llm, texts, sae, ref, logits, path = setup
     gpu = LLM(path, device="cuda", dtype="float32", kv_cache_tokens=4096)
     gpu.register_sae("res1", sae)
+    assert accumulate.window_device(empty_state(plan(gpu, texts, "res1", **ARGS)), torch.device("cuda")).type == "cuda"
+    assert_matches_reference(feature_dashboards(gpu, texts, sae="res1", chunk_rows=64, **ARGS), ref, logits)
+    monkeypatch.setattr(accumulate, "window_device", lambda state, device: torch.device("cpu"))
     assert_matches_reference(feature_dashboards(gpu, texts, sae="res1", chunk_rows=64, **ARGS), ref, logits)
     gpu.shutdown()
     bf16 = LLM(path, device="cuda", dtype="bfloat16", kv_cache_tokens=4096)

@@ -1,7 +1,7 @@
 """The device half of a dashboard pass: encode a chunk of corpus rows with the SAE, fold every
 non-zero activation into the running statistics and histograms, pick the few activations that may
-still enter an example list and merge them into the pools' places (all on the device); only the
-windows of the examples that took a place go to the host.
+still enter an example list, merge them into the pools' places and write the windows of those
+that took a place (all on the device, where the windows fit there).
 
 A chunk holds whole texts, or a piece of a long text with ``before``/``after`` rows of context on
 each side (``core`` says which rows the chunk counts), so every window is read from the chunk
@@ -24,7 +24,7 @@ import torch
 from steerable.capture.features import sae_weights
 from steerable.sae.dashboards.grid import NO_EXPONENT, bin_index, grid_exponent, regrid, sample_keys
 from steerable.sae.dashboards.merge import KEY_EMPTY, Places, descending, merge_rows, pack, reservoir_order, top_order
-from steerable.sae.dashboards.state import DashboardState
+from steerable.sae.dashboards.state import DashboardState, Pool
 from steerable.sae.model import SAE
 from steerable.sae.worker_tables import _DeviceSae
 
@@ -66,19 +66,12 @@ class FeatureEncoder:
         return acts if self.k is None else acts[:, self.columns]
 
 
-@dataclass
-class Placed:
-    """Examples that took places in a pool during a chunk, with their windows (host tensors)."""
-
-    features: torch.Tensor
-    places: torch.Tensor
-    acts: torch.Tensor
-    tokens: torch.Tensor
-
-
 class DeviceAccumulator:
-    """The run's statistics and example pools' places on the device, the thresholds of the filter,
-    and ``process`` (one chunk -> the windows of the examples it placed, for the host's pools)."""
+    """The run's statistics and example pools on the device, the thresholds of the filter, and
+    ``process`` (one chunk folded in, the windows of the examples it placed written to the pools).
+    The pools' windows stay on the device where they fit in a quarter of its free memory (65,536
+    features with the default sizes: 1.2 GB), so a chunk's placements are a scatter there rather
+    than a copy to the host and a scatter in host memory; otherwise they live on the host."""
 
     def __init__(self, encoder: FeatureEncoder, feature_ids: torch.Tensor, state: DashboardState, n_top: int,
                  before: int, after: int, seed: int, device: torch.device):
@@ -88,8 +81,10 @@ class DeviceAccumulator:
         self.bins, self.quantiles = state.dense.hist.shape[1], state.quantiles
         self.sampling = self.quantiles > 0 and self.n_quantile > 0
         self.dense = state.dense.to(device)
-        self.top = state.top.places.to(device)
-        self.reservoir = state.reservoir.places.to(device)
+        windows = window_device(state, device)
+        self.pools = {name: Pool(pool.places.to(device), pool.acts.to(windows), pool.tokens.to(windows))
+                      for name, pool in (("top", state.top), ("reservoir", state.reservoir))}
+        self.top, self.reservoir = self.pools["top"].places, self.pools["reservoir"].places
         self.feature_ids = feature_ids.to(device)
         features = len(feature_ids)
         self.tau_top = torch.zeros(features, dtype=torch.float32, device=device)
@@ -104,21 +99,21 @@ class DeviceAccumulator:
             self.stream.wait_stream(torch.cuda.current_stream(device))
 
     def host_state(self, state: DashboardState) -> None:
-        """Copy the statistics and places into ``state`` (whose windows the chunks filled)."""
+        """Copy the statistics and pools into ``state``."""
         if self.stream is not None:
             self.stream.synchronize()
         state.dense = self.dense.to("cpu")
-        state.top.places = self.top.to("cpu")
-        state.reservoir.places = self.reservoir.to("cpu")
+        state.top, state.reservoir = (Pool(pool.places.to("cpu"), pool.acts.to("cpu"), pool.tokens.to("cpu"))
+                                      for pool in (self.pools["top"], self.pools["reservoir"]))
 
-    def process(self, chunk: Chunk) -> tuple[Placed, Placed]:
-        """Fold the chunk into the statistics, merge its candidates into the pools; returns the
-        examples placed in the top pool and in the reservoir, with their windows."""
+    def process(self, chunk: Chunk) -> None:
+        """Fold the chunk into the statistics, merge its candidates into the pools and write the
+        windows of those that took a place."""
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream is not None
                                       else contextlib.nullcontext()):
-            return self._process(chunk)
+            self._process(chunk)
 
-    def _process(self, chunk: Chunk) -> tuple[Placed, Placed]:
+    def _process(self, chunk: Chunk) -> None:
         device = self.device
         act = self.encoder(chunk.rows.to(device, non_blocking=True))
         if chunk.excluded.any():
@@ -139,34 +134,25 @@ class DeviceAccumulator:
             keep |= unset | (b >= self.quantiles) | (key <= self.tau_res[f, b.clamp(0, self.quantiles - 1)])
         picked = keep.nonzero().squeeze(1)
         if len(picked) == 0:
-            return self._nothing(), self._nothing()
+            return
         r, f, v, key = r[picked], f[picked], v[picked], key[picked]
         example, position = example[picked], position[picked]
         source = torch.arange(len(picked), device=device)
         columns = (v, example, position, key, source)
         rows, arriving = pack(f, torch.zeros_like(f), descending(v), self.n_top, 1, columns)
-        top = self._merge("top", rows, arriving, top_order, self.n_top)
-        placed = [top]
+        placed = [("top", self._merge("top", rows, arriving, top_order, self.n_top))]
         if self.sampling:
             exponent = grid_exponent(self.dense.peak, self.quantiles)
             order = reservoir_order(exponent)
             rows, arriving = pack(f, bin_index(v, exponent[f]), key, self.n_quantile, self.quantiles, columns)
-            placed.append(self._merge("reservoir", rows, arriving, order, self.n_quantile))
+            placed.append(("reservoir", self._merge("reservoir", rows, arriving, order, self.n_quantile)))
         self._thresholds(torch.unique(f))
-        used = torch.unique(torch.cat([p[2] for p in placed]))  # candidates that took a place
-        windows = self._windows(act, chunk, r[used], f[used])
-        out = []
-        for features, places, which in placed:
-            at = torch.searchsorted(used, which)
-            out.append(Placed(features.cpu(), places.cpu(), windows[0][at.cpu()], windows[1][at.cpu()]))
-        if not self.sampling:
-            out.append(self._nothing())
-        return out[0], out[1]
-
-    def _nothing(self) -> Placed:
-        window = len(self.offsets)
-        return Placed(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
-                      torch.empty(0, window, dtype=torch.float32), torch.empty(0, window, dtype=torch.int32))
+        used = torch.unique(torch.cat([which for _, (_, _, which) in placed]))  # candidates that took a place
+        acts, tokens = self._windows(act, chunk, r[used], f[used])
+        for name, (features, places, which) in placed:
+            pool = self.pools[name]
+            at = torch.searchsorted(used, which).to(pool.acts.device)
+            pool.write(features.to(pool.acts.device), places.to(pool.acts.device), acts[at], tokens[at])
 
     def _merge(self, name: str, rows: torch.Tensor, arriving: Places, order, cap: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,15 +163,17 @@ class DeviceAccumulator:
 
     def _windows(self, act: torch.Tensor, chunk: Chunk, r: torch.Tensor, f: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The feature's activations (NaN outside the text) and the tokens (-1) around rows ``r``."""
+        """The feature's activations (NaN outside the text) and the tokens (-1) around rows ``r``, on
+        the device of the pools' windows."""
         num_rows, num_features = act.shape
         window = r.unsqueeze(1) + self.offsets
         lo, hi = chunk.lo.to(self.device)[r], chunk.hi.to(self.device)[r]
         inside = (window >= lo.unsqueeze(1)) & (window < hi.unsqueeze(1))
         window = window.clamp(0, num_rows - 1)
         acts = torch.where(inside, act.view(-1)[window * num_features + f.unsqueeze(1)] + 0.0, float("nan"))
-        inside, window = inside.cpu(), window.cpu()  # + 0.0 above: no -0.0 from the threshold
-        return acts.cpu(), torch.where(inside, chunk.tokens[window], -1).to(torch.int32)
+        tokens = torch.where(inside, chunk.tokens.to(self.device)[window], -1).to(torch.int32)
+        to = self.pools["top"].acts.device  # + 0.0 above: no -0.0 from the threshold
+        return acts.to(to), tokens.to(to)
 
     def _thresholds(self, features: torch.Tensor) -> None:
         """The filter's thresholds of ``features`` from their pools: the lowest activation of a full
@@ -221,3 +209,12 @@ class DeviceAccumulator:
             counts.view(-1).index_add_(0, where, torch.ones_like(where))
             setattr(d, name, counts)
         d.peak = peak
+
+
+def window_device(state: DashboardState, device: torch.device) -> torch.device:
+    """Where the pools' windows are kept: on the device if they take at most a quarter of its free
+    memory, on the host otherwise (their size depends on the features and example counts asked for)."""
+    if device.type != "cuda":
+        return device
+    size = sum(t.numel() * t.element_size() for pool in (state.top, state.reservoir) for t in (pool.acts, pool.tokens))
+    return device if size <= torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")

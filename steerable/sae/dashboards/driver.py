@@ -3,8 +3,8 @@
 The engine prefills each text once (``max_tokens=1``) while a ``hidden_states`` capture stream
 takes every prompt row at the SAE's point into a sink that gathers each text's rows. Texts whose
 rows are all in go, a few thousand rows at a time and shard by shard in corpus order, to the device
-accumulator (encode, statistics, candidates merged into the example pools), and the windows of the
-examples placed to the host state.
+accumulator (encode, statistics, candidates merged into the example pools with their windows), whose
+pools and statistics the host state takes after each shard.
 Nothing of the corpus is kept: a text's rows are dropped once its chunk is processed.
 
 With ``out`` the run is resumable: after each shard of ``shard_size`` texts the state is written
@@ -378,6 +378,4 @@ class _Pass:
         else:
             rows = torch.cat(rows)
         chunk = Chunk(rows, **{name: torch.cat(values) for name, values in parts.items()})
-        top, reservoir = self.accumulator.process(chunk)
-        for pool, placed in ((self.state.top, top), (self.state.reservoir, reservoir)):
-            pool.write(placed.features, placed.places, placed.acts, placed.tokens)
+        self.accumulator.process(chunk)
