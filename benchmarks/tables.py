@@ -126,6 +126,12 @@ def corpus_detail(run: Run, r: dict) -> str | None:
     return f"{ours['seconds']:.2f} s against HF {hf['seconds']:.2f} s" if ours and hf else None
 
 
+def stream_detail(run: Run, r: dict) -> str | None:
+    """activation_stream: both modes' training speeds and the trainer's shape."""
+    return (f"{r['stream_tok_s']:,.0f} against {r['cache_tok_s']:,.0f} tok/s; {r['trainer']} trainer, "
+            f"d_sae {r['d_sae']:,}, k {r['k']}, batches of {r['batch_size']:,}")
+
+
 def writer_detail(run: Run, r: dict) -> str:
     return (f"{r['saelens_tok_s']:,.0f} tok/s against {r['prefill_tok_s']:,.0f} prefill, HF "
             f"{r['hf_best_tok_s']:,.0f} at batch {r['hf_best_batch_size']}; {r['store_dtype']}")
@@ -253,6 +259,8 @@ TARGETS = Table("targets", (
            "of_prefill", pct, SAELENS, writer_detail, at_least(0.8, "≥ 80 %")),
     Figure("… over HF `output_hidden_states` at its best batch size", "saelens_cache", "ratio", "over_hf", times,
            SAELENS, writer_detail, at_least(3, "≥ 3×")),
+    Figure("top-k SAE training fed by ActivationStream, of the same trainer reading a SAELens cache",
+           "activation_stream", "ratio", "stream_over_cache", pct, {}, stream_detail, at_least(0.7, "≥ 70 %")),
     Figure("corpus shard overhead (scheduling, write, commit), of its capture time", "corpus_shards", "run",
            "overhead_fraction", pct_fine, {"mode": "many"}, shard_parts, at_most(0.02, "≤ 2 %"), "CPU"),
     Figure("512 chats sharing a 1,200-token system prompt, over caching off", "chat", "ratio",
