@@ -50,20 +50,9 @@ from steerable.sae.model import SAE
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
-# Elements of the float32 [rows, features] block encoded at once on a CPU (1 GiB: 4,096 rows of
-# 65,536 features); on a GPU up to 4 GiB as its free memory allows (see ``chunk_elements``).
+# Elements of the float32 [rows, features] block encoded at once (1 GiB): 4,096 rows of 65,536 features.
 CHUNK_ELEMENTS = 2**28
-MAX_CHUNK_ROWS = 16384
-
-
-def chunk_elements(device: torch.device) -> int:
-    """Elements encoded at once: on a GPU a 32nd of its free memory (the encode's buffers take ~8
-    bytes an element), between 2**26 and 2**30. A chunk's pool work (merging every touched
-    feature's candidates, its thresholds) costs about the same whatever its rows, so larger chunks
-    cost less a token."""
-    if device.type != "cuda":
-        return CHUNK_ELEMENTS
-    return min(2**30, max(2**26, torch.cuda.mem_get_info(device)[0] // 32))
+MAX_CHUNK_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -109,7 +98,7 @@ def plan(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 
         corpus_sha256=corpus_hash(texts))
     if chunk_rows is None:
         per_row = found.d_sae if found.architecture == "topk" else len(settings.feature_ids())
-        chunk_rows = max(before + after + 1, min(MAX_CHUNK_ROWS, chunk_elements(engine.device) // per_row))
+        chunk_rows = max(before + after + 1, min(MAX_CHUNK_ROWS, CHUNK_ELEMENTS // per_row))
     elif not is_int(chunk_rows) or chunk_rows < before + after + 1:
         raise InvalidRequestError(f"chunk_rows: must be an integer >= {before + after + 1} (a window), got "
                                   f"{chunk_rows!r}")
