@@ -84,7 +84,6 @@ class DeviceAccumulator:
         windows = window_device(state, device)
         self.pools = {name: Pool(pool.places.to(device), pool.acts.to(windows), pool.tokens.to(windows))
                       for name, pool in (("top", state.top), ("reservoir", state.reservoir))}
-        self.top, self.reservoir = self.pools["top"].places, self.pools["reservoir"].places
         self.feature_ids = feature_ids.to(device)
         features = len(feature_ids)
         self.tau_top = torch.zeros(features, dtype=torch.float32, device=device)
@@ -156,7 +155,7 @@ class DeviceAccumulator:
 
     def _merge(self, name: str, rows: torch.Tensor, arriving: Places, order, cap: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pool: Places = getattr(self, name)
+        pool: Places = self.pools[name].places
         new, row, place, source = merge_rows(pool, arriving, rows, order, cap)
         pool.set_rows(rows, new)
         return rows[row], place, source
@@ -178,13 +177,13 @@ class DeviceAccumulator:
     def _thresholds(self, features: torch.Tensor) -> None:
         """The filter's thresholds of ``features`` from their pools: the lowest activation of a full
         top list (0 otherwise); per quantile bin (on the current grid) the largest key of a full bin."""
-        top = self.top.rows(features)
+        top = self.pools["top"].places.rows(features)
         full = top.held().all(1)
         self.tau_top[features] = torch.where(full, top.value.amin(1), 0.0)
         if not self.sampling:
             return
         grid = grid_exponent(self.dense.peak[features], self.quantiles)
-        res = self.reservoir.rows(features)
+        res = self.pools["reservoir"].places.rows(features)
         held = res.held()
         b = bin_index(res.value, grid.unsqueeze(1).expand_as(res.value)).clamp(0, self.quantiles - 1)
         b = torch.where(held, b, 0)
