@@ -11,10 +11,11 @@ import torch
 from steerable.checks import FLOAT_DTYPES
 
 GPU_STEP_TOKENS = 8192  # vLLM's default token budget of a step
-# A CPU step costs about its tokens times the multiply-adds of the linear layers per token: 256
-# tokens of SmolLM2-135M take ~0.3 s on two cores. A CPU engine's budget keeps its steps near that,
-# so an abort, or a request that just came, waits well under a second for the step in progress.
-CPU_STEP_MULTIPLY_ADDS = 256 * 135_000_000
+# A CPU step costs about its tokens times the multiply-adds of the linear layers per token, over
+# the engine's threads: 128 tokens of SmolLM2-135M take ~0.37 s on one core of the 2-core EPYC box,
+# 256 on two about the same. A CPU engine's budget keeps its steps near that, so an abort, or a
+# request that just came, waits well under a second for the step in progress.
+CPU_STEP_MULTIPLY_ADDS_PER_THREAD = 128 * 135_000_000
 CPU_STEP_TOKENS_RANGE = (64, GPU_STEP_TOKENS)
 
 
@@ -102,15 +103,15 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_step_tokens(self, device: torch.device, model: "ModelConfig") -> int:
+    def resolve_step_tokens(self, device: torch.device, model: "ModelConfig", cpu_threads: int = 1) -> int:
         """``max_num_batched_tokens``: as given, else vLLM's 8192 on a GPU and, on a CPU, the power
-        of two (64 to 8192) whose step costs about ``CPU_STEP_MULTIPLY_ADDS``."""
+        of two (64 to 8192) whose step costs ``cpu_threads`` times ``CPU_STEP_MULTIPLY_ADDS_PER_THREAD``."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         if device.type != "cpu":
             return GPU_STEP_TOKENS
         low, high = CPU_STEP_TOKENS_RANGE
-        tokens = CPU_STEP_MULTIPLY_ADDS // max(model.multiply_adds_per_token(), 1)
+        tokens = CPU_STEP_MULTIPLY_ADDS_PER_THREAD * max(cpu_threads, 1) // max(model.multiply_adds_per_token(), 1)
         return max(low, min(high, 1 << max(tokens.bit_length() - 1, 0)))
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -1,7 +1,7 @@
 """Mass cancellation on a CPU server (issue 48 §8): 200 clients that give up after 0.5 s and
 disconnect, then one more request. Its wait is bounded by the step in progress when the aborts
-arrive: a CPU engine sizes its steps by the model (``EngineConfig.resolve_step_tokens``: 256 tokens
-of SmolLM2-135M, ~0.3 s on two idle cores), where vLLM's GPU budget of 8192 tokens made one step
+arrive: a CPU engine sizes its steps by the model (``EngineConfig.resolve_step_tokens``: 128 tokens
+of SmolLM2-135M per engine thread, ~0.37 s), where vLLM's GPU budget of 8192 tokens made one step
 of ~10 s. Nothing may stay held afterwards."""
 
 from __future__ import annotations

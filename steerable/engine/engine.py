@@ -68,10 +68,12 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         model_cls, self.model_config = resolve_model_config(hf_config)  # unknown ones fail before allocating
         self.layout = model_cls.hook_layout(self.model_config)
         self.device = config.resolve_device()
-        config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config)
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        threads = 1
+        if self.device.type == "cpu":  # every rank's threads together set what a step costs
+            threads = cpu_threads.apply(config.cpu_threads) if ranks == 1 else cpu_threads.choose(config.cpu_threads, ranks) * ranks
+        config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config, threads)
         self.dtype = self.model_config.dtype = config.resolve_dtype(hf_config, self.device)
-        if self.device.type == "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-            cpu_threads.apply(config.cpu_threads)
         max_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > max_len:
@@ -82,8 +84,8 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         self.worker = create_worker(config, self.model_config, self.source, self.device, self.dtype, max_len)
         kv_groups = KVGroups.for_model(self.model_config)
         shared_prefix = self._shared_prefix(kv_groups)
-        if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-            # compile and capture now, not in the first steps
+        if ranks == 1 and (self.device.type == "cpu" or (self.device.type == "cuda" and not config.enforce_eager)):
+            # compile, capture and pack weights now, not in the first steps
             self.worker.warmup(shared_prefix[0] if shared_prefix is not None else None)
         kv_capacity = kv_groups.max_tokens(self.worker.num_blocks, config.block_size, config.max_num_batched_tokens,
                                            max_len)

@@ -38,7 +38,7 @@ from steerable.worker.forward_context import AttentionMetadata, ForwardContext
 from steerable.worker.input_buffers import InputBuffers, StepViews
 from steerable.worker.prompt_logprobs import prompt_logprobs, to_host
 from steerable.worker.sampler import SampleHandle, Sampler
-from steerable.worker.warmup import compile_steps, graph_steps
+from steerable.worker.warmup import compile_steps, graph_steps, synthetic_step
 
 logger = logging.getLogger(__name__)
 
@@ -384,7 +384,11 @@ class ModelRunner:
         every decode and mixed CUDA graph captured now, not in the first requests; with
         ``shared_group`` (the KV group the step builder finds shared prefixes in) the graphs of
         steps that share one too. Leaves nothing a request can see (K/V only in free blocks); the
-        replay and shared-step counters restart at zero."""
+        replay and shared-step counters restart at zero. On a CPU, one token's step: oneDNN's
+        packed copy of every weight (``gemv.packed_cpu_linear``) is made then, not in the first request."""
+        if self.device.type == "cpu":
+            self.finish(self.launch(synthetic_step(1, 1, self.block_size)))
+            return
         graphs, self.graphs = self.graphs, None
         try:
             for step in compile_steps(self.buffers.tokens.shape[1], self.max_num_seqs, self.max_model_len,
