@@ -66,7 +66,7 @@ def kernels() -> ModuleType | None:
 
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: float32 on a CPU (and the kernels are built)."""
-    for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+    for t in tensors:  # called a few times a layer: attribute checks only
+        if t.dtype is not torch.float32 or not t.is_cpu:
             return False
     return kernels() is not None
