@@ -1,6 +1,8 @@
 """The CPU attention (``torch_ref``) against dense attention computed sequence by sequence: decode
 rows batched (one batch, or two when lengths differ widely), prefill chunks beside them, grouped
-query heads, soft-cap and sliding windows, blocks scattered over the cache."""
+query heads, soft-cap and sliding windows, blocks scattered over the cache; through PyTorch ops (a
+K cache laid out plainly) and through the compiled CPU kernel (K position-minor, as the engine lays
+it out for the kernel)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import pytest
 import torch
 
+from steerable.layers import cpu_kernels
 from steerable.layers.attention_backends import torch_ref
 
 BLOCK, HKV, GROUP, D = 4, 2, 3, 8
@@ -47,8 +50,13 @@ def case(query_lens, seq_lens, seed=0):
     ([1, 5, 1, 1, 3], [12, 5, 30, 2, 20]),  # prefill chunks (one with context) between decode rows
 ])
 @pytest.mark.parametrize("window, softcap", [(None, None), (None, 20.0), (6, None)])
-def test_equals_dense_attention(query_lens, seq_lens, window, softcap):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_equals_dense_attention(query_lens, seq_lens, window, softcap, kernel):
     q, k_cache, v_cache, table, starts, lens = case(query_lens, seq_lens)
+    if kernel:
+        if cpu_kernels.kernels() is None:
+            pytest.skip("no CPU kernels here (no compiler)")
+        k_cache = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # position-minor memory
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(D)
     plans = torch_ref.StepPlans()

@@ -6,13 +6,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from steerable.layers import fused
+from steerable.layers import cpu_kernels, fused
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU (Llama, Qwen)."""
     if fused.enabled(gate_up) and gate_up.dim() == 2:
         return fused.silu_and_mul(gate_up)
+    if gate_up.dim() == 2 and cpu_kernels.applies(gate_up) and gate_up.stride(-1) == 1:
+        return cpu_kernels.kernels().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -90,10 +90,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
 def cpu_packed_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product takes ``packed_cpu_linear``: float32 rows on a CPU engine with oneDNN."""
-    return (x.device.type == "cpu" and not fused.enabled(x) and x.dim() == 2 and x.shape[0] > 0
-            and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2 and torch.backends.mkldnn.is_available())
+    return (x.is_cpu and _ONEDNN and not fused.enabled(x) and x.dim() == 2 and x.shape[0] > 0
+            and x.dtype is torch.float32 and weight.dtype is torch.float32 and weight.dim() == 2)
 
 
 def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,7 +110,7 @@ def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if packed is None or packed[0] != weight._version:
         packed = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight, 64))
         weight._onednn_packed = packed
-    return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed[1], bias, "none", [], "")
 
 
 def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steerable.hook_points import SiteWrite
-from steerable.layers import fused
+from steerable.layers import cpu_kernels, fused
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +26,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps)
+        if x.dim() == 2 and cpu_kernels.applies(x, self.weight) and x.stride(-1) == 1:
+            return cpu_kernels.kernels().rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -34,9 +36,15 @@ class RMSNorm(nn.Module):
                        delta_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(residual + delta with each site's steering writes applied, its norm)`` in one kernel
         where this norm has one for this device, with the rounding of the separate ops; None
-        otherwise. ``delta_norm``: ``delta`` passes that norm first (an RMSNorm of this kind)."""
+        otherwise. ``delta_norm``: ``delta`` passes that norm first (an RMSNorm of this kind). On a
+        CPU with its kernels, the plain add and norm (no writes) are one kernel."""
         if not fused.enabled(residual):
-            return None
+            if (delta is None or writes or delta_norm is not None or self.unit_offset or residual.dim() != 2
+                    or not cpu_kernels.applies(residual, delta, self.weight)
+                    or residual.stride(-1) != 1 or delta.stride(-1) != 1):
+                return None
+            hidden, normed = cpu_kernels.kernels().add_rms_norm(residual, delta, self.weight, self.eps)
+            return hidden, normed
         pre = None
         if delta_norm is not None:
             if type(delta_norm) is not type(self) or delta is None:

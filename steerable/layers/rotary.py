@@ -16,6 +16,8 @@ import math
 import torch
 from torch import nn
 
+from steerable.layers import cpu_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Stretch low frequencies by ``factor`` and blend the middle band (Llama 3.1 long context)."""
@@ -60,6 +62,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.applies(q, k) and positions.dtype == torch.int64 and q.stride(-1) == k.stride(-1) == 1:
+            ops = cpu_kernels.kernels()
+            q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+            ops.rope(q, q_out, positions, self.cos, self.sin)
+            ops.rope(k, k_out, positions, self.cos, self.sin)
+            return q_out, k_out
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -26,7 +26,7 @@ from steerable.distributed.groups import ParallelContext, building
 from steerable.hook_points import ATTENTION_PATTERNS, HookPoints
 from steerable.kv_groups import KVGroups
 from steerable.layers import fused, logit_kernels
-from steerable.layers.attention import Attention, value_cache_view
+from steerable.layers.attention import Attention, key_cache_view, value_cache_view
 from steerable.layers.attention_backends import torch_ref
 from steerable.models.loader import ModelSource, dummy_weights, iter_weights
 from steerable.models.registry import model_class
@@ -168,7 +168,7 @@ class ModelRunner:
                                     device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.kv_group, slot = self.kv_placement[i]
-            layer.k_cache = self.kv_cache[0, slot].view(num_blocks, *block)
+            layer.k_cache = key_cache_view(self.kv_cache[0, slot], num_blocks, *block)
             layer.v_cache = value_cache_view(self.kv_cache[1, slot], num_blocks, *block)
         logger.info("KV cache: %d blocks of %d tokens x %d layers in %d groups (%.1f GiB)", num_blocks,
                     self.block_size, self.kv_slots, self.kv_groups.num_groups,

@@ -10,7 +10,10 @@ the decode rows of a step (one query each) attend together, as one padded batch:
 (whole cache blocks, not single rows) are gathered once per layer through an index built once per
 step and KV group (``StepPlans``), and the query heads that share a KV head attend as that head's
 rows (no copy of K/V per query head), so a CPU decode step costs a few ops per layer instead of a
-few per sequence and layer.
+few per sequence and layer. Where the CPU kernels apply (a float32 cache on a CPU,
+``steerable.layers.cpu_kernels``), every query row instead attends in one kernel call that reads the
+cache in place, prefill rows included (``RowPlan``); this file's ops are then the fallback and the
+oracle.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from steerable.layers import cpu_kernels
 
 FP8_MAX = 448.0  # the largest float8 e4m3 value: a float8 cache saturates there
 
@@ -39,6 +44,9 @@ def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    if cpu_kernels.applies(key, value, k_cache, v_cache) and slot_mapping.dtype == torch.int64:
+        cpu_kernels.kernels().store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
+        return
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     block_size = k_cache.shape[1]
@@ -70,11 +78,36 @@ class DecodePlan:
 
 
 @dataclass
+class RowPlan:
+    """For the CPU kernel: query row r reads the cache rows ``[first[r], length[r])`` of sequence
+    ``seq[r]`` (its block-table row); int32, one entry a query row (length 0: a padding row)."""
+
+    seq: torch.Tensor
+    first: torch.Tensor
+    length: torch.Tensor
+
+
+def row_plan(rows: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None) -> RowPlan:
+    """Every query row's sequence and causal range (its own position and those before it, within
+    the window): decode rows and prefill chunks alike."""
+    starts = query_start_loc.cpu().numpy().astype(np.int64)
+    lens = seq_lens.cpu().numpy().astype(np.int64)
+    seq = np.repeat(np.arange(len(lens)), np.diff(starts))
+    last = starts[1:][seq] - 1  # each row's sequence's last query row, at position seq_len - 1
+    length = np.maximum(lens[seq] - (last - np.arange(starts[0], starts[-1])), 0)
+    first = np.zeros_like(length) if sliding_window is None else np.maximum(length - sliding_window, 0)
+    pad = rows - len(seq)  # rows past the last sequence's: attend to nothing
+    arrays = [np.concatenate([a, np.zeros(pad, np.int64)]) for a in (seq, first, length)]
+    return RowPlan(*(torch.from_numpy(a.astype(np.int32)) for a in arrays))
+
+
+@dataclass
 class StepPlans:
-    """One step's ``DecodePlan`` per (block table, window), built by the first layer that needs it:
+    """One step's ``DecodePlan`` (or ``RowPlan``) per (block table, window), built by the first layer that
+    needs it:
     every layer of a KV group reads the same positions."""
 
-    plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict)
+    plans: dict[tuple[str, int, int | None], DecodePlan | RowPlan] = field(default_factory=dict)
 
 
 def _split(count: np.ndarray) -> int:
@@ -167,13 +200,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     workspace: StepPlans | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     softcap: float | None = None) -> None:
     """``workspace``: the step's ``StepPlans`` (None: the plan is built for this call alone)."""
+    use_kernel = (cpu_kernels.applies(q, k_cache, v_cache, out) and block_table.dtype == torch.int32
+                  and k_cache.stride(1) == 1)  # a position-minor K (``key_cache_view``)
     block_size = k_cache.shape[1]
-    key = (block_table.data_ptr(), sliding_window)
+    key = ("rows" if use_kernel else "batches", block_table.data_ptr(), sliding_window)
     plan = workspace.plans.get(key) if workspace is not None else None
     if plan is None:
-        plan = decode_plan(query_start_loc, seq_lens, block_table, block_size, sliding_window)
+        plan = (row_plan(q.shape[0], query_start_loc, seq_lens, sliding_window) if use_kernel else
+                decode_plan(query_start_loc, seq_lens, block_table, block_size, sliding_window))
         if workspace is not None:
             workspace.plans[key] = plan
+    if use_kernel:
+        cpu_kernels.kernels().paged_attention(q, k_cache, v_cache, out, block_table, plan.seq, plan.first,
+                                              plan.length, scale, softcap or 0.0)
+        return
     for batch in plan.batches:
         decode_attention(q, k_cache, v_cache, out, batch, scale, k_scale, v_scale, softcap)
     for b, q_start, q_end in plan.prefill:

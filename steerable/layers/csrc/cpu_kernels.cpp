@@ -1,0 +1,358 @@
+// CPU kernels of a float32 engine step (steerable/layers/cpu_kernels.py builds this file once per
+// machine and falls back to PyTorch ops where it cannot). Eager PyTorch spends a decode step on op
+// dispatch and on copies: attention gathered every cached K/V row into a padded batch before
+// reading it again, and each norm, rotary or SwiGLU was several passes over memory. Here each is
+// one pass, the attention reading the paged cache in place. Products keep PyTorch's float32
+// rounding where one operation rounds once (no FMA contraction: the build passes -ffp-contract=off);
+// reductions (norms, softmax) sum in another order, so results agree to the last bit or two.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) in float32 to within 2 ulp, written so that loops over it vectorize (the C library's
+// expf and floorf do not without -ffast-math, which would also drop the infinities a softmax
+// relies on): x = n ln2 + r, |r| <= ln2 / 2 (n rounded to nearest by adding and subtracting
+// 1.5 * 2^23), exp(r) by Cephes' polynomial, 2^n through the exponent bits.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3365f), 88.3762626647949f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  return y * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, ": a float32 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
+}
+
+constexpr size_t PREFETCH_AHEAD = 2;  // blocks: 1 left cold misses, 4 evicted before use (SmolLM2, 64 rows)
+
+// Prefetches [p, p + bytes) into the caches: a row's next cache block lies anywhere in memory,
+// so the hardware prefetcher cannot see it coming.
+inline void prefetch(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 128) __builtin_prefetch(c + off);  // its pair line comes along
+}
+
+struct Rows {  // what the attention of a step's rows reads, and the shapes
+  const float *q, *k, *v;
+  float* out;
+  const int32_t *table, *seq, *first, *len;
+  int64_t rows, hq, hkv, group, d, bs, qs0, qs1, os0, os1, kb, kh, vb, vpos, vh, ts;
+  float scale, cap;
+};
+
+// s[j] = q . k_j for the BS positions of a position-minor K block kt ([D][BS]).
+template <int64_t D, int64_t BS>
+inline void block_scores(const float* qv, const float* kt, float* s, int64_t d, int64_t bs) {
+#ifdef __AVX512F__
+  if constexpr (BS == 16 && D % 4 == 0 && D > 0) {  // four chains of multiply-adds, one vector of positions
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t i = 0; i < D; i += 4) {
+      c0 = _mm512_fmadd_ps(_mm512_set1_ps(qv[i]), _mm512_loadu_ps(kt + i * 16), c0);
+      c1 = _mm512_fmadd_ps(_mm512_set1_ps(qv[i + 1]), _mm512_loadu_ps(kt + (i + 1) * 16), c1);
+      c2 = _mm512_fmadd_ps(_mm512_set1_ps(qv[i + 2]), _mm512_loadu_ps(kt + (i + 2) * 16), c2);
+      c3 = _mm512_fmadd_ps(_mm512_set1_ps(qv[i + 3]), _mm512_loadu_ps(kt + (i + 3) * 16), c3);
+    }
+    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < bs; ++j) s[j] = 0.f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float qi = qv[i];
+#pragma omp simd
+    for (int64_t j = 0; j < bs; ++j) s[j] += qi * kt[i * bs + j];
+  }
+}
+
+// a = a * rescale + sum over j in [lo, hi) of p[j] * v_j (v_j = vbase + j * vpos, D wide).
+template <int64_t D>
+inline void block_values(const float* p, const float* vbase, int64_t vpos, int64_t lo, int64_t hi, float rescale,
+                         float* a, int64_t d) {
+#ifdef __AVX512F__
+  if constexpr (D % 64 == 0 && D > 0) {  // 64 columns at a time, held in four registers
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int64_t c = 0; c < D; c += 64) {
+      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), r), a1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), r);
+      __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 32), r), a3 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 48), r);
+      for (int64_t j = lo; j < hi; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        const float* vv = vbase + j * vpos + c;
+        a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vv), a0);
+        a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vv + 16), a1);
+        a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vv + 32), a2);
+        a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vv + 48), a3);
+      }
+      _mm512_storeu_ps(a + c, a0), _mm512_storeu_ps(a + c + 16, a1);
+      _mm512_storeu_ps(a + c + 32, a2), _mm512_storeu_ps(a + c + 48, a3);
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) a[i] *= rescale;
+  for (int64_t j = lo; j < hi; ++j) {
+    const float pj = p[j];
+    const float* vv = vbase + j * vpos;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) a[i] += pj * vv[i];
+  }
+}
+
+// The kernel for head size D and block size BS (compile-time constants for the common shapes, so
+// the vector loops have no remainder; 0: the runtime sizes). K is position-minor ([block, Hkv, D,
+// BS]): a query's scores over a block are D vector multiply-adds of BS lanes, no horizontal sums.
+template <int64_t D, int64_t BS>
+__attribute__((optimize("fp-contract=fast")))  // multiply-adds: no op of PyTorch's to round alike here
+void attend_rows(const Rows& w) {
+  const int64_t d = D ? D : w.d, bs = BS ? BS : w.bs, hq = w.hq, group = w.group;
+  at::parallel_for(0, w.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hq * d), score(hq * bs), m(hq), l(hq);
+    std::vector<int64_t> visits;  // every block this range reads, in order: what to prefetch ahead
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t start = w.first[r] - w.first[r] % bs; start < w.len[r]; start += bs)
+        visits.push_back(w.table[w.seq[r] * w.ts + start / bs]);
+    const int64_t k_bytes = w.hkv * w.kh * 4, v_bytes = ((bs - 1) * w.vpos + w.hkv * w.vh) * 4;
+    const int64_t k_part = (k_bytes / hq + 127) / 128 * 128, v_part = (v_bytes / hq + 127) / 128 * 128;
+    size_t visit = 0;
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t len = w.len[r], first = w.first[r];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int32_t* blocks = w.table + w.seq[r] * w.ts;
+      const float* qrow = w.q + r * w.qs0;
+      for (int64_t start = first - first % bs; start < len; start += bs) {
+        const int64_t lo = std::max<int64_t>(start, first) - start, hi = std::min<int64_t>(start + bs, len) - start;
+        const int64_t block = blocks[start / bs];
+        // Memory, not arithmetic, bounds this loop: the block read PREFETCH_AHEAD blocks later
+        // (this row's or the next rows') streams in meanwhile, a slice of it per head.
+        const int64_t ahead = visit + PREFETCH_AHEAD < visits.size() ? visits[visit + PREFETCH_AHEAD] : -1;
+        ++visit;
+        for (int64_t hd = 0; hd < hq; ++hd) {  // each head's scores over the block, then its softmax update
+          if (ahead >= 0) {
+            prefetch(w.k + ahead * w.kb + hd * k_part / 4, std::min(k_part, k_bytes - hd * k_part));
+            prefetch(w.v + ahead * w.vb + hd * v_part / 4, std::min(v_part, v_bytes - hd * v_part));
+          }
+          const float* qv = qrow + hd * w.qs1;
+          const float* kt = w.k + block * w.kb + (hd / group) * w.kh;
+          float* s = score.data() + hd * bs;
+          block_scores<D, BS>(qv, kt, s, d, bs);
+          if (w.cap > 0.f)
+            for (int64_t j = lo; j < hi; ++j) s[j] = w.cap * std::tanh(s[j] * w.scale / w.cap) / w.scale;
+          float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+          for (int64_t j = 0; j < bs; ++j) top = std::max(top, j >= lo && j < hi ? s[j] : top);
+          top = std::max(m[hd], top * w.scale);
+          const float rescale = exp_approx(m[hd] - top);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < bs; ++j) {  // positions outside [lo, hi) weigh 0
+            const float e = exp_approx(s[j] * w.scale - top);
+            s[j] = j >= lo && j < hi ? e : 0.f;
+            sum += s[j];
+          }
+          l[hd] = l[hd] * rescale + sum;
+          m[hd] = top;
+          block_values<D>(s, w.v + block * w.vb + (hd / group) * w.vh, w.vpos, lo, hi, rescale,
+                          acc.data() + hd * d, d);
+        }
+      }
+      for (int64_t hd = 0; hd < hq; ++hd) {
+        float* o = w.out + r * w.os0 + hd * w.os1;
+        const float inv = l[hd] > 0.f ? 1.f / l[hd] : 0.f;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[hd * d + i] * inv;
+      }
+    }
+  });
+}
+
+// Attention of query rows over a paged cache. Row r of q ([T, Hq, D]) belongs to sequence
+// row_seq[r] (its block-table row) and attends to positions [row_first[r], row_len[r]) of it
+// (row_len 0: no sequence, its output is zeros): decode rows and prefill chunks alike. k_cache and
+// v_cache are [blocks, block_size, Hkv, D] views, K's memory position-minor (``key_cache_view``),
+// V's head-dim-minor; the query heads of KV head h are h * group .. (h + 1) * group - 1. softcap
+// > 0: scores become softcap * tanh(score / softcap). An online softmax, one cache block at a time.
+void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     torch::Tensor& out, const torch::Tensor& block_table, const torch::Tensor& row_seq,
+                     const torch::Tensor& row_first, const torch::Tensor& row_len, double scale, double softcap) {
+  check_f32(q, "q");
+  check_f32(v_cache, "v_cache");
+  check_f32(out, "out");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.stride(1) == 1 &&
+                  k_cache.stride(3) == k_cache.size(1) && k_cache.stride(2) == k_cache.size(1) * k_cache.size(3),
+              "k_cache: a position-minor float32 view (key_cache_view)");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1, "block_table: int32 rows");
+  for (const auto* t : {&row_seq, &row_first, &row_len})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->numel() == q.size(0),
+                "row arrays: contiguous int32, one entry a query row");
+  Rows w;
+  w.rows = q.size(0), w.hq = q.size(1), w.d = q.size(2), w.bs = k_cache.size(1), w.hkv = k_cache.size(2);
+  w.group = w.hq / w.hkv;
+  TORCH_CHECK(k_cache.size(3) == w.d && v_cache.size(3) == w.d && w.hq == w.hkv * w.group, "head shapes");
+  w.q = q.data_ptr<float>(), w.k = k_cache.data_ptr<float>(), w.v = v_cache.data_ptr<float>();
+  w.out = out.data_ptr<float>();
+  w.table = block_table.data_ptr<int32_t>(), w.seq = row_seq.data_ptr<int32_t>();
+  w.first = row_first.data_ptr<int32_t>(), w.len = row_len.data_ptr<int32_t>();
+  w.qs0 = q.stride(0), w.qs1 = q.stride(1), w.os0 = out.stride(0), w.os1 = out.stride(1);
+  w.kb = k_cache.stride(0), w.kh = k_cache.stride(2);
+  w.vb = v_cache.stride(0), w.vpos = v_cache.stride(1), w.vh = v_cache.stride(2);
+  w.ts = block_table.stride(0);
+  w.scale = static_cast<float>(scale), w.cap = static_cast<float>(softcap);
+  if (w.d == 64 && w.bs == 16) attend_rows<64, 16>(w);
+  else if (w.d == 128 && w.bs == 16) attend_rows<128, 16>(w);
+  else attend_rows<0, 0>(w);
+}
+
+// key/value rows [T, Hkv, D] into the caches (views of any strides) at slot_mapping (block * block_size + offset; a
+// negative slot is a padding row and is skipped).
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const torch::Tensor& slot_mapping) {
+  check_f32(key, "key");
+  check_f32(value, "value");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32, "caches");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  const int64_t rows = key.size(0), heads = key.size(1), d = key.size(2), block_size = k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = slots[r];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, off = slot % block_size;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* kd = kc + block * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2);
+      float* vd = vc + block * v_cache.stride(0) + off * v_cache.stride(1) + h * v_cache.stride(2);
+      const float* ks = kp + r * key.stride(0) + h * key.stride(1);
+      const float* vs = vp + r * value.stride(0) + h * value.stride(1);
+      for (int64_t i = 0; i < d; ++i) kd[i * k_cache.stride(3)] = ks[i];
+      for (int64_t i = 0; i < d; ++i) vd[i * v_cache.stride(3)] = vs[i];
+    }
+  }
+}
+
+// Rotate-half rotary embedding of x [T, H, D] (any row stride) into out [T, H, D]: the first half
+// x1 * cos - x2 * sin, the second x2 * cos + x1 * sin, cos/sin rows [positions, D / 2].
+void rope(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& positions, const torch::Tensor& cos,
+          const torch::Tensor& sin) {
+  check_f32(x, "x");
+  check_f32(out, "out");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "positions: int64");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "tables");
+  const int64_t rows = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos.data_ptr<float>() + pos[r] * cos.stride(0);
+      const float* s = sin.data_ptr<float>() + pos[r] * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x1 = xp + r * x.stride(0) + h * x.stride(1);
+        const float* x2 = x1 + half;
+        float* o = op + r * out.stride(0) + h * out.stride(1);
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = x1[i] * c[i] - x2[i] * s[i];
+          o[i + half] = x2[i] * c[i] + x1[i] * s[i];
+        }
+      }
+    }
+  });
+}
+
+// One row's RMSNorm as HF computes it in float32: h * rsqrt(mean(h^2) + eps), then * weight.
+inline void norm_row(const float* h, const float* w, float* out, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += h[i] * h[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (h[i] * inv);
+}
+
+// RMSNorm of x [T, N] into out (a new tensor).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous(), "x [T, N], weight contiguous");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(x.data_ptr<float>() + r * x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>() + r * n, n,
+               static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (residual + delta, its RMSNorm): the residual add deferred into the next norm, in one pass.
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& residual, const torch::Tensor& delta,
+                                        const torch::Tensor& weight, double eps) {
+  check_f32(residual, "residual");
+  check_f32(delta, "delta");
+  TORCH_CHECK(residual.dim() == 2 && residual.sizes() == delta.sizes() && weight.is_contiguous(), "shapes");
+  auto hidden = torch::empty_like(residual, at::MemoryFormat::Contiguous);
+  auto normed = torch::empty_like(residual, at::MemoryFormat::Contiguous);
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* a = residual.data_ptr<float>() + r * residual.stride(0);
+      const float* b = delta.data_ptr<float>() + r * delta.stride(0);
+      float* h = hidden.data_ptr<float>() + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) h[i] = a[i] + b[i];
+      norm_row(h, weight.data_ptr<float>(), normed.data_ptr<float>() + r * n, n, static_cast<float>(eps));
+    }
+  });
+  return {hidden, normed};
+}
+
+// SwiGLU of gate_up [T, 2N] (gate | up): silu(gate) * up, silu(x) = x / (1 + exp(-x)).
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2, "gate_up [T, 2N]");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
+      const float* u = g + n;
+      float* o = out.data_ptr<float>() + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("store_kv", &store_kv);
+  m.def("rope", &rope);
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+}
