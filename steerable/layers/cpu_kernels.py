@@ -42,6 +42,8 @@ def _host_tag() -> str:
 def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
+    logger.info("CPU kernels: loading, or building once for this host (about 30 s on 2 cores; cached under %s)",
+                os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions"))
     try:
         return cpp_extension.load(name=f"steerable_cpu_kernels_{_host_tag()}", sources=[_SOURCE],
                                   extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
