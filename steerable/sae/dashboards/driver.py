@@ -190,20 +190,8 @@ def run_shards(llm: Any, texts: Sequence[Any], run: DashboardRun, state: Dashboa
 class _Text:
     example: int
     tokens: torch.Tensor  # int32 [L]
-    pieces: list = field(default_factory=list)  # (first position, rows) as the steps deliver them
+    rows: torch.Tensor  # [L, d_in], filled in position order as the steps deliver them
     filled: int = 0
-    rows: torch.Tensor | None = None  # [L, d_in] once complete
-
-    def assemble(self) -> None:
-        """Join the pieces in position order; they must tile the text (each row delivered once)."""
-        self.pieces.sort(key=lambda piece: piece[0])
-        starts = [first for first, _ in self.pieces]
-        ends = [first + len(rows) for first, rows in self.pieces]
-        if starts[0] != 0 or starts[1:] != ends[:-1] or ends[-1] != len(self.tokens):
-            raise EngineError(f"feature_dashboards: text {self.example}'s rows arrived as positions "
-                              f"{list(zip(starts, ends))}, not once each")
-        self.rows = torch.cat([rows for _, rows in self.pieces])
-        self.pieces = []
 
 
 @dataclass
@@ -234,8 +222,6 @@ class _Pass:
         self.staging = (torch.empty(chunk_rows, engine.model_config.hidden_size, dtype=engine.dtype, pin_memory=True)
                         if engine.device.type == "cuda" else None)
         self.added = [0, 0]  # texts and tokens sent to the engine, for the progress bar's total
-        self.exclude_positions = torch.tensor(settings.exclude_positions, dtype=torch.long)
-        self.exclude_tokens = torch.tensor(settings.exclude_tokens, dtype=torch.int32)
         self.todo_texts = sum(s.remaining for s in self.shards)
         self.stop = layers_needed([settings.layer], settings.hook)  # the layers above the SAE's never run
 
@@ -295,24 +281,33 @@ class _Pass:
             group = self.engine.add_request(f"dashboards-{example}", ids, self.PARAMS, stop_at_layer=self.stop)
         except InvalidRequestError as err:
             raise InvalidRequestError(f"texts[{example}]: {err}") from None
-        self.buffers[group.children[0].request_id] = (shard, _Text(example, torch.tensor(ids, dtype=torch.int32)))
+        rows = torch.empty(len(ids), self.engine.model_config.hidden_size, dtype=self.engine.dtype)
+        self.buffers[group.children[0].request_id] = (shard, _Text(example, torch.tensor(ids, dtype=torch.int32), rows))
         in_engine[group.client_id] = len(ids)
         return True
 
     # ------------------------------------------------------------ the sink
 
     def append(self, rows: StreamRows) -> None:
-        """A step's rows: copied out of the step's host block at once (it is reused after this call),
-        kept per text as consecutive pieces until the text is complete."""
-        block = rows.block[0][torch.from_numpy(rows.where)]
-        first_positions = rows.positions[np.concatenate(([0], np.cumsum(rows.counts)[:-1]))].tolist()
-        for request_id, piece, first in zip(rows.request_ids, block.split(rows.counts.tolist()), first_positions):
+        """A step's rows, copied out of the step's host block at once (it is reused after this
+        call) straight into each text's buffer at their positions; a text goes to its shard once full."""
+        block = rows.block[0]
+        starts = np.concatenate(([0], np.cumsum(rows.counts)[:-1]))
+        for request_id, start, count in zip(rows.request_ids, starts.tolist(), rows.counts.tolist()):
             shard, text = self.buffers[request_id]
-            text.pieces.append((first, piece))
-            text.filled += len(piece)
+            first = int(rows.positions[start])
+            if first != text.filled or first + count > len(text.tokens):
+                raise EngineError(f"feature_dashboards: text {text.example}'s rows {first}..{first + count} arrived "
+                                  f"after {text.filled} of its {len(text.tokens)} rows, not once each in order")
+            where = rows.where[start:start + count]
+            target = text.rows[first:first + count]
+            if where[-1] - where[0] == count - 1:  # the usual case: the request's rows lie together in the step
+                target.copy_(block[where[0]:where[0] + count])
+            else:
+                torch.index_select(block, 0, torch.from_numpy(where), out=target)
+            text.filled += count
             if text.filled == len(text.tokens):
                 del self.buffers[request_id]
-                text.assemble()
                 shard.ready.append(text)
                 shard.pending += len(text.tokens)
                 shard.remaining -= 1
@@ -356,26 +351,24 @@ class _Pass:
 
     def _process_chunk(self, pieces: list[tuple[_Text, int, int]]) -> None:
         """Encode the pieces (text, first core position, end of core) together; merge the candidates."""
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("rows", "example", "position", "tokens",
-                                                                       "core", "lo", "hi", "excluded")}
-        offset = 0
-        for text, core_lo, core_hi in pieces:
-            lo, hi = max(0, core_lo - self.settings.before), min(len(text.tokens), core_hi + self.settings.after)
-            position = torch.arange(lo, hi)
-            parts["rows"].append(text.rows[lo:hi])
-            parts["example"].append(torch.full((hi - lo,), text.example, dtype=torch.long))
-            parts["position"].append(position)
-            parts["tokens"].append(text.tokens[lo:hi])
-            parts["core"].append((position >= core_lo) & (position < core_hi))
-            parts["lo"].append(torch.full((hi - lo,), offset, dtype=torch.long))
-            parts["hi"].append(torch.full((hi - lo,), offset + hi - lo, dtype=torch.long))
-            parts["excluded"].append(torch.isin(position, self.exclude_positions)
-                                     | torch.isin(text.tokens[lo:hi], self.exclude_tokens))
-            offset += hi - lo
-        rows = parts.pop("rows")
+        before, after = self.settings.before, self.settings.after
+        spans = [(text, max(0, core_lo - before), min(len(text.tokens), core_hi + after), core_lo, core_hi)
+                 for text, core_lo, core_hi in pieces]
+        lengths = np.array([hi - lo for _, lo, hi, _, _ in spans])
+        offset = int(lengths.sum())
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        position = np.concatenate([np.arange(lo, hi) for _, lo, hi, _, _ in spans])
+        tokens = torch.cat([text.tokens[lo:hi] for text, lo, hi, _, _ in spans])
+        core = ((position >= np.repeat([c for *_, c, _ in spans], lengths))
+                & (position < np.repeat([c for *_, c in spans], lengths)))
+        excluded = np.isin(position, self.settings.exclude_positions) | np.isin(tokens.numpy(), self.settings.exclude_tokens)
+        views = [text.rows[lo:hi] for text, lo, hi, _, _ in spans]
         if self.staging is not None:  # reused: ``process`` has waited for the copy from it when it returns
-            rows = torch.cat(rows, out=self.staging[:offset])
+            rows = torch.cat(views, out=self.staging[:offset])
         else:
-            rows = torch.cat(rows)
-        chunk = Chunk(rows, **{name: torch.cat(values) for name, values in parts.items()})
+            rows = torch.cat(views)
+        chunk = Chunk(rows, example=torch.from_numpy(np.repeat([text.example for text, *_ in spans], lengths)),
+                      position=torch.from_numpy(position), tokens=tokens, core=torch.from_numpy(core),
+                      lo=torch.from_numpy(starts), hi=torch.from_numpy(starts + np.repeat(lengths, lengths)),
+                      excluded=torch.from_numpy(excluded))
         self.accumulator.process(chunk)
