@@ -11,7 +11,7 @@ The SAE is a random jumprelu of ``--d-sae`` features with unit decoder rows at `
 token on average (a random SAE's activations would otherwise be dense, which no trained SAE is).
 The corpus is ``--tokens`` tokens of random ids in texts of ``--text-len`` (Neuronpedia's 128).
 
-    python -m benchmarks dashboards [--tokens 4000000] [--sae-dashboard-tokens 250000]
+    python -m benchmarks dashboards [--tokens 4000000] [--sae-dashboard-tokens 250000] [--chunk-rows N]
 
 sae-dashboard reads the model through TransformerLens, whose loader accepts only its own table of
 hub names: the local random checkpoint is passed through that lookup (a name for a path), which is
@@ -76,7 +76,8 @@ def sparse_capture(llm, texts, args) -> float:
 def dashboards(llm, texts, args, features=None):
     from steerable import feature_dashboards
 
-    return timed(lambda: feature_dashboards(llm, texts, "sae", features=features, batch_size=args.batch_size))
+    return timed(lambda: feature_dashboards(llm, texts, "sae", features=features, batch_size=args.batch_size,
+                                            chunk_rows=args.chunk_rows))
 
 
 def sae_dashboard(path: str, sae, texts: list[list[int]], features: int, args) -> tuple[float, dict]:
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=64, help="features per row of the sparse capture baseline")
     p.add_argument("--batch-size", type=int, default=None, help="texts in the engine at a time (default 256)")
     p.add_argument("--shard-size", type=int, default=None, help="texts per capture shard (default 2048)")
+    p.add_argument("--chunk-rows", type=int, default=None, help="rows encoded at once (default: the library's)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sae-dashboard-tokens", type=int, default=None,
                    help="sae-dashboard's slice (default 250,000 tokens; --smoke 384; 0: skip it)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -232,7 +233,9 @@ def test_on_cuda(setup, monkeypatch):
     gpu = LLM(path, device="cuda", dtype="float32", kv_cache_tokens=4096)
     gpu.register_sae("res1", sae)
     assert accumulate.window_device(empty_state(plan(gpu, texts, "res1", **ARGS)), torch.device("cuda")).type == "cuda"
+    interval = sys.getswitchinterval()
     assert_matches_reference(feature_dashboards(gpu, texts, sae="res1", chunk_rows=64, **ARGS), ref, logits)
+    assert sys.getswitchinterval() == interval  # the pass's shorter GIL interval is restored
     monkeypatch.setattr(accumulate, "window_device", lambda state, device: torch.device("cpu"))
     assert_matches_reference(feature_dashboards(gpu, texts, sae="res1", chunk_rows=64, **ARGS), ref, logits)
     gpu.shutdown()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +51,16 @@ from steerable.sae.model import SAE
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 
-# Elements of the float32 [rows, features] block encoded at once (1 GiB): 4,096 rows of 65,536 features.
-CHUNK_ELEMENTS = 2**28
+# Elements of the float32 [rows, features] block encoded at once: 2 GiB on a GPU (8,192 rows of 65,536
+# features; each chunk's pool work launches about a thousand kernels whatever its rows, and on the
+# H200 at 1M tokens the pass ran at 43.8 % of sparse capture's speed with 8,192 rows against 29.2 %
+# with 4,096 and 40.4 % with 16,384), 1 GiB on a CPU.
+CHUNK_ELEMENTS = {"cuda": 2**29, "cpu": 2**28}
 MAX_CHUNK_ROWS = 8192
+# While a pass runs on a GPU the engine's thread and the sink's both launch kernels op by op, each
+# op releasing the GIL and taking it back; a thread waiting for it waits up to the switch interval
+# (5 ms by default). 0.1 ms took the pass from 43.8 to 50.0 % of sparse capture (29.2 to 34.8 % at 4,096 rows).
+PASS_SWITCH_INTERVAL_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,8 @@ def plan(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 
         corpus_sha256=corpus_hash(texts))
     if chunk_rows is None:
         per_row = found.d_sae if found.architecture == "topk" else len(settings.feature_ids())
-        chunk_rows = max(before + after + 1, min(MAX_CHUNK_ROWS, CHUNK_ELEMENTS // per_row))
+        elements = CHUNK_ELEMENTS["cuda" if engine.device.type == "cuda" else "cpu"]
+        chunk_rows = max(before + after + 1, min(MAX_CHUNK_ROWS, elements // per_row))
     elif not is_int(chunk_rows) or chunk_rows < before + after + 1:
         raise InvalidRequestError(f"chunk_rows: must be an integer >= {before + after + 1} (a window), got "
                                   f"{chunk_rows!r}")
@@ -228,6 +237,17 @@ class _Pass:
     # ------------------------------------------------------------ the engine loop
 
     def run(self) -> None:
+        """The pass; on a GPU with the GIL handed over every ``PASS_SWITCH_INTERVAL_S`` (restored after)."""
+        if self.engine.device.type != "cuda":
+            return self._run()
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(PASS_SWITCH_INTERVAL_S)
+        try:
+            return self._run()
+        finally:
+            sys.setswitchinterval(previous)
+
+    def _run(self) -> None:
         engine, settings = self.engine, self.settings
         engine.start_capture(HIDDEN_STATES, [settings.layer], None, "all", SelectSpec.parse("all_prompt"), None,
                              settings.hook, sink=self)

@@ -54,13 +54,10 @@ def coarsen(counts: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 def regrid(counts: torch.Tensor, old_peak: torch.Tensor, new_peak: torch.Tensor, bins: int) -> torch.Tensor:
     """``counts`` ``[F, bins]`` kept on the grid of ``old_peak``, moved to the grid of ``new_peak``
-    (``>= old_peak``); rows whose grid stays are returned as they are."""
-    old, new = grid_exponent(old_peak, bins), grid_exponent(new_peak, bins)
-    moved = ((new != old) & (old_peak > 0)).nonzero().squeeze(1)
-    if len(moved):
-        counts = counts.clone()
-        counts[moved] = coarsen(counts[moved], new[moved] - old[moved])
-    return counts
+    (``>= old_peak``). Every row goes through ``coarsen`` (a shift of 0 leaves a row as it is), so
+    nothing waits for the device to learn which rows moved."""
+    shift = torch.where(old_peak > 0, grid_exponent(new_peak, bins) - grid_exponent(old_peak, bins), 0)
+    return coarsen(counts, shift)
 
 
 def edges(peak: float, bins: int) -> list[float]:
