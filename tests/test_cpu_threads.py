@@ -1,4 +1,5 @@
-"""The CPU engine's intra-op thread count: what is asked for, else the cores free at start."""
+"""The CPU engine's intra-op thread count (what is asked for, else the cores free at start), the
+step budget that follows it, and the weights packed while the engine starts."""
 
 import os
 
@@ -49,3 +50,32 @@ def test_engine_applies_it(model_dirs):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="cpu_threads"):
         LLM(model_dirs["llama"], device="cpu", cpu_threads=0)
+
+
+def test_step_budget_follows_the_threads():
+    """A CPU step's tokens scale with the engine's threads, so a step takes about as long on any
+    core count (128 tokens of SmolLM2-135M a thread), between 64 and vLLM's 8192."""
+    from types import SimpleNamespace
+
+    from steerable.config import EngineConfig
+
+    smollm2 = SimpleNamespace(multiply_adds_per_token=lambda: 30 * (576 * 64 * 2 * 12 + 3 * 576 * 1536) + 49152 * 576)
+    huge = SimpleNamespace(multiply_adds_per_token=lambda: 10**12)
+    config, cpu = EngineConfig(model="m"), torch.device("cpu")
+    assert [config.resolve_step_tokens(cpu, smollm2, t) for t in (1, 2, 3, 4, 64)] == [128, 256, 256, 512, 8192]
+    assert config.resolve_step_tokens(cpu, huge, 16) == 64
+    assert config.resolve_step_tokens(torch.device("cuda"), smollm2, 1) == 8192
+    assert EngineConfig(model="m", max_num_batched_tokens=100).resolve_step_tokens(cpu, smollm2, 1) == 100
+
+
+def test_weights_are_packed_while_the_engine_starts(model_dirs):
+    """The first request pays no oneDNN reorder: the start-up step packed every projection."""
+    from steerable import LLM
+
+    before = torch.get_num_threads()
+    try:
+        with LLM(model_dirs["llama"], dtype="float32", device="cpu", cpu_threads=1, kv_cache_tokens=256) as llm:
+            weights = [p for name, p in llm.llm_engine.worker.model.named_parameters() if name.endswith("proj.weight")]
+            assert weights and all(hasattr(w, "_onednn_packed") for w in weights)
+    finally:
+        torch.set_num_threads(before)
