@@ -57,6 +57,7 @@ BENCHMARKS = (
 # Probes still in use: modules of ``benchmarks.probes``.
 PROBES = (
     "attention_replay",
+    "dashboards_chunks",
     "gemma2_decode",
     "moe_tune",
     "profile_kernels",

@@ -134,6 +134,17 @@ def test_activation_stream_trainer_is_saelens_step_for_step():
     assert not torch.equal(ours.W_dec, TopKTrainer(16, 256, 2, 8, "cpu", seed=0).W_dec)  # it trained
 
 
+def test_dashboards_chunks_probe(bench_cache_dir):
+    """The probe's sweep: one pass record per (chunk rows, switch interval), against one baseline."""
+    r = run("dashboards_chunks", bench_cache_dir, "--switch-intervals", "0.005,0.001")
+    positive(r["baseline"][0], "seconds", "tokens")
+    passes = r["pass"]
+    assert [(x["chunk_rows"], x["switch_interval_s"]) for x in passes] == [(40, 0.005), (40, 0.001), (64, 0.005),
+                                                                          (64, 0.001)]
+    for x in passes:
+        positive(x, "seconds", "dashboards_vs_sparse_capture")
+
+
 def test_dashboards_against_sparse_capture_and_sae_dashboard(bench_cache_dir):
     r = run("dashboards", bench_cache_dir)
     runs = {x["mode"]: x for x in r["run"]}

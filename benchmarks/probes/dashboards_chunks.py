@@ -1,0 +1,58 @@
+"""Which chunk size and GIL switch interval make a GPU dashboards pass fastest against sparse capture (issue 49)?
+
+The dashboards benchmark's setup (a random jumprelu SAE of ``--d-sae`` features calibrated to
+``--l0`` active a token, texts of ``--text-len`` random tokens): sparse corpus capture once as the
+baseline, then one dashboards pass for every ``--chunk-rows`` and ``--switch-intervals`` pair (the
+interval the pass sets, ``driver.PASS_SWITCH_INTERVAL_S``; Python's default is 5 ms), each after a
+warm-up on a fiftieth of the corpus. One record per pair: its seconds and its speed as a fraction
+of sparse capture's.
+
+    python -m benchmarks dashboards_chunks [--tokens 1000000] [--chunk-rows 4096,8192,16384]
+"""
+
+from __future__ import annotations
+
+from benchmarks import common
+from benchmarks.common import emit, timed
+from benchmarks.dashboards import corpus, random_sae, sparse_capture
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.set_defaults(gpu_memory_utilization=0.6)
+    p.add_argument("--d-sae", type=int, default=None, help="SAE width (default 65536; --smoke 512)")
+    p.add_argument("--layer", type=int, default=None, help="the SAE's layer (default 14; --smoke 1)")
+    p.add_argument("--l0", type=int, default=64, help="features firing per token on average")
+    p.add_argument("--tokens", type=int, default=None, help="corpus tokens (default 1,000,000; --smoke 3,072)")
+    p.add_argument("--text-len", type=int, default=None, help="tokens per text (default 128; --smoke 24)")
+    p.add_argument("--top-k", type=int, default=64, help="features per row of the sparse capture baseline")
+    p.add_argument("--batch-size", type=int, default=None, help="texts in the engine at a time (default 256)")
+    p.add_argument("--shard-size", type=int, default=None, help="texts per capture shard (default 2048)")
+    p.add_argument("--chunk-rows", default=None, help="comma-separated (default 4096,8192,16384; --smoke 40,64)")
+    p.add_argument("--switch-intervals", default="0.005,0.0001", help="seconds, comma-separated")
+    args = p.parse_args(argv)
+    path = common.setup("dashboards_chunks", args, {
+        "d_sae": (65536, 512), "layer": (14, 1), "tokens": (1_000_000, 3072), "text_len": (128, 24),
+        "batch_size": (256, 16), "shard_size": (2048, 16), "chunk_rows": ("4096,8192,16384", "40,64")})
+    from steerable import feature_dashboards
+    from steerable.sae.dashboards import driver
+
+    llm = common.make_llm(args, path)
+    texts = corpus(args.tokens, args.text_len, common.prompt_vocab(llm), args.seed)
+    llm.register_sae("sae", random_sae(llm, texts, args.d_sae, args.layer, args.l0, args.seed))
+    head = texts[:max(1, len(texts) // 50)]
+    sparse_capture(llm, head, args)
+    baseline = sparse_capture(llm, texts, args)
+    emit({"record": "baseline", "mode": "sparse_capture", "tokens": len(texts) * args.text_len, "seconds": baseline})
+    for rows in (int(x) for x in args.chunk_rows.split(",")):
+        for interval in (float(x) for x in args.switch_intervals.split(",")):
+            driver.PASS_SWITCH_INTERVAL_S = interval
+
+            def dashboards(part, rows=rows):
+                return feature_dashboards(llm, part, "sae", batch_size=args.batch_size, chunk_rows=rows)
+
+            dashboards(head)
+            _, seconds = timed(lambda: dashboards(texts))
+            emit({"record": "pass", "chunk_rows": rows, "switch_interval_s": interval, "seconds": seconds,
+                  "dashboards_vs_sparse_capture": baseline / seconds})
+    llm.shutdown()
