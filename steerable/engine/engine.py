@@ -71,7 +71,8 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         ranks = config.tensor_parallel_size * config.pipeline_parallel_size
         threads = 1
         if self.device.type == "cpu":  # every rank's threads together set what a step costs
-            threads = cpu_threads.apply(config.cpu_threads) if ranks == 1 else cpu_threads.choose(config.cpu_threads, ranks) * ranks
+            threads = (cpu_threads.apply(config.cpu_threads) if ranks == 1
+                       else cpu_threads.choose(config.cpu_threads, ranks) * ranks)
         config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config, threads)
         self.dtype = self.model_config.dtype = config.resolve_dtype(hf_config, self.device)
         max_len = self.model_config.max_position_embeddings

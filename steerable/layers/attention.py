@@ -29,7 +29,7 @@ def key_cache_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_
     of a query over a block are then ``D`` multiply-adds of whole vectors of positions, with no sum
     across a vector per position (SmolLM2, 64 decode rows, a step's 30 layers in turn on the 2-core EPYC:
     1.8 -> 1.1 ms a layer, the kernel's time with K head-dim-minor against position-minor)."""
-    if flat.device.type == "cpu" and not fused.enabled(flat) and cpu_kernels.applies(flat):
+    if not fused.enabled(flat) and cpu_kernels.applies(flat):
         return flat.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
     return flat.view(num_blocks, block_size, num_kv_heads, head_dim)
 

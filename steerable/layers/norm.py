@@ -43,8 +43,7 @@ class RMSNorm(nn.Module):
                     or not cpu_kernels.applies(residual, delta, self.weight)
                     or residual.stride(-1) != 1 or delta.stride(-1) != 1):
                 return None
-            hidden, normed = cpu_kernels.kernels().add_rms_norm(residual, delta, self.weight, self.eps)
-            return hidden, normed
+            return tuple(cpu_kernels.kernels().add_rms_norm(residual, delta, self.weight, self.eps))
         pre = None
         if delta_norm is not None:
             if type(delta_norm) is not type(self) or delta is None:

@@ -371,23 +371,24 @@ class _Pass:
 
     def _process_chunk(self, pieces: list[tuple[_Text, int, int]]) -> None:
         """Encode the pieces (text, first core position, end of core) together; merge the candidates."""
-        before, after = self.settings.before, self.settings.after
-        spans = [(text, max(0, core_lo - before), min(len(text.tokens), core_hi + after), core_lo, core_hi)
-                 for text, core_lo, core_hi in pieces]
-        lengths = np.array([hi - lo for _, lo, hi, _, _ in spans])
+        texts = [text for text, _, _ in pieces]
+        core_lo, core_hi = np.array([[lo, hi] for _, lo, hi in pieces]).reshape(-1, 2).T
+        lo = np.maximum(core_lo - self.settings.before, 0)
+        hi = np.minimum(core_hi + self.settings.after, [len(text.tokens) for text in texts])
+        lengths = hi - lo
         offset = int(lengths.sum())
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        position = np.concatenate([np.arange(lo, hi) for _, lo, hi, _, _ in spans])
-        tokens = torch.cat([text.tokens[lo:hi] for text, lo, hi, _, _ in spans])
-        core = ((position >= np.repeat([c for *_, c, _ in spans], lengths))
-                & (position < np.repeat([c for *_, c in spans], lengths)))
-        excluded = np.isin(position, self.settings.exclude_positions) | np.isin(tokens.numpy(), self.settings.exclude_tokens)
-        views = [text.rows[lo:hi] for text, lo, hi, _, _ in spans]
+        position = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+        tokens = torch.cat([text.tokens[a:b] for text, a, b in zip(texts, lo, hi)])
+        core = (position >= np.repeat(core_lo, lengths)) & (position < np.repeat(core_hi, lengths))
+        excluded = np.isin(position, self.settings.exclude_positions) | np.isin(tokens.numpy(),
+                                                                               self.settings.exclude_tokens)
+        views = [text.rows[a:b] for text, a, b in zip(texts, lo, hi)]
         if self.staging is not None:  # reused: ``process`` has waited for the copy from it when it returns
             rows = torch.cat(views, out=self.staging[:offset])
         else:
             rows = torch.cat(views)
-        chunk = Chunk(rows, example=torch.from_numpy(np.repeat([text.example for text, *_ in spans], lengths)),
+        chunk = Chunk(rows, example=torch.from_numpy(np.repeat([text.example for text in texts], lengths)),
                       position=torch.from_numpy(position), tokens=tokens, core=torch.from_numpy(core),
                       lo=torch.from_numpy(starts), hi=torch.from_numpy(starts + np.repeat(lengths, lengths)),
                       excluded=torch.from_numpy(excluded))
