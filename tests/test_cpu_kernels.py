@@ -64,3 +64,22 @@ def test_store_kv_into_position_minor_cache():
             assert torch.equal(k_cache[slot // block_size, slot % block_size], key[row])
             assert torch.equal(v_cache[slot // block_size, slot % block_size], value[row])
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 4
+
+
+def test_greedy_tokens_are_argmax_first_maximum():
+    from steerable.worker.sampler import greedy_tokens
+
+    torch.manual_seed(0)
+    for width in [1, 15, 16, 17, 49152, 49157]:
+        logits = torch.randn(9, width)
+        assert torch.equal(cpu_kernels.kernels().argmax_rows(logits), logits.argmax(-1))
+    ties = torch.randint(-2, 2, (64, 100)).float()  # many rows with their maximum at several places
+    assert torch.equal(greedy_tokens(ties), ties.argmax(-1))
+    special = torch.zeros(4, 40)
+    special[0, [3, 33]] = 1.0  # a tie across lanes: the first
+    special[1] = float("-inf")  # nothing above -inf: position 0, as torch
+    special[2, [5, 30]] = float("nan")  # NaN is the maximum, its first place
+    special[3, 39] = 2.0  # in the tail past the last whole group of lanes
+    assert greedy_tokens(special).tolist() == special.argmax(-1).tolist() == [3, 0, 5, 39]
+    wide = torch.randn(3, 64)[:, ::2]  # strided rows: the PyTorch path, same answer
+    assert torch.equal(greedy_tokens(wide), wide.argmax(-1))

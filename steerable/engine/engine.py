@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from steerable import cpu_threads
+from steerable import cpu_memory, cpu_threads
 from steerable.capture.activation_store import ActivationStore, empty_stats
 from steerable.capture.planner import Delivery
 from steerable.capture.prefix_rows import PrefixRows
@@ -71,6 +71,7 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
         ranks = config.tensor_parallel_size * config.pipeline_parallel_size
         threads = 1
         if self.device.type == "cpu":  # every rank's threads together set what a step costs
+            cpu_memory.keep_freed_memory()
             threads = (cpu_threads.apply(config.cpu_threads) if ranks == 1
                        else cpu_threads.choose(config.cpu_threads, ranks) * ranks)
         config.max_num_batched_tokens = config.resolve_step_tokens(self.device, self.model_config, threads)

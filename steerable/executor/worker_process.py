@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from steerable import cpu_threads
+from steerable import cpu_memory, cpu_threads
 from steerable.config import EngineConfig, ModelConfig
 from steerable.distributed.groups import DATA_TIMEOUT, close_groups, init_groups
 from steerable.distributed.placement import Placement
@@ -57,6 +57,7 @@ def run_spawned(args: WorkerArgs, errors: Connection) -> None:
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     try:
         if config.resolve_device().type == "cpu":  # the ranks share the host's cores
+            cpu_memory.keep_freed_memory()
             cpu_threads.apply(config.cpu_threads and max(1, config.cpu_threads // world), world)
         else:  # a rank only feeds its GPU: a pool of CPU threads would contend with the others' (as vLLM)
             torch.set_num_threads(1)

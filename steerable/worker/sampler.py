@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from steerable.layers import fused, logit_kernels
+from steerable.layers import cpu_kernels, fused, logit_kernels
 from steerable.step import PenaltyInput, SamplingInput
 from steerable.structured.bitmask import apply_bitmask
 from steerable.worker.penalties import apply_penalties
@@ -112,10 +112,18 @@ def _penalised(logits: torch.Tensor, penalties: list[PenaltyInput]) -> torch.Ten
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (argmax's answer): on a CPU the vectorised kernel (64 rows of 49k
+    logits: ~0.4 against 2.7 ms), elsewhere ``max``'s indices (on a CPU 3x faster than argmax)."""
+    if cpu_kernels.applies(logits) and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        return cpu_kernels.kernels().argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
 def _sample_torch(logits: torch.Tensor, sampling: SamplingInput) -> torch.Tensor:
     """Greedy rows take the argmax; the others top-k/top-p/min-p filter, then the exponential race
     with noise from a generator seeded by the row's key."""
-    tokens = logits.max(dim=-1).indices  # argmax's first maximum; on a CPU 3x faster than argmax (64 x 49k: 1.4 ms)
+    tokens = greedy_tokens(logits)
     sampled = np.flatnonzero(sampling.temperature > 0)
     if len(sampled):
         rows = torch.from_numpy(sampled).to(logits.device)

@@ -346,6 +346,53 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+// Greedy tokens: each row's first maximum of logits [T, V] as int64 (torch.argmax's answer, a NaN
+// being the maximum). Sixteen lanes keep their own first maximum in one vectorised pass; the
+// smallest index among the lanes that hold the row's maximum is the first. ATen's max over the
+// last dimension took 2.7 ms for 64 rows of SmolLM2's 49,152 logits on one Zen 4 core.
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1, "logits [T, V], rows contiguous");
+  constexpr int64_t L = 16;
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = logits.data_ptr<float>() + r * logits.stride(0);
+      float best[L];
+      int32_t at[L];
+      int32_t nan = 0;
+      for (int64_t j = 0; j < L; ++j) best[j] = -std::numeric_limits<float>::infinity(), at[j] = -1;
+      const int64_t whole = n / L * L;
+      for (int64_t i = 0; i < whole; i += L) {
+#pragma omp simd reduction(| : nan)
+        for (int64_t j = 0; j < L; ++j) {
+          const float v = x[i + j];
+          const bool more = v > best[j];
+          best[j] = more ? v : best[j];
+          at[j] = more ? static_cast<int32_t>(i + j) : at[j];
+          nan |= v != v;
+        }
+      }
+      float top = -std::numeric_limits<float>::infinity();
+      int64_t first = -1;
+      for (int64_t j = 0; j < L; ++j)
+        if (at[j] >= 0 && (best[j] > top || (best[j] == top && at[j] < first))) top = best[j], first = at[j];
+      for (int64_t i = whole; i < n; ++i) {
+        nan |= x[i] != x[i];
+        if (x[i] > top) top = x[i], first = i;
+      }
+      if (first < 0) first = 0;  // every logit -inf (or NaN): the first, as torch
+      if (nan)
+        for (int64_t i = 0; i < n; ++i)
+          if (x[i] != x[i]) { first = i; break; }
+      tokens[r] = first;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -355,4 +402,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("argmax_rows", &argmax_rows);
 }
