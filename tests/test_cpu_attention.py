@@ -19,8 +19,9 @@ BLOCK, HKV, GROUP, D = 4, 2, 3, 8
 
 def dense(q, keys, values, q_pos, scale, window, softcap):
     """softmax(q k^T) v of one sequence: keys/values [L, Hkv, D] at positions 0..L-1."""
-    k = keys.repeat_interleave(GROUP, dim=1).transpose(0, 1)
-    v = values.repeat_interleave(GROUP, dim=1).transpose(0, 1)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(1, 2) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -31,16 +32,16 @@ def dense(q, keys, values, q_pos, scale, window, softcap):
     return (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1)
 
 
-def case(query_lens, seq_lens, seed=0):
+def case(query_lens, seq_lens, seed=0, block=BLOCK, hkv=HKV, group=GROUP, d=D):
     """A cache with each sequence's K/V in randomly placed blocks, and the step's queries."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = max(-(-n // BLOCK) for n in seq_lens)
+    blocks_per_seq = max(-(-n // block) for n in seq_lens)
     num_blocks = len(seq_lens) * blocks_per_seq + 3
-    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
-    v_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
+    k_cache = torch.randn(num_blocks, block, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, block, hkv, d, generator=g)
     table = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * blocks_per_seq].view(len(seq_lens), -1)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(starts[-1]), HKV * GROUP, D, generator=g)
+    q = torch.randn(int(starts[-1]), hkv * group, d, generator=g)
     return q, k_cache, v_cache, table.to(torch.int32), starts, torch.tensor(seq_lens, dtype=torch.int32)
 
 
@@ -52,19 +53,33 @@ def case(query_lens, seq_lens, seed=0):
 @pytest.mark.parametrize("window, softcap", [(None, None), (None, 20.0), (6, None)])
 @pytest.mark.parametrize("kernel", [False, True])
 def test_equals_dense_attention(query_lens, seq_lens, window, softcap, kernel):
-    q, k_cache, v_cache, table, starts, lens = case(query_lens, seq_lens)
+    check_against_dense(query_lens, seq_lens, window, softcap, kernel)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])  # 1-4: the query heads of a KV head together; 5: one at a time
+def test_kernel_shapes_equal_dense_attention(d, group):
+    """The kernel's vector code: blocks of 16, heads of 64 or 128, query heads taken a KV head at a time."""
+    for window, softcap in [(None, None), (None, 20.0), (21, None)]:
+        check_against_dense([1, 37, 1, 1, 9], [70, 37, 3, 16, 50], window, softcap, True, block=16, hkv=2,
+                            group=group, d=d)
+
+
+def check_against_dense(query_lens, seq_lens, window, softcap, kernel, **shape):
+    q, k_cache, v_cache, table, starts, lens = case(query_lens, seq_lens, **shape)
+    block, d = k_cache.shape[1], k_cache.shape[3]
     if kernel:
         if cpu_kernels.kernels() is None:
             pytest.skip("no CPU kernels here (no compiler)")
         k_cache = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # position-minor memory
     out = torch.full_like(q, float("nan"))
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(d)
     plans = torch_ref.StepPlans()
     for _ in range(2):  # the second call reads the plan the first one built
         torch_ref.paged_attention(q, k_cache, v_cache, out, starts, lens, table, max(query_lens), scale,
                                   sliding_window=window, workspace=plans, softcap=softcap)
         for b, (n, seq_len) in enumerate(zip(query_lens, seq_lens)):
-            slots = [int(table[b, p // BLOCK]) * BLOCK + p % BLOCK for p in range(seq_len)]
+            slots = [int(table[b, p // block]) * block + p % block for p in range(seq_len)]
             keys = k_cache.flatten(0, 1)[slots]
             values = v_cache.flatten(0, 1)[slots]
             rows = slice(int(starts[b]), int(starts[b + 1]))

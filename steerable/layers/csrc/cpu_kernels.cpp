@@ -118,21 +118,72 @@ inline void block_values(const float* p, const float* vbase, int64_t vpos, int64
   }
 }
 
+// The G query heads of one KV head at once (G > 0, AVX-512, BS 16, D a multiple of 64): each K
+// vector and V row is loaded once for all G heads instead of once a head. s holds G rows of BS
+// scores, q the G heads' rows (qs apart).
+template <int64_t D, int64_t G>
+inline void group_scores(const float* q, int64_t qs, const float* kt, float* s) {
+#ifdef __AVX512F__
+  __m512 even[G], odd[G];
+  for (int64_t g = 0; g < G; ++g) even[g] = _mm512_setzero_ps(), odd[g] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 2) {
+    const __m512 k0 = _mm512_loadu_ps(kt + i * 16), k1 = _mm512_loadu_ps(kt + (i + 1) * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      even[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * qs + i]), k0, even[g]);
+      odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * qs + i + 1]), k1, odd[g]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(s + g * 16, _mm512_add_ps(even[g], odd[g]));
+#endif
+}
+
+// a_g = a_g * rescale[g] + sum over j in [lo, hi) of p_g[j] * v_j for the G heads (p_g = p + g * 16,
+// a_g = a + g * D), 64 columns at a time.
+template <int64_t D, int64_t G>
+inline void group_values(const float* p, const float* vbase, int64_t vpos, int64_t lo, int64_t hi,
+                         const float* rescale, float* a) {
+#ifdef __AVX512F__
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512 acc[G][4];
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 r = _mm512_set1_ps(rescale[g]);
+      for (int64_t u = 0; u < 4; ++u) acc[g][u] = _mm512_mul_ps(_mm512_loadu_ps(a + g * D + c + u * 16), r);
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      const float* vv = vbase + j * vpos + c;
+      const __m512 v0 = _mm512_loadu_ps(vv), v1 = _mm512_loadu_ps(vv + 16);
+      const __m512 v2 = _mm512_loadu_ps(vv + 32), v3 = _mm512_loadu_ps(vv + 48);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pj = _mm512_set1_ps(p[g * 16 + j]);
+        acc[g][0] = _mm512_fmadd_ps(pj, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(pj, v1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(pj, v2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(pj, v3, acc[g][3]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t u = 0; u < 4; ++u) _mm512_storeu_ps(a + g * D + c + u * 16, acc[g][u]);
+  }
+#endif
+}
+
 // The kernel for head size D and block size BS (compile-time constants for the common shapes, so
-// the vector loops have no remainder; 0: the runtime sizes). K is position-minor ([block, Hkv, D,
-// BS]): a query's scores over a block are D vector multiply-adds of BS lanes, no horizontal sums.
-template <int64_t D, int64_t BS>
+// the vector loops have no remainder; 0: the runtime sizes) and G query heads a KV head (0: any,
+// one head at a time; G > 0 takes them together, each K and V block read once for all G). K is
+// position-minor ([block, Hkv, D, BS]): a query's scores over a block are D vector multiply-adds of
+// BS lanes, no horizontal sums.
+template <int64_t D, int64_t BS, int64_t G>
 __attribute__((optimize("fp-contract=fast")))  // multiply-adds: no op of PyTorch's to round alike here
 void attend_rows(const Rows& w) {
-  const int64_t d = D ? D : w.d, bs = BS ? BS : w.bs, hq = w.hq, group = w.group;
+  const int64_t d = D ? D : w.d, bs = BS ? BS : w.bs, hq = w.hq, group = G ? G : w.group, hkv = w.hkv;
   at::parallel_for(0, w.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(hq * d), score(hq * bs), m(hq), l(hq);
+    std::vector<float> acc(hq * d), score(hq * bs), m(hq), l(hq), rescale(hq);
     std::vector<int64_t> visits;  // every block this range reads, in order: what to prefetch ahead
     for (int64_t r = begin; r < end; ++r)
       for (int64_t start = w.first[r] - w.first[r] % bs; start < w.len[r]; start += bs)
         visits.push_back(w.table[w.seq[r] * w.ts + start / bs]);
-    const int64_t k_bytes = w.hkv * w.kh * 4, v_bytes = ((bs - 1) * w.vpos + w.hkv * w.vh) * 4;
-    const int64_t k_part = (k_bytes / hq + 127) / 128 * 128, v_part = (v_bytes / hq + 127) / 128 * 128;
+    const int64_t k_bytes = hkv * w.kh * 4, v_bytes = ((bs - 1) * w.vpos + hkv * w.vh) * 4;
+    const int64_t k_part = (k_bytes / hkv + 127) / 128 * 128, v_part = (v_bytes / hkv + 127) / 128 * 128;
     size_t visit = 0;
     for (int64_t r = begin; r < end; ++r) {
       const int32_t len = w.len[r], first = w.first[r];
@@ -145,36 +196,46 @@ void attend_rows(const Rows& w) {
         const int64_t lo = std::max<int64_t>(start, first) - start, hi = std::min<int64_t>(start + bs, len) - start;
         const int64_t block = blocks[start / bs];
         // Memory, not arithmetic, bounds this loop: the block read PREFETCH_AHEAD blocks later
-        // (this row's or the next rows') streams in meanwhile, a slice of it per head.
+        // (this row's or the next rows') streams in meanwhile, a slice of it per KV head.
         const int64_t ahead = visit + PREFETCH_AHEAD < visits.size() ? visits[visit + PREFETCH_AHEAD] : -1;
         ++visit;
-        for (int64_t hd = 0; hd < hq; ++hd) {  // each head's scores over the block, then its softmax update
+        for (int64_t h = 0; h < hkv; ++h) {  // the KV head's query heads' scores, softmax updates, values
           if (ahead >= 0) {
-            prefetch(w.k + ahead * w.kb + hd * k_part / 4, std::min(k_part, k_bytes - hd * k_part));
-            prefetch(w.v + ahead * w.vb + hd * v_part / 4, std::min(v_part, v_bytes - hd * v_part));
+            prefetch(w.k + ahead * w.kb + h * k_part / 4, std::min(k_part, k_bytes - h * k_part));
+            prefetch(w.v + ahead * w.vb + h * v_part / 4, std::min(v_part, v_bytes - h * v_part));
           }
-          const float* qv = qrow + hd * w.qs1;
-          const float* kt = w.k + block * w.kb + (hd / group) * w.kh;
-          float* s = score.data() + hd * bs;
-          block_scores<D, BS>(qv, kt, s, d, bs);
-          if (w.cap > 0.f)
-            for (int64_t j = lo; j < hi; ++j) s[j] = w.cap * std::tanh(s[j] * w.scale / w.cap) / w.scale;
-          float top = -std::numeric_limits<float>::infinity();
+          const float* kt = w.k + block * w.kb + h * w.kh;
+          const float* vb = w.v + block * w.vb + h * w.vh;
+          const int64_t h0 = h * group;
+          if constexpr (G > 0)
+            group_scores<D, G>(qrow + h0 * w.qs1, w.qs1, kt, score.data() + h0 * bs);
+          else
+            for (int64_t hd = h0; hd < h0 + group; ++hd)
+              block_scores<D, BS>(qrow + hd * w.qs1, kt, score.data() + hd * bs, d, bs);
+          for (int64_t hd = h0; hd < h0 + group; ++hd) {
+            float* s = score.data() + hd * bs;
+            if (w.cap > 0.f)
+              for (int64_t j = lo; j < hi; ++j) s[j] = w.cap * std::tanh(s[j] * w.scale / w.cap) / w.scale;
+            float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
-          for (int64_t j = 0; j < bs; ++j) top = std::max(top, j >= lo && j < hi ? s[j] : top);
-          top = std::max(m[hd], top * w.scale);
-          const float rescale = exp_approx(m[hd] - top);
-          float sum = 0.f;
+            for (int64_t j = 0; j < bs; ++j) top = std::max(top, j >= lo && j < hi ? s[j] : top);
+            top = std::max(m[hd], top * w.scale);
+            rescale[hd] = exp_approx(m[hd] - top);
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < bs; ++j) {  // positions outside [lo, hi) weigh 0
-            const float e = exp_approx(s[j] * w.scale - top);
-            s[j] = j >= lo && j < hi ? e : 0.f;
-            sum += s[j];
+            for (int64_t j = 0; j < bs; ++j) {  // positions outside [lo, hi) weigh 0
+              const float e = exp_approx(s[j] * w.scale - top);
+              s[j] = j >= lo && j < hi ? e : 0.f;
+              sum += s[j];
+            }
+            l[hd] = l[hd] * rescale[hd] + sum;
+            m[hd] = top;
           }
-          l[hd] = l[hd] * rescale + sum;
-          m[hd] = top;
-          block_values<D>(s, w.v + block * w.vb + (hd / group) * w.vh, w.vpos, lo, hi, rescale,
-                          acc.data() + hd * d, d);
+          if constexpr (G > 0)
+            group_values<D, G>(score.data() + h0 * bs, vb, w.vpos, lo, hi, rescale.data() + h0, acc.data() + h0 * d);
+          else
+            for (int64_t hd = h0; hd < h0 + group; ++hd)
+              block_values<D>(score.data() + hd * bs, vb, w.vpos, lo, hi, rescale[hd], acc.data() + hd * d, d);
         }
       }
       for (int64_t hd = 0; hd < hq; ++hd) {
@@ -184,6 +245,21 @@ void attend_rows(const Rows& w) {
       }
     }
   });
+}
+
+// The instantiation for the shapes: query heads a KV head taken together where the vector code
+// covers them (AVX-512, blocks of 16, heads of 64 or 128, groups of 1 to 4).
+template <int64_t D>
+void attend_rows_grouped(const Rows& w) {
+#ifdef __AVX512F__
+  switch (w.group) {
+    case 1: return attend_rows<D, 16, 1>(w);
+    case 2: return attend_rows<D, 16, 2>(w);
+    case 3: return attend_rows<D, 16, 3>(w);
+    case 4: return attend_rows<D, 16, 4>(w);
+  }
+#endif
+  attend_rows<D, 16, 0>(w);
 }
 
 // Attention of query rows over a paged cache. Row r of q ([T, Hq, D]) belongs to sequence
@@ -218,9 +294,9 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
   w.vb = v_cache.stride(0), w.vpos = v_cache.stride(1), w.vh = v_cache.stride(2);
   w.ts = block_table.stride(0);
   w.scale = static_cast<float>(scale), w.cap = static_cast<float>(softcap);
-  if (w.d == 64 && w.bs == 16) attend_rows<64, 16>(w);
-  else if (w.d == 128 && w.bs == 16) attend_rows<128, 16>(w);
-  else attend_rows<0, 0>(w);
+  if (w.d == 64 && w.bs == 16) attend_rows_grouped<64>(w);
+  else if (w.d == 128 && w.bs == 16) attend_rows_grouped<128>(w);
+  else attend_rows<0, 0, 0>(w);
 }
 
 // key/value rows [T, Hkv, D] into the caches (views of any strides) at slot_mapping (block * block_size + offset; a
