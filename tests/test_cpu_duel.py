@@ -60,6 +60,7 @@ def test_workloads_are_seeded_and_sized():
     assert len(full["batch64"].prompts) == 64 and full["batch64"].max_tokens == 64
     assert all(16 <= len(p) <= 128 for p in full["batch64"].prompts)
     assert [len(p) for p in full["batch1"].prompts] == [128] and full["batch1"].max_tokens == 64
+    assert full["batch64_prefill"].prompts == full["batch64"].prompts and full["batch64_prefill"].max_tokens == 1
     assert all(0 <= t < 49152 for p in full["batch64"].prompts for t in p)
     again = {d.name: d for d in cpu_duel.workloads(49152, 0, smoke=False)}
     assert again["batch64"].prompts == full["batch64"].prompts
