@@ -1,7 +1,7 @@
 """A CPU engine keeps freed activations in the heap (``steerable.cpu_memory``): a second prefill of
 2,048 tokens faults almost no pages in, where glibc's defaults (``STEERABLE_CPU_MALLOC=0``) map its
-multi-megabyte blocks afresh and fault every page of them in again. Each engine runs in a process of
-its own (the setting is process-wide)."""
+multi-megabyte blocks afresh and fault every page of them in again; its shutdown hands the kept
+memory back. Each engine runs in a process of its own (the setting is process-wide)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,13 @@ llm.generate([prompt], params, use_tqdm=False)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 llm.generate([prompt], params, use_tqdm=False)
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+running = rss_mb()
 llm.shutdown()
-print(json.dumps({"applied": cpu_memory._applied, "faults": faults}))
+print(json.dumps({"applied": cpu_memory._applied, "faults": faults, "rss_running_mb": running,
+                  "rss_after_mb": rss_mb()}))
 """
 
 
@@ -58,3 +63,5 @@ def test_a_second_prefill_reuses_the_heap(wide_model):
     block_pages = 2048 * 3072 * 4 // 4096
     assert default["faults"] >= 2 * block_pages, default  # the gate/up blocks of both layers mapped afresh
     assert kept["faults"] < block_pages // 2, kept
+    # After shutdown the kept heap goes back to the system: the process holds no more than glibc's defaults leave.
+    assert kept["rss_after_mb"] < kept["rss_running_mb"] - 500 and kept["rss_after_mb"] <= default["rss_after_mb"] + 32

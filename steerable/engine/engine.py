@@ -259,6 +259,8 @@ class LLMEngine(Admission, ResumableRequests, ControlPlanes):
             except Exception:  # its failure has no caller left to reach
                 logger.warning("a capture sink failed while the engine shut down", exc_info=True)
             self.worker.shutdown()
+            if self.device.type == "cpu":
+                cpu_memory.release_freed_memory()  # the heap kept the model's and the cache's pages
 
     # ---------------------------------------------------------------- the loop
 
