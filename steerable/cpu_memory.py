@@ -9,8 +9,10 @@ kernel zeroes it. On one core of a Zen 4 box that was ~1 s of a 64-prompt prefil
 largest (32 MiB) and the trim threshold to 256 MiB, as vLLM-CPU gets from tcmalloc, so a step's
 blocks are reused from the heap; ``release_freed_memory`` (an engine's shutdown) hands every free
 page back, so a process that runs engines one after another (a test suite, a notebook) does not
-keep the last one's memory. Process-wide and only where glibc is the allocator;
-``STEERABLE_CPU_MALLOC=0`` leaves malloc as it is.
+keep the last one's memory. Process-wide and only where glibc is the allocator. Opt-in
+(``STEERABLE_CPU_MALLOC=1``): with it on by default, a CI worker that ran docs/scale.md's
+examples (SmolLM2, SAELens training and Ray in one process) died in two of three runs, cause not
+yet found.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def keep_freed_memory() -> bool:
     global _applied, _libc
     if _applied:
         return True
-    if os.environ.get(ENV, "1") == "0":
+    if os.environ.get(ENV, "0") != "1":
         return False
     libc = _glibc()
     if libc is None:

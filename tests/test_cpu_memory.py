@@ -1,7 +1,7 @@
 """A CPU engine keeps freed activations in the heap (``steerable.cpu_memory``): a second prefill of
-2,048 tokens faults almost no pages in, where glibc's defaults (``STEERABLE_CPU_MALLOC=0``) map its
+2,048 tokens faults almost no pages in, where glibc's defaults map its
 multi-megabyte blocks afresh and fault every page of them in again; its shutdown hands the kept
-memory back. Each engine runs in a process of its own (the setting is process-wide)."""
+memory back. Opt-in (``STEERABLE_CPU_MALLOC=1``). Each engine runs in a process of its own (the setting is process-wide)."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ GLIBC_DEFAULT = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
 
 
 def test_a_second_prefill_reuses_the_heap(wide_model):
-    kept = prefill_faults(wide_model, **GLIBC_DEFAULT)
-    default = prefill_faults(wide_model, STEERABLE_CPU_MALLOC="0", **GLIBC_DEFAULT)
+    kept = prefill_faults(wide_model, STEERABLE_CPU_MALLOC="1", **GLIBC_DEFAULT)
+    default = prefill_faults(wide_model, **GLIBC_DEFAULT)  # off unless asked for
     assert kept["applied"] is True and default["applied"] is False
     block_pages = 2048 * 3072 * 4 // 4096
     assert default["faults"] >= 2 * block_pages, default  # the gate/up blocks of both layers mapped afresh
