@@ -20,6 +20,7 @@ what lets it load offline; its SAE is our SAE's weights as a SAELens folder.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -120,17 +121,24 @@ def sae_dashboard(path: str, sae, texts: list[list[int]], features: int, args) -
                      for f, d in data.feature_data_dict.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = common.parser(__doc__.splitlines()[0])
+def workload_parser(description: str, default_tokens: str) -> argparse.ArgumentParser:
+    """The common flags with this benchmark's workload (the SAE, the corpus, the engine's batch),
+    shared with ``probes/dashboards_chunks``."""
+    p = common.parser(description)
     p.set_defaults(gpu_memory_utilization=0.6)  # room beside the KV cache for the encoder's chunk and TransformerLens
     p.add_argument("--d-sae", type=int, default=None, help="SAE width (default 65536; --smoke 512)")
     p.add_argument("--layer", type=int, default=None, help="the SAE's layer (default 14; --smoke 1)")
     p.add_argument("--l0", type=int, default=64, help="features firing per token on average (default 64)")
-    p.add_argument("--tokens", type=int, default=None, help="corpus tokens (default 4,000,000; --smoke 3,072)")
+    p.add_argument("--tokens", type=int, default=None, help=f"corpus tokens (default {default_tokens}; --smoke 3,072)")
     p.add_argument("--text-len", type=int, default=None, help="tokens per text (default 128; --smoke 24)")
     p.add_argument("--top-k", type=int, default=64, help="features per row of the sparse capture baseline")
     p.add_argument("--batch-size", type=int, default=None, help="texts in the engine at a time (default 256)")
     p.add_argument("--shard-size", type=int, default=None, help="texts per capture shard (default 2048)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = workload_parser(__doc__.splitlines()[0], default_tokens="4,000,000")
     p.add_argument("--chunk-rows", type=int, default=None, help="rows encoded at once (default: the library's)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sae-dashboard-tokens", type=int, default=None,

@@ -83,3 +83,35 @@ def test_greedy_tokens_are_argmax_first_maximum():
     assert greedy_tokens(special).tolist() == special.argmax(-1).tolist() == [3, 0, 5, 39]
     wide = torch.randn(3, 64)[:, ::2]  # strided rows: the PyTorch path, same answer
     assert torch.equal(greedy_tokens(wide), wide.argmax(-1))
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None or not cpu_kernels.kernels().LINEAR_ROW, reason="no AVX-512 here")
+def test_one_row_linear_matches_f_linear():
+    from steerable.layers import gemv
+
+    torch.manual_seed(0)
+    for n, k in [(960, 576), (7, 64), (33, 1), (5, 17), (300, 100), (2, 1536)]:  # tails of 16 and of 64 lanes
+        x, weight, bias = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
+        for b in (None, bias):
+            got = cpu_kernels.kernels().linear_row(x, weight, b)
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5 * k ** 0.5)
+    wide = torch.randn(40, 150)
+    strided = wide[:, :100]  # rows 150 apart, as a slice of a fused weight
+    x = torch.randn(1, 100)
+    torch.testing.assert_close(cpu_kernels.kernels().linear_row(x, strided, None), F.linear(x, strided))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # output rows split over threads: the same values
+    try:
+        big = torch.randn(4096, 64)
+        torch.testing.assert_close(cpu_kernels.kernels().linear_row(x[:, :64], big, None), F.linear(x[:, :64], big))
+    finally:
+        torch.set_num_threads(previous)
+    # the engine's linear takes it at one row only; more rows keep oneDNN's packed weights
+    weight = torch.randn(96, 64)
+    one, many = torch.randn(1, 64), torch.randn(3, 64)
+    torch.testing.assert_close(gemv.linear(one, weight), F.linear(one, weight))
+    assert not hasattr(weight, "_onednn_packed")
+    torch.testing.assert_close(gemv.linear(many, weight), F.linear(many, weight))
+    assert hasattr(weight, "_onednn_packed")
+    with pytest.raises(RuntimeError, match="x \\[1, K\\]"):
+        cpu_kernels.kernels().linear_row(many, weight, None)

@@ -14,20 +14,11 @@ from __future__ import annotations
 
 from benchmarks import common
 from benchmarks.common import emit, timed
-from benchmarks.dashboards import corpus, random_sae, sparse_capture
+from benchmarks.dashboards import corpus, random_sae, sparse_capture, workload_parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(__doc__.splitlines()[0])
-    p.set_defaults(gpu_memory_utilization=0.6)
-    p.add_argument("--d-sae", type=int, default=None, help="SAE width (default 65536; --smoke 512)")
-    p.add_argument("--layer", type=int, default=None, help="the SAE's layer (default 14; --smoke 1)")
-    p.add_argument("--l0", type=int, default=64, help="features firing per token on average")
-    p.add_argument("--tokens", type=int, default=None, help="corpus tokens (default 1,000,000; --smoke 3,072)")
-    p.add_argument("--text-len", type=int, default=None, help="tokens per text (default 128; --smoke 24)")
-    p.add_argument("--top-k", type=int, default=64, help="features per row of the sparse capture baseline")
-    p.add_argument("--batch-size", type=int, default=None, help="texts in the engine at a time (default 256)")
-    p.add_argument("--shard-size", type=int, default=None, help="texts per capture shard (default 2048)")
+    p = workload_parser(__doc__.splitlines()[0], default_tokens="1,000,000")
     p.add_argument("--chunk-rows", default=None, help="comma-separated (default 4096,8192,16384; --smoke 40,64)")
     p.add_argument("--switch-intervals", default="0.005,0.0001", help="seconds, comma-separated")
     args = p.parse_args(argv)

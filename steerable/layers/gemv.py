@@ -9,8 +9,8 @@ and rounds once, as cuBLAS does, so results agree with ``F.linear`` to the last 
 
 More rows read each weight tile once for all of them, which is what cuBLAS does well, so
 ``linear`` takes this path for exactly one row. The LM head keeps cuBLAS: at 150k rows of weights
-it already streams them at full bandwidth. On a CPU, ``linear`` gives every product oneDNN's
-prepacked weights instead (``packed_cpu_linear``).
+it already streams them at full bandwidth. On a CPU, ``linear`` gives one row the CPU kernels'
+streaming product and more rows oneDNN's prepacked weights (``cpu_linear``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from steerable.layers import fused
+from steerable.layers import cpu_kernels, fused
 from steerable.layers.activation import GATED_ACTIVATIONS
 
 try:
@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if eligible(x, weight):
         return gemv(x, weight, bias)
     if cpu_packed_eligible(x, weight):
-        return packed_cpu_linear(x, weight, bias)
+        return cpu_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -97,6 +97,18 @@ def cpu_packed_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product takes ``packed_cpu_linear``: float32 rows on a CPU engine with oneDNN."""
     return (x.is_cpu and _ONEDNN and not fused.enabled(x) and x.dim() == 2 and x.shape[0] > 0
             and x.dtype is torch.float32 and weight.dtype is torch.float32 and weight.dim() == 2)
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A ``cpu_packed_eligible`` product: one row (a batch-1 decode step, memory-bound) through the
+    streaming kernel where the CPU kernels have it (SmolLM2's weights read at 19-25 against oneDNN's
+    12-14 GB/s on one Zen 4 core), more rows through ``packed_cpu_linear`` (at two rows and up the
+    two were even or oneDNN ahead)."""
+    if x.shape[0] == 1 and x.stride(1) == 1 and weight.stride(1) == 1:
+        built = cpu_kernels.kernels()
+        if built is not None and built.LINEAR_ROW:
+            return built.linear_row(x, weight, bias)
+    return packed_cpu_linear(x, weight, bias)
 
 
 def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

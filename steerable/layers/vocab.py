@@ -49,7 +49,7 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits in the model dtype on tensor-parallel rank 0; None on the other ranks."""
-        logits = (gemv.packed_cpu_linear(hidden, self.weight, None) if gemv.cpu_packed_eligible(hidden, self.weight)
+        logits = (gemv.cpu_linear(hidden, self.weight, None) if gemv.cpu_packed_eligible(hidden, self.weight)
                   else F.linear(hidden, self.weight))
         if self.tp.size == 1:
             return logits

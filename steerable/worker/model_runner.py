@@ -384,10 +384,11 @@ class ModelRunner:
         every decode and mixed CUDA graph captured now, not in the first requests; with
         ``shared_group`` (the KV group the step builder finds shared prefixes in) the graphs of
         steps that share one too. Leaves nothing a request can see (K/V only in free blocks); the
-        replay and shared-step counters restart at zero. On a CPU, one token's step: oneDNN's
-        packed copy of every weight (``gemv.packed_cpu_linear``) is made then, not in the first request."""
+        replay and shared-step counters restart at zero. On a CPU, a step of two sequences: oneDNN's
+        packed copy of every weight (``gemv.packed_cpu_linear``, which takes two rows and more) is made
+        then, not in the first request."""
         if self.device.type == "cpu":
-            self.finish(self.launch(synthetic_step(1, 1, self.block_size)))
+            self.finish(self.launch(synthetic_step(min(2, self.max_num_seqs), 1, self.block_size)))
             return
         graphs, self.graphs = self.graphs, None
         try:
