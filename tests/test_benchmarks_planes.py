@@ -135,12 +135,13 @@ def test_activation_stream_trainer_is_saelens_step_for_step():
 
 
 def test_dashboards_chunks_probe(bench_cache_dir):
-    """The probe's sweep: one pass record per (chunk rows, switch interval), against one baseline."""
-    r = run("dashboards_chunks", bench_cache_dir, "--switch-intervals", "0.005,0.001")
+    """The probe's sweep: one pass record per (chunk rows, switch interval, sink, stream priority),
+    against one baseline."""
+    r = run("dashboards_chunks", bench_cache_dir, "--switch-intervals", "0.005", "--stream-priorities", "0,-1")
     positive(r["baseline"][0], "seconds", "tokens")
     passes = r["pass"]
-    assert [(x["chunk_rows"], x["switch_interval_s"]) for x in passes] == [(40, 0.005), (40, 0.001), (64, 0.005),
-                                                                          (64, 0.001)]
+    assert [(x["chunk_rows"], x["switch_interval_s"], x["sink"], x["stream_priority"]) for x in passes] == [
+        (rows, 0.005, sink, priority) for rows in (40, 64) for sink in ("threaded", "engine") for priority in (0, -1)]
     for x in passes:
         positive(x, "seconds", "dashboards_vs_sparse_capture")
 

@@ -73,6 +73,10 @@ class DeviceAccumulator:
     features with the default sizes: 1.2 GB), so a chunk's placements are a scatter there rather
     than a copy to the host and a scatter in host memory; otherwise they live on the host."""
 
+    # The CUDA priority of its stream (lower runs first): each chunk waits on its own kernels a
+    # few times while the engine's steps fill the device; ``dashboards_chunks`` measures -1 against 0.
+    stream_priority = 0
+
     def __init__(self, encoder: FeatureEncoder, feature_ids: torch.Tensor, state: DashboardState, n_top: int,
                  before: int, after: int, seed: int, device: torch.device):
         self.encoder = encoder
@@ -93,7 +97,7 @@ class DeviceAccumulator:
         self._thresholds(torch.arange(features, device=device))
         # A stream of its own: its waits (nonzero, copies to the host) wait for its work only, and
         # its kernels run beside the engine's steps instead of queueing behind them.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=self.stream_priority) if device.type == "cuda" else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(device))
 
