@@ -1,4 +1,4 @@
-"""Which chunk size, GIL switch interval, sink thread and stream priority make a GPU dashboards pass fastest against sparse capture (issue 49)?
+"""Which chunk size, switch interval, sink thread and stream priority speed a GPU dashboards pass (issue 49)?
 
 The dashboards benchmark's setup (a random jumprelu SAE of ``--d-sae`` features calibrated to
 ``--l0`` active a token, texts of ``--text-len`` random tokens): sparse corpus capture once as the
