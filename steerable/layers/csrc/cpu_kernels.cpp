@@ -44,13 +44,17 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
 }
 
-constexpr size_t PREFETCH_AHEAD = 2;  // blocks: 1 left cold misses, 4 evicted before use (SmolLM2, 64 rows)
+// Blocks ahead, into L2: at 2 into L1 some were evicted before use; at 6 and more, L2 held too
+// many (SmolLM2, 64 decode rows, context ~104, one core of an AMX Xeon: 4 -> 1.44-1.49 ms a layer, 2 -> 1.58-1.78).
+constexpr size_t PREFETCH_AHEAD = 4;
 
 // Prefetches [p, p + bytes) into the caches: a row's next cache block lies anywhere in memory,
 // so the hardware prefetcher cannot see it coming.
 inline void prefetch(const float* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 128) __builtin_prefetch(c + off);  // its pair line comes along
+  // Every line: a prefetch a pair of lines apart left half of them to demand misses on hosts whose
+  // adjacent-line prefetcher did not fetch the other (2.1 against 1.45 ms a layer, same shape).
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 struct Rows {  // what the attention of a step's rows reads, and the shapes
@@ -473,17 +477,20 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // y = x W^T (+ bias) for one row x [1, K] and W [N, K] (a batch-1 decode step's projection or LM
 // head). Memory-bound: every weight is read once and used once. oneDNN's GEMM read SmolLM2's
 // weights at 12-14 GB/s on one Zen 4 core; one weight row at a time, as one sequential stream with
-// four independent accumulators and a prefetch 4 KB ahead, reads them at 19-25 GB/s (a plain sum
-// over the same bytes: 21-24). Summed in another order than oneDNN's, so within float32 rounding of it.
+// four independent accumulators and a software prefetch ahead, reads them at 19-25 GB/s there (a
+// plain sum over the same bytes: 21-24). The prefetch goes to L2 (T1): a non-temporal one, as first
+// written, read at 5.8 GB/s on one core of an AMX Xeon where T1 at 2 KB ahead reads at 13 (F.linear
+// 11.6, a sum 10.4; 4 KB ahead 12.4). Summed in another order than oneDNN's, so within float32
+// rounding of it.
 #ifdef __AVX512F__
 constexpr bool LINEAR_ROW = true;
-constexpr int64_t ROW_PREFETCH = 1024;  // floats ahead (256 and 4096 were no faster)
+constexpr int64_t ROW_PREFETCH = 512;  // floats ahead
 
 inline float dot_row(const float* w, const float* x, int64_t k) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= k; i += 64) {
-    for (int64_t j = 0; j < 64; j += 16) _mm_prefetch(reinterpret_cast<const char*>(w + i + ROW_PREFETCH + j), _MM_HINT_NTA);
+    for (int64_t j = 0; j < 64; j += 16) _mm_prefetch(reinterpret_cast<const char*>(w + i + ROW_PREFETCH + j), _MM_HINT_T1);
     a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
     a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
     a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
