@@ -115,3 +115,23 @@ def test_one_row_linear_matches_f_linear():
     assert hasattr(weight, "_onednn_packed")
     with pytest.raises(RuntimeError, match="x \\[1, K\\]"):
         cpu_kernels.kernels().linear_row(many, weight, None)
+
+
+def test_long_prefill_mlp_in_row_slices_equals_the_whole():
+    """A CPU step of more than ``CPU_MLP_ROWS`` rows runs its gated MLP a slice of rows at a time:
+    the same values as one product over all rows, and a short step is not sliced."""
+    from steerable.layers import gemv
+    from steerable.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(64, 160)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    rows = 2 * gemv.CPU_MLP_ROWS + 76
+    x = torch.randn(rows, 64)
+    assert [len(p) for p in gemv.cpu_row_chunks(x, mlp.down_proj.weight)] == [gemv.CPU_MLP_ROWS] * 2 + [76]
+    assert len(gemv.cpu_row_chunks(x[:gemv.CPU_MLP_ROWS], mlp.down_proj.weight)) == 1
+    with torch.no_grad():
+        whole = mlp.down_proj(mlp.gate_up_proj(x), gated="silu")
+        assert torch.equal(mlp(x), whole)
+        assert whole.abs().mean() > 0.01  # a real output, not zeros on both sides

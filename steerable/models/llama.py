@@ -14,7 +14,7 @@ from torch import nn
 
 from steerable.config import ModelConfig
 from steerable.hook_points import ATTENTION_HEADS, POST_ATTN, POST_MLP, PRE_ATTN, HookPoints
-from steerable.layers import fused
+from steerable.layers import fused, gemv
 from steerable.layers.attention import Attention
 from steerable.layers.linear import MergedLinear, QKVLinear, RowLinear
 from steerable.layers.norm import RMSNorm
@@ -101,7 +101,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), gated=self.activation)
+        parts = gemv.cpu_row_chunks(x, self.down_proj.weight)
+        if len(parts) == 1:
+            return self.down_proj(self.gate_up_proj(x), gated=self.activation)
+        return torch.cat([self.down_proj(self.gate_up_proj(part), gated=self.activation) for part in parts])
 
 
 class LlamaDecoderLayer(nn.Module):
