@@ -135,3 +135,21 @@ def test_long_prefill_mlp_in_row_slices_equals_the_whole():
         whole = mlp.down_proj(mlp.gate_up_proj(x), gated="silu")
         assert torch.equal(mlp(x), whole)
         assert whole.abs().mean() > 0.01  # a real output, not zeros on both sides
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C++ compiler here")
+def test_a_builder_killed_midway_does_not_block_the_next():
+    """PyTorch's builder leaves its ``lock`` file behind when it is killed mid-build; the next
+    process must still load the kernels (before, it waited on that file forever)."""
+    import subprocess
+    import sys
+
+    folder = cpu_kernels.build_directory()
+    stale = os.path.join(folder, "lock")
+    with cpu_kernels._one_builder(folder):  # made while no builder runs, as a killed one leaves it
+        open(stale, "w").close()
+    code = "from steerable.layers import cpu_kernels; assert cpu_kernels.kernels() is not None"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "STEERABLE_CPU_KERNELS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert not os.path.exists(stale)

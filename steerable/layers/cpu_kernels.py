@@ -12,10 +12,13 @@ the engine keeps its PyTorch ops (same results to the last bit or two).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import sys
 import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -39,15 +42,43 @@ def _host_tag() -> str:
     return hashlib.sha1((flags or torch.backends.cpu.get_cpu_capability()).encode()).hexdigest()[:10]
 
 
+def build_directory() -> str:
+    """Where the kernels are built and cached: ``$TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``
+    by default), one folder per Python version and host."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu",
+                        f"steerable_cpu_kernels_{_host_tag()}")
+
+
+@contextlib.contextmanager
+def _one_builder(folder: str) -> Iterator[None]:
+    """PyTorch's builder marks a build in progress with a ``lock`` file that it never clears if it is
+    killed mid-build, and every later build of that folder then waits on it forever. Builders of
+    ours take an ``flock`` instead, which the kernel releases when its holder dies; holding it, any
+    ``lock`` file is such a leftover, and goes."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): PyTorch's own lock alone
+        yield
+        return
+    with open(os.path.join(folder, "steerable-build.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "lock"))
+        yield
+
+
 def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    logger.info("CPU kernels: loading, or building once for this host (about 30 s on 2 cores; cached under %s)",
-                os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions"))
+    folder = build_directory()
+    logger.info("CPU kernels: loading, or building once for this host (about 30 s on 2 cores; cached in %s)", folder)
     try:
-        return cpp_extension.load(name=f"steerable_cpu_kernels_{_host_tag()}", sources=[_SOURCE],
-                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        os.makedirs(folder, exist_ok=True)
+        with _one_builder(folder):
+            return cpp_extension.load(name=os.path.basename(folder), sources=[_SOURCE], build_directory=folder,
+                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler or ninja, or a build that fails here: PyTorch ops instead
         logger.warning("CPU kernels unavailable (%s: %s); using PyTorch ops", type(err).__name__, err)
         return None
