@@ -332,7 +332,10 @@ def test_transcoders_match_one_rank(parallel, single):
             assert torch.equal(out.captures["sae_features"][name].indices, features.indices)
             torch.testing.assert_close(out.captures["sae_features"][name].values, features.values, rtol=1e-5, atol=1e-5)
         for name, error in ref.captures.get("transcoder_error", {}).items():
-            torch.testing.assert_close(out.captures["transcoder_error"][name], error, rtol=1e-5, atol=1e-4)
+            # the error is the MLP's output less the reconstruction, a difference that keeps the
+            # absolute rounding of both (the experts' sums reduce in another order at TP 2; a CI run
+            # saw 1.05e-4 on one value of 6,336, an error of 0.19): absolute 3e-4
+            torch.testing.assert_close(out.captures["transcoder_error"][name], error, rtol=1e-5, atol=3e-4)
     assert sum("transcoder_error" in ref.captures for ref in refs) == 4
 
 
