@@ -50,8 +50,11 @@ def wide_model(tmp_path_factory) -> str:
 
 
 def prefill_faults(path: str, **env: str) -> dict:
+    """The probe's figures, in a process whose environment is this one's with ``env`` (the setting
+    itself only where ``env`` gives it: a shell that exported it must not turn the default run on)."""
+    inherited = {k: v for k, v in os.environ.items() if k != "STEERABLE_CPU_MALLOC"}
     out = subprocess.run([sys.executable, "-c", PROBE, path], capture_output=True, text=True,
-                         env={**os.environ, **env}, timeout=300)
+                         env={**inherited, **env}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
