@@ -101,10 +101,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        parts = gemv.cpu_row_chunks(x, self.down_proj.weight)
-        if len(parts) == 1:
-            return self.down_proj(self.gate_up_proj(x), gated=self.activation)
-        return torch.cat([self.down_proj(self.gate_up_proj(part), gated=self.activation) for part in parts])
+        outs = [self.down_proj(self.gate_up_proj(part), gated=self.activation)
+                for part in gemv.cpu_row_chunks(x, self.down_proj.weight)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class LlamaDecoderLayer(nn.Module):
