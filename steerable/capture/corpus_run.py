@@ -34,6 +34,7 @@ from steerable.capture.shard_stores import (
 )
 from steerable.capture.sparse import SparseFeatures
 from steerable.capture.store import StreamRows, resolve_storage_dtype
+from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
@@ -143,7 +144,8 @@ class CorpusRun:
             engine.start_capture(SAE_FEATURES, None, None, "all", self.select, None, spec.hook,
                                  sink=_SplitFeatures(self.router), saes=[spec.sae], top_k=spec.top_k)
         try:
-            self._loop(tasks, prepared)
+            with frozen_heap():
+                self._loop(tasks, prepared)
         except BaseException:
             with contextlib.suppress(Exception):  # the shards already whole are kept for a resumed run
                 self._finish_ready()

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from steerable.capture.store import StreamRows
 from steerable.checks import is_int
 from steerable.errors import EngineError, InvalidRequestError
+from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sae.dashboards import files
 from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
@@ -239,11 +240,13 @@ class _Pass:
     def run(self) -> None:
         """The pass; on a GPU with the GIL handed over every ``PASS_SWITCH_INTERVAL_S`` (restored after)."""
         if self.engine.device.type != "cuda":
-            return self._run()
+            with frozen_heap():
+                return self._run()
         previous = sys.getswitchinterval()
         sys.setswitchinterval(PASS_SWITCH_INTERVAL_S)
         try:
-            return self._run()
+            with frozen_heap():
+                return self._run()
         finally:
             sys.setswitchinterval(previous)
 
