@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0
+_ours = False  # whether the outermost run froze the heap (it was not frozen before)
 
 
 @contextlib.contextmanager
@@ -20,16 +21,20 @@ def frozen_heap() -> Iterator[None]:
     modules and what torch and transformers hold, ~250k. ``gc.freeze()`` moves them to a
     generation no collection walks (vLLM does it once after start-up); ``gc.unfreeze()`` on the
     way out gives them back, so nothing created before the run stays uncollectable after it.
-    Nested and concurrent runs share one freeze, undone when the last of them ends."""
-    global _depth
+    Nested and concurrent runs share one freeze, undone when the last of them ends. A heap the
+    application froze itself (as vLLM does after start-up) is left as it is: no second freeze, and no
+    ``unfreeze`` that would undo the application's."""
+    global _depth, _ours
     with _lock:
         if _depth == 0:
-            gc.freeze()
+            _ours = gc.get_freeze_count() == 0
+            if _ours:
+                gc.freeze()
         _depth += 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0:
+            if _depth == 0 and _ours:
                 gc.unfreeze()

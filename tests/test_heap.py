@@ -58,3 +58,14 @@ def test_an_error_inside_the_run_still_unfreezes():
     except RuntimeError:
         pass
     assert gc.get_freeze_count() == before
+
+
+def test_a_heap_the_application_froze_stays_frozen_after_a_run():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
