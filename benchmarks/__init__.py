@@ -61,6 +61,7 @@ PROBES = (
     "gemma2_decode",
     "moe_tune",
     "profile_kernels",
+    "saelens_split",
 )
 
 

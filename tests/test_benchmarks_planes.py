@@ -171,3 +171,20 @@ def test_neuronpedia(bench_cache_dir):
         positive(record, "output_tok_s")
         assert record["generations"] == 8 and record["output_tokens"] == [64] and record["identical_share"] == [1.0]
     positive(r["ratio"][0], "neuronpedia_over_completions", "neuronpedia_stream_over_completions")
+
+
+def test_saelens_split_probe(bench_cache_dir):
+    """Per step size: alternated wall runs of prefill and the writer, then the writer under the
+    torch profiler (kernel time against wall time) and under cProfile (its largest host functions)."""
+    r = run("saelens_split", bench_cache_dir)
+    assert [(x["step_tokens"], x["mode"]) for x in r["wall"]] == [
+        (step, mode) for step in (32, 64) for mode in ("prefill", "saelens")]
+    for x in r["wall"]:
+        positive(x, "seconds", "tok_s")
+    assert [x["step_tokens"] for x in r["device"]] == [x["step_tokens"] for x in r["host"]] == [32, 64]
+    for x in r["device"]:
+        positive(x, "wall_s")
+        assert 0 <= x["kernel_s"] and 0 <= x["device_busy"] and isinstance(x["top"], list)
+    for x in r["host"]:
+        positive(x, "wall_s")
+        assert 0 < len(x["top"]) <= 15 and all(f["own_s"] >= 0 and f["calls"] > 0 for f in x["top"])
