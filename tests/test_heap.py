@@ -69,3 +69,15 @@ def test_a_heap_the_application_froze_stays_frozen_after_a_run():
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_back_to_back_runs_do_not_keep_the_garbage_of_the_ones_before():
+    """Each run's cycles die with it; the next run starts right after, with no full collection
+    between them: they must not be frozen into it (a loop of runs would keep them all)."""
+    alive = []
+    for _ in range(3):
+        with frozen_heap():
+            assert all(ref() is None for ref in alive)
+            alive.append(_cycle())
+    gc.collect()
+    assert all(ref() is None for ref in alive)

@@ -11,7 +11,6 @@ from tqdm.auto import tqdm
 from steerable.config import EngineConfig, ModelConfig
 from steerable.engine.admission import QueuedPrompts
 from steerable.engine.engine import LLMEngine
-from steerable.heap import frozen_heap
 from steerable.errors import InvalidRequestError
 from steerable.inputs import Prompt, as_prompt_list
 from steerable.models.loader import DEFAULT_MODEL
@@ -200,17 +199,16 @@ def run_to_completion(engine: LLMEngine, client_ids: list[str], use_tqdm: bool =
     pending = set(order)
     bar = tqdm(total=len(client_ids), desc="Generating", disable=not use_tqdm, unit="req")
     try:
-        with frozen_heap():
-            while pending:
-                outputs = engine.step()
-                if queued is not None and queued.error is not None:
-                    raise queued.error
-                for out in outputs:
-                    if out.finished and out.request_id in pending:
-                        results[order[out.request_id]] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
-            engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
+        while pending:
+            outputs = engine.step()
+            if queued is not None and queued.error is not None:
+                raise queued.error
+            for out in outputs:
+                if out.finished and out.request_id in pending:
+                    results[order[out.request_id]] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        engine.finish_inflight()  # its rows belong to finished requests: delivered nowhere
     except BaseException as err:
         engine.abort_request(list(pending))
         if queued is not None and err is queued.error:  # a bad prompt: the engine is fine, leave nothing in flight
