@@ -36,10 +36,9 @@ def test_a_cycle_dropped_during_the_run_is_collected_after_it():
 def test_nested_runs_share_one_freeze_undone_by_the_last():
     before = gc.get_freeze_count()
     with frozen_heap():
-        frozen = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() > before  # the inner run's end did not unfreeze
     assert gc.get_freeze_count() == before
 
 
@@ -61,12 +60,14 @@ def test_an_error_inside_the_run_still_unfreezes():
 
 
 def test_a_heap_the_application_froze_stays_frozen_after_a_run():
+    """No second freeze (an object made after the application's is still walked) and no unfreeze.
+    Frozen objects freed meanwhile lower the freeze count, so the checks do not compare counts."""
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        made_after = _Node()
         with frozen_heap():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert any(o is made_after for o in gc.get_objects())  # the permanent generation is not listed
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
 
