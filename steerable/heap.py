@@ -22,8 +22,8 @@ def frozen_heap() -> Iterator[None]:
     generation no collection walks (vLLM does it once after start-up); ``gc.unfreeze()`` on the
     way out gives them back, so nothing created before the run stays uncollectable after it. One
     full collection comes first: garbage frozen with the rest could not be collected during the
-    run, and back-to-back runs, no full collection between them, would keep it for good (a loop
-    of corpus runs grew a test worker to 15 GB). Meant for long runs (corpus capture, dashboards,
+    run, and back-to-back runs, no full collection between them, would keep it for good (a test
+    process running the docs' examples grew to 14.6 GB). Meant for long runs (corpus capture, dashboards,
     activation streams), whose length that collection (tens of ms) is small against.
     Nested and concurrent runs share one freeze, undone when the last of them ends. A heap the
     application froze itself (as vLLM does after start-up) is left as it is: no second freeze, and no

@@ -238,12 +238,11 @@ class _Pass:
     # ------------------------------------------------------------ the engine loop
 
     def run(self) -> None:
-        """The pass; on a GPU with the GIL handed over every ``PASS_SWITCH_INTERVAL_S`` (restored after)."""
-        if self.engine.device.type != "cuda":
-            with frozen_heap():
-                return self._run()
+        """The pass, its heap frozen (``frozen_heap``); on a GPU with the GIL handed over every
+        ``PASS_SWITCH_INTERVAL_S`` (restored after)."""
         previous = sys.getswitchinterval()
-        sys.setswitchinterval(PASS_SWITCH_INTERVAL_S)
+        if self.engine.device.type == "cuda":
+            sys.setswitchinterval(PASS_SWITCH_INTERVAL_S)
         try:
             with frozen_heap():
                 return self._run()
