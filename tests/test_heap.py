@@ -4,7 +4,18 @@ collectable again after it (nothing leaks)."""
 import gc
 import weakref
 
+import torch
+
+from steerable import (
+    LLM,
+    ActivationStream,
+    SamplingParams,
+    capture_corpus,
+    feature_dashboards,
+)
+from steerable.engine.engine import LLMEngine
 from steerable.heap import frozen_heap
+from steerable.sae.model import SAE
 
 
 class _Node:
@@ -82,3 +93,46 @@ def test_back_to_back_runs_do_not_keep_the_garbage_of_the_ones_before():
             alive.append(_cycle())
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+def test_long_runs_step_with_the_heap_frozen_and_generate_does_not(capture_dirs, tmp_path, monkeypatch):
+    """The wiring: corpus capture, a dashboards pass and an activation stream step the engine with
+    the heap frozen; plain ``generate`` does not (a loop of short calls would pay a full collection
+    each); nothing stays frozen after any of them."""
+    seen: list[int] = []
+    real_step = LLMEngine.step
+
+    def step(self):
+        seen.append(gc.get_freeze_count())
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+
+    def first_batch(stream):
+        with stream:  # closing it ends its feed thread, and with it the stream's freeze
+            return next(iter(stream))
+
+    llm = LLM(capture_dirs["llama"], device="cpu", kv_cache_tokens=2048)
+    texts = ["the cat sat on the mat", "a dog ran in the park today", "rain fell on the quiet town"]
+    g = torch.Generator().manual_seed(0)
+    d = llm.llm_engine.model_config.hidden_size
+    llm.register_sae("s", SAE(torch.randn(d, 16, generator=g), torch.zeros(16),
+                              torch.nn.functional.normalize(torch.randn(16, d, generator=g), dim=1),
+                              torch.zeros(d), "relu", layer=1, hook="post_mlp"))
+    try:
+        runs = {
+            "generate": lambda: llm.generate(texts, SamplingParams(max_tokens=2), use_tqdm=False),
+            "capture_corpus": lambda: capture_corpus(llm, texts, tmp_path / "corpus", layers=[1]),
+            "feature_dashboards": lambda: feature_dashboards(llm, texts, "s", n_top=2),
+            "ActivationStream": lambda: first_batch(ActivationStream(llm, texts, layers=[1], context_size=4,
+                                                                     batch_size=4, shuffle_buffer=0, device="cpu")),
+        }
+        for name, run in runs.items():
+            seen.clear()
+            run()
+            assert seen, name
+            assert all(count > 0 for count in seen) == (name != "generate"), (name, seen)
+            assert gc.get_freeze_count() == 0, name
+    finally:
+        llm.shutdown()
+
