@@ -1,9 +1,11 @@
 """frozen_heap: the heap alive before a run is out of the collector's walks during it, and
-collectable again after it (nothing leaks)."""
+collectable again after it (nothing leaks); and which runs take it (and ``gil.quick_handoff``)."""
 
 import gc
+import sys
 import weakref
 
+import pytest
 import torch
 
 from steerable import (
@@ -12,9 +14,12 @@ from steerable import (
     SamplingParams,
     capture_corpus,
     feature_dashboards,
+    gil,
 )
+from steerable.capture import corpus_run, window_feed
 from steerable.engine.engine import LLMEngine
 from steerable.heap import frozen_heap
+from steerable.sae.dashboards import driver
 from steerable.sae.model import SAE
 
 
@@ -97,13 +102,18 @@ def test_back_to_back_runs_do_not_keep_the_garbage_of_the_ones_before():
 
 def test_long_runs_step_with_the_heap_frozen_and_generate_does_not(capture_dirs, tmp_path, monkeypatch):
     """The wiring: corpus capture, a dashboards pass and an activation stream step the engine with
-    the heap frozen; plain ``generate`` does not (a loop of short calls would pay a full collection
-    each); nothing stays frozen after any of them."""
-    seen: list[int] = []
+    the heap frozen and (on a GPU; here their device is taken for one) the GIL's short switch
+    interval; plain ``generate`` does neither (a loop of short calls would pay a full collection
+    each); nothing stays frozen or changed after any of them."""
+    seen: list[tuple[int, float]] = []
+    for module in (corpus_run, window_feed, driver):
+        monkeypatch.setattr(module, "quick_handoff", lambda device_type: gil.quick_handoff("cuda"))
+    previous, default = sys.getswitchinterval(), 0.005
+    sys.setswitchinterval(default)
     real_step = LLMEngine.step
 
     def step(self):
-        seen.append(gc.get_freeze_count())
+        seen.append((gc.get_freeze_count(), sys.getswitchinterval()))
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", step)
@@ -131,8 +141,13 @@ def test_long_runs_step_with_the_heap_frozen_and_generate_does_not(capture_dirs,
             seen.clear()
             run()
             assert seen, name
-            assert all(count > 0 for count in seen) == (name != "generate"), (name, seen)
+            long_run = name != "generate"
+            assert all(count > 0 for count, _ in seen) == long_run, (name, seen)
+            interval = gil.RUN_SWITCH_INTERVAL_S if long_run else default
+            assert all(i == pytest.approx(interval) for _, i in seen), (name, seen)
             assert gc.get_freeze_count() == 0, name
+            assert sys.getswitchinterval() == pytest.approx(default), name
     finally:
         llm.shutdown()
+        sys.setswitchinterval(previous)
 

@@ -34,6 +34,7 @@ from steerable.capture.shard_stores import (
 )
 from steerable.capture.sparse import SparseFeatures
 from steerable.capture.store import StreamRows, resolve_storage_dtype
+from steerable.gil import quick_handoff
 from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sampling_params import SamplingParams
@@ -144,7 +145,7 @@ class CorpusRun:
             engine.start_capture(SAE_FEATURES, None, None, "all", self.select, None, spec.hook,
                                  sink=_SplitFeatures(self.router), saes=[spec.sae], top_k=spec.top_k)
         try:
-            with frozen_heap():
+            with frozen_heap(), quick_handoff(engine.device.type):
                 self._loop(tasks, prepared)
         except BaseException:
             with contextlib.suppress(Exception):  # the shards already whole are kept for a resumed run
@@ -191,7 +192,9 @@ class CorpusRun:
         else:
             prompts = task.prompts.tolist() if hasattr(task.prompts, "tolist") else [list(p) for p in task.prompts]
         task = ShardTask(task.shard, task.first, prompts)
-        self.store.prepare(task, [len(self.select.prompt_positions_selected(p)) for p in prompts])
+        select = self.select
+        self.store.prepare(task, [len(p) if select.selects_all_from(len(p)) <= 0  # every row: no list to build
+                                  else len(select.prompt_positions_selected(p)) for p in prompts])
         self.stats.shard_seconds += time.perf_counter() - started
         return 1
 

@@ -32,8 +32,11 @@ class RowSelector:
     def build(cls, select: SelectSpec | None, prompt: list[int]) -> "RowSelector":
         if select is None:
             return cls(None, None, True, 0)
+        all_from = select.selects_all_from(len(prompt))
+        if all_from <= 0:  # every row (a corpus capture's): no positions to list per request
+            return cls(select, None, select.may_select_generation(), 0)
         return cls(select, np.asarray(select.prompt_positions_selected(prompt), dtype=np.int64),
-                   select.may_select_generation(), select.selects_all_from(len(prompt)))
+                   select.may_select_generation(), all_from)
 
     def first_prompt_position(self, at_least: int, prompt_len: int) -> int:
         """Lowest selected prompt position >= at_least (prompt_len if none): cache hits stop there."""

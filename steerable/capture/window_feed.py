@@ -26,6 +26,7 @@ import torch
 
 from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import LABELS
+from steerable.gil import quick_handoff
 from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sampling_params import SamplingParams
@@ -97,7 +98,7 @@ class WindowFeed:
             # stream current at the time; a stream of its own would let the consumer's allocations
             # reuse memory the engine's pending kernels still read); the host work of both overlaps.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                with frozen_heap():
+                with frozen_heap(), quick_handoff(device.type):
                     self._capture()
         except BaseException as err:  # raised to the consumer by next_chunk
             self.error = err

@@ -276,8 +276,8 @@ class Admission:
             if keep < len(ids):
                 text, ids = None, ids[len(ids) - keep:]
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # two passes in C; the list names the culprits
+            bad = [t for t in ids if not 0 <= t < vocab]
             raise InvalidRequestError(f"prompt: token ids {bad[:5]} are out of vocabulary (ids are in [0, {vocab}))")
         if not continuation and len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
