@@ -298,7 +298,8 @@ def test_gemma2_decode_under_the_interpreter(bench_cache_dir, tmp_path):
                 "post_norm:separate", "post_norm:fused"):
         positive(logits["seconds"], key)
     choice = r["choice"][0]["env"]
-    assert choice.get("STEERABLE_FINAL_SOFTCAP", "kernel") in ("kernel", "sampler")
+    assert choice["STEERABLE_FINAL_SOFTCAP"] in ("torch", "kernel", "sampler")
+    assert choice["STEERABLE_FUSE_POST_NORM"] in ("0", "1")
     assert env_file.read_text() == "".join(f"{k}={v}\n" for k, v in choice.items())
 
 

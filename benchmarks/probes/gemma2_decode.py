@@ -9,11 +9,12 @@ Three parts (``--parts``, all by default), each against today's defaults in the 
   card's copy speed;
 - ``logits``: what a decode step spends from the final hidden states to the sampled tokens, at each
   decode batch size the workload runs (padded to the CUDA-graph ladder, weighted by its steps):
-  the LM head (cuBLAS ``F.linear``, and cuBLASLt), the final soft-cap as HF's three PyTorch ops
-  (today), as one kernel (``logit_kernels.softcap_``) and inside the sampler's registers, then the fused
-  sampler at the workload's temperature; beside them the weight read's time at copy speed, the
-  decoder layers' GEMMs under cuBLAS and cuBLASLt, and each layer's post-attention norm as a kernel
-  of its own (today) or inside the next fused add + norm (``STEERABLE_FUSE_POST_NORM``);
+  the LM head (cuBLAS ``F.linear``, and cuBLASLt), the final soft-cap as HF's three PyTorch ops,
+  as one kernel (``logit_kernels.softcap_``) and inside the sampler's registers (shipped: the
+  fastest on an H100), then the fused sampler at the workload's temperature; beside them the weight
+  read's time at copy speed, the decoder layers' GEMMs under cuBLAS and cuBLASLt, and each layer's
+  post-attention norm as a kernel of its own or inside the next fused add + norm (shipped likewise,
+  ``STEERABLE_FUSE_POST_NORM``);
 - ``throughput``: ``throughput.py`` on ``--throughput-shapes`` (Gemma 2 2B and Gemma 3 270M: the
   attention candidates change both) in subprocesses, once with today's defaults and once with the
   winners of the parts above (or ``--env``), set through the environment variables the engine reads
@@ -199,8 +200,7 @@ def part_logits(args, device: str, speed: float, w: common.Workload) -> dict:
     if library == "cublaslt":
         env["TORCH_BLAS_PREFER_CUBLASLT"] = "1"
     env["STEERABLE_FINAL_SOFTCAP"] = min(SOFTCAP_MODES, key=lambda m: totals[f"{library}:{m}"])
-    if totals["post_norm:fused"] < totals["post_norm:separate"]:
-        env["STEERABLE_FUSE_POST_NORM"] = "1"
+    env["STEERABLE_FUSE_POST_NORM"] = "1" if totals["post_norm:fused"] < totals["post_norm:separate"] else "0"
     return env
 
 
@@ -255,8 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     if "attention" in parts:
         env.update(part_attention(args, device, speed, w))
     if "logits" in parts:
-        env.update({k: v for k, v in part_logits(args, device, speed, w).items()
-                    if k != "STEERABLE_FINAL_SOFTCAP" or v != "torch"})
+        env.update(part_logits(args, device, speed, w))
     if args.env is not None:
         env = json.loads(args.env)
     emit({"record": "choice", "env": env})
