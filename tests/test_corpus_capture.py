@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 import steerable
 from steerable import LLM, SamplingParams
-from steerable.capture import shard_stores
 from steerable.capture import shard_file as corpus_files
+from steerable.capture import shard_stores
 from steerable.capture.corpus import capture_corpus
 from steerable.capture.shard_buffer import ShardRouter
+from steerable.engine.engine import LLMEngine
 from steerable.entrypoints.cli import main
 
 TEXTS = [f"{i}: {CORPUS[i % 7]}" for i in range(11)]
@@ -349,3 +350,45 @@ def test_files_follow_the_umask(llm, tmp_path, umask):
         {path.name for path in written} and len(consumer.paths) == 1 and len(written) > 12
     assert {str(path.relative_to(tmp_path)): oct(path.stat().st_mode & 0o777) for path in written} == \
         {str(path.relative_to(tmp_path)): oct(0o666 & ~umask) for path in written}
+
+
+def test_a_gpu_run_that_cannot_build_a_step_ahead_is_warned_about():
+    """With at most a step's windows in the engine, the next step finds nothing to schedule until
+    the one before is collected (the device then waits for the host): said on a GPU, with the fix."""
+    from types import SimpleNamespace
+
+    def engine(device, seqs, tokens=32768):
+        return SimpleNamespace(device=torch.device(device) if device == "cpu" else SimpleNamespace(type=device),
+                               scheduler=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=tokens))
+
+    def spec(batch_size, context_size=128):
+        return SimpleNamespace(context_size=context_size, batch_size=batch_size)
+
+    from steerable.capture.corpus_run import serial_steps_warning
+
+    warning = serial_steps_warning(engine("cuda", 256), spec(256))
+    assert "up to 256 windows" in warning and "at least 512" in warning
+    assert "max_num_seqs 256" in serial_steps_warning(engine("cuda", 256), spec(1024))
+    assert "batch_size 64" in serial_steps_warning(engine("cuda", 1024), spec(64))
+    assert serial_steps_warning(engine("cuda", 512), spec(512)) is None
+    assert serial_steps_warning(engine("cuda", 256, tokens=8192), spec(256)) is None  # 64 a step
+    assert serial_steps_warning(engine("cpu", 256), spec(256)) is None  # a CPU's forward is synchronous
+    assert serial_steps_warning(engine("cuda", 256), spec(256, context_size=None)) is None  # texts of any length
+
+
+def test_a_step_is_built_ahead_only_with_more_windows_in_the_engine_than_a_step_takes(capture_dirs, tmp_path,
+                                                                                        monkeypatch):
+    """What the warning above says, on the scheduler itself: with a step's windows in the engine every
+    step is followed by a launch that finds nothing (the step before must be collected first); with
+    twice as many, steps follow each other and only the last launch finds nothing."""
+    launches, real = [], LLMEngine._launch_next
+    monkeypatch.setattr(LLMEngine, "_launch_next", lambda self: launches.append(real(self)) or launches[-1])
+    windows = [[1] + [(7 * i + j) % 50 + 2 for j in range(15)] for i in range(16)]  # 16 windows of 16 tokens
+    for seqs, empty in ((4, 4), (8, 1)):
+        small = LLM(capture_dirs["llama"], device="cpu", kv_cache_tokens=1024, max_num_batched_tokens=64,
+                    max_num_seqs=seqs)
+        launches.clear()
+        capture_corpus(small, windows, tmp_path / str(seqs), format="saelens", context_size=16, layers=[0],
+                       batch_size=seqs)
+        small.shutdown()
+        assert launches.count(True) == 4 and launches.count(False) == empty, (seqs, launches)

@@ -14,7 +14,10 @@ writer into ``/dev/shm``) on one engine per ``--step-tokens`` setting (``max_num
   sink's threads show as the engine's waits).
 
 The capture run stops at the captured layer; at Qwen3-0.6B's shape on an H100 it took as long a
-step as prefill through all 28 layers (2026-12-06/07), which this probe is to explain.
+step as prefill through all 28 layers (2026-12-06/07). This probe's first run (1b8b952) found the
+device 44-46 % busy, with as many windows in the engine as a step takes: the next step could only be
+built once the one before had finished (``corpus_run.serial_steps_warning``). Engines here hold
+twice a step's windows.
 
     python -m benchmarks saelens_split [--windows 8192] [--step-tokens 8192,32768]
 """
@@ -89,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for step_tokens in [int(x) for x in args.step_tokens.split(",")]:
             seqs = max(1, step_tokens // args.context_size)
+            # Twice a step's windows in the engine: the next step is built while the device runs one.
             llm = common.make_llm(args, path, enable_prefix_caching=False, max_num_batched_tokens=step_tokens,
-                                  max_num_seqs=seqs)
+                                  max_num_seqs=2 * seqs)
 
             def prefill(count: int = len(prompts)) -> None:
                 llm.generate(prompts[:count], params, use_tqdm=False)
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             def saelens(count: int = len(windows)) -> None:
                 out = tempfile.mkdtemp(dir=root)
                 capture_corpus(llm, windows[:count], out, format="saelens", context_size=args.context_size,
-                               layers=[layer], dtype=args.store_dtype, batch_size=seqs)
+                               layers=[layer], dtype=args.store_dtype, batch_size=2 * seqs)
                 shutil.rmtree(out)
 
             prefill(2 * seqs)

@@ -52,7 +52,7 @@ FORMAT = SHARDS_FORMAT
 
 def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.PathLike,
                    layers: Sequence[int] | None = None, hook: str = POST_MLP, select: Any = None,
-                   dtype: str | None = None, shard_size: int | None = None, batch_size: int = 64,
+                   dtype: str | None = None, shard_size: int | None = None, batch_size: int = 256,
                    resume: bool = False, model: str | None = None, use_tqdm: bool = False, sae: Any = None,
                    top_k: int | None = None, format: str = "steerable", context_size: int | None = None,
                    replicas: int = 1, ray: str | None = None, hookpoint: str | None = None,
@@ -64,7 +64,7 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
 
     ``resume=True`` continues a run with the same settings (anything else differing fails naming
     it); without it, ``out`` must hold no capture. ``batch_size`` examples are in an engine at a
-    time; records through the ``hidden_states`` stream (``sae_features`` with an SAE), which must
+    time (on a GPU at least twice a step's, so the next step is built while the device runs one); records through the ``hidden_states`` stream (``sae_features`` with an SAE), which must
     not be running. ``sae``: a registered SAE's name (or an ``SAE``): store its ``top_k`` highest
     features per row at its own point (``layers``, ``hook`` and ``dtype`` do not apply).
 

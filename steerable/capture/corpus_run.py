@@ -13,6 +13,7 @@ only prompt rows are computed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -39,6 +40,8 @@ from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
+
+logger = logging.getLogger(__name__)
 
 STEERABLE, SAELENS, DELPHI = "steerable", "saelens", "delphi"
 FORMATS = (STEERABLE, SAELENS, DELPHI)
@@ -134,6 +137,9 @@ class CorpusRun:
         """Each shard's examples are queued in the engine (admitted as the scheduler has room,
         while the device runs the steps before, as ``LLM.generate`` admits its prompts) once fewer
         than ``batch_size`` examples are queued or running, so the next shard is always there."""
+        warning = serial_steps_warning(self.engine, self.spec)
+        if warning is not None:
+            logger.warning(warning)
         prepared = 0
         for _ in range(FILES_AHEAD):
             prepared += self._prepare(next(tasks, None))
@@ -235,6 +241,27 @@ class CorpusRun:
         for shard in self.open:
             shard.buffer.check()
         self.stats.shard_seconds += time.perf_counter() - started
+
+
+def serial_steps_warning(engine: Any, spec: ShardSpec) -> str | None:
+    """Why a GPU would wait for the host between a window run's steps, or None.
+
+    The engine schedules step N + 1 while the device runs step N, from the requests not in flight;
+    a request stays in the engine (a sequence slot, its KV blocks) until its step is collected. With
+    at most as many windows in the engine as one step takes, step N + 1 finds none to run, and the
+    host admits, plans and builds it only once step N is done. On an H100 that left the device
+    44-46 % busy (``saelens_split``, 1b8b952, 256 windows of 128 tokens a step, 256 sequences)."""
+    if spec.context_size is None or engine.device.type != "cuda":
+        return None
+    per_step = engine.scheduler.max_num_batched_tokens // spec.context_size
+    in_engine = min(spec.batch_size, engine.scheduler.max_num_seqs)
+    if in_engine >= 2 * per_step:
+        return None
+    return (f"corpus capture: a step takes up to {per_step} windows (max_num_batched_tokens "
+            f"{engine.scheduler.max_num_batched_tokens} // context_size {spec.context_size}) but at most {in_engine} "
+            f"are in the engine (batch_size {spec.batch_size}, max_num_seqs {engine.scheduler.max_num_seqs}): the "
+            f"next step is built only once the one before has finished, so the GPU waits for the host. Set "
+            f"batch_size and max_num_seqs to at least {2 * per_step}.")
 
 
 def stop_layer(engine: Any, spec: ShardSpec) -> int:

@@ -60,9 +60,21 @@ class Admission:
         return self._admit_checked(checked, stream, resumable, increments)
 
     def _check(self, client_id: str, prompt: str | Sequence[int], params: SamplingParams | None,
-               resumable: bool = False, stop_at_layer: int | None = None) -> CheckedPrompt:
-        """Every check of one prompt (each bad field a ``ValueError`` naming it), holding nothing."""
+               resumable: bool = False, stop_at_layer: int | None = None,
+               params_checked: bool = False) -> CheckedPrompt:
+        """Every check of one prompt (each bad field a ``ValueError`` naming it), holding nothing.
+        ``params_checked``: ``params`` already passed ``_check_params`` with these arguments."""
         params = params if params is not None else SamplingParams()
+        if not params_checked:
+            self._check_params(params, resumable, stop_at_layer)
+        if client_id in self.groups:
+            raise InvalidRequestError(f"request_id: {client_id!r} is already running")
+        prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
+        steering = self.steering.parse_request(params)
+        return CheckedPrompt(client_id, prompt_text, token_ids, params, steering, stop_at_layer)
+
+    def _check_params(self, params: SamplingParams, resumable: bool, stop_at_layer: int | None) -> None:
+        """The checks that depend on the parameters alone: a batch sharing one object runs them once."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -76,16 +88,11 @@ class Admission:
             self._check_stop(stop_at_layer, params, resumable)
         self._check_token_ids(params)
         self.structured.check(params)
-        if client_id in self.groups:
-            raise InvalidRequestError(f"request_id: {client_id!r} is already running")
         limit = self.config.max_n
         if limit is not None and params.n > limit:
             raise InvalidRequestError(f"n: {params.n} is above this engine's cap of {limit} completions per request "
                                       "(max_n)")
-        prompt_text, token_ids = self._tokenize(prompt, truncate=params.truncate_prompt_tokens)
-        steering = self.steering.parse_request(params)
         self.capture.check(params)
-        return CheckedPrompt(client_id, prompt_text, token_ids, params, steering, stop_at_layer)
 
     def _admit_checked(self, checked: CheckedPrompt, stream: bool, resumable: bool, increments: bool) -> RequestGroup:
         client_id, params = checked.client_id, checked.params
@@ -106,8 +113,15 @@ class Admission:
     def _queue_checked(self, requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
                        stop_at_layer: int | None = None) -> QueuedPrompts:
         """Check every prompt of a call (the first bad one raises, nothing is queued), then queue them."""
-        batch = QueuedPrompts(deque(self._check(client_id, prompt, params, stop_at_layer=stop_at_layer)
-                                    for client_id, prompt, params in requests))
+        checked_params: set[int] = set()  # ids of the call's parameter objects already checked (alive during it)
+
+        def check(client_id: str, prompt: str | Sequence[int], params: SamplingParams | None) -> CheckedPrompt:
+            if params is not None and id(params) not in checked_params:
+                self._check_params(params, False, stop_at_layer)
+                checked_params.add(id(params))
+            return self._check(client_id, prompt, params, stop_at_layer=stop_at_layer, params_checked=params is not None)
+
+        batch = QueuedPrompts(deque(check(*request) for request in requests))
         self._queued.append(batch)
         return batch
 

@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT")
     parser.add_argument("--shard-size", type=int, default=None,
                         help="examples (windows) per shard (default: 1000; saelens: windows of 500 MB)")
-    parser.add_argument("--batch-size", type=int, default=64, help="examples in an engine at a time (default: 64)")
+    parser.add_argument("--batch-size", type=int, default=256, help="examples in an engine at a time (default: 256)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="engine processes on this machine, one per GPU (on CPU each with its share of the "
                              "cores), each taking whole shards (default: 1)")
