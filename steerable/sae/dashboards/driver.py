@@ -77,7 +77,7 @@ class DashboardRun:
 def plan(llm: Any, texts: Sequence[str | Sequence[int]], sae: str, n_top: int = 20, context: tuple[int, int] = (24, 8),
          quantiles: int = 10, n_quantile: int = 5, n_logits: int = 10, bins: int = 40, seed: int = 0,
          features: Any = None, *, exclude_positions: Sequence[int] = (), exclude_tokens: Sequence[int] = (),
-         batch_size: int = 64, chunk_rows: int | None = None, shard_size: int | None = None,
+         batch_size: int = 256, chunk_rows: int | None = None, shard_size: int | None = None,
          model: str | None = None) -> DashboardRun:
     """Every argument of ``feature_dashboards`` checked against ``llm`` and its SAE ``sae``, before any work."""
     engine = llm.llm_engine
@@ -119,7 +119,7 @@ def feature_dashboards(llm: Any, texts: Sequence[str | Sequence[int]], sae: str,
                        context: tuple[int, int] = (24, 8), quantiles: int = 10, n_quantile: int = 5,
                        n_logits: int = 10, bins: int = 40, seed: int = 0, features: Any = None, *,
                        exclude_positions: Sequence[int] = (), exclude_tokens: Sequence[int] = (),
-                       batch_size: int = 64, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
+                       batch_size: int = 256, chunk_rows: int | None = None, out: str | os.PathLike | None = None,
                        resume: bool = False, shard_size: int | None = None, use_tqdm: bool = False,
                        model: str | None = None, export: dict[str, Any] | None = None) -> FeatureDashboards:
     """Dashboards of ``features`` (None: all) of the registered SAE ``sae`` over ``texts`` (strings
