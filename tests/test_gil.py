@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from steerable import gil
+from steerable import long_runs
 
 
 @pytest.fixture(autouse=True)
@@ -17,13 +17,13 @@ def default_interval():
 
 
 def test_cuda_runs_hand_over_quickly_and_restore_the_interval():
-    with gil.quick_handoff("cuda"):
-        assert sys.getswitchinterval() == pytest.approx(gil.RUN_SWITCH_INTERVAL_S)
+    with long_runs.quick_handoff("cuda"):
+        assert sys.getswitchinterval() == pytest.approx(long_runs.RUN_SWITCH_INTERVAL_S)
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
 def test_cpu_runs_leave_the_interval_alone():
-    with gil.quick_handoff("cpu"):
+    with long_runs.quick_handoff("cpu"):
         assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
@@ -31,24 +31,24 @@ def test_nested_and_concurrent_runs_share_one_setting():
     entered, leave = threading.Event(), threading.Event()
 
     def other_run():
-        with gil.quick_handoff("cuda"):
+        with long_runs.quick_handoff("cuda"):
             entered.set()
             leave.wait(10)
 
     thread = threading.Thread(target=other_run)
-    with gil.quick_handoff("cuda"):
-        with gil.quick_handoff("cuda"):
+    with long_runs.quick_handoff("cuda"):
+        with long_runs.quick_handoff("cuda"):
             thread.start()
             assert entered.wait(10)
-        assert sys.getswitchinterval() == pytest.approx(gil.RUN_SWITCH_INTERVAL_S)
-    assert sys.getswitchinterval() == pytest.approx(gil.RUN_SWITCH_INTERVAL_S)  # the other run still holds it
+        assert sys.getswitchinterval() == pytest.approx(long_runs.RUN_SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == pytest.approx(long_runs.RUN_SWITCH_INTERVAL_S)  # the other run still holds it
     leave.set()
     thread.join(10)
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
 def test_an_error_inside_still_restores():
-    with pytest.raises(RuntimeError), gil.quick_handoff("cuda"):
+    with pytest.raises(RuntimeError), long_runs.quick_handoff("cuda"):
         raise RuntimeError("boom")
     assert sys.getswitchinterval() == pytest.approx(0.005)
 

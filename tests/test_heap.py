@@ -1,5 +1,5 @@
 """frozen_heap: the heap alive before a run is out of the collector's walks during it, and
-collectable again after it (nothing leaks); and which runs take it (and ``gil.quick_handoff``)."""
+collectable again after it (nothing leaks); and which runs take it (and ``long_runs.quick_handoff``)."""
 
 import gc
 import sys
@@ -14,11 +14,11 @@ from steerable import (
     SamplingParams,
     capture_corpus,
     feature_dashboards,
-    gil,
+    long_runs,
 )
 from steerable.capture import corpus_run, window_feed
 from steerable.engine.engine import LLMEngine
-from steerable.heap import frozen_heap
+from steerable.long_runs import frozen_heap
 from steerable.sae.dashboards import driver
 from steerable.sae.model import SAE
 
@@ -107,7 +107,7 @@ def test_long_runs_step_with_the_heap_frozen_and_generate_does_not(capture_dirs,
     each); nothing stays frozen or changed after any of them."""
     seen: list[tuple[int, float]] = []
     for module in (corpus_run, window_feed, driver):
-        monkeypatch.setattr(module, "quick_handoff", lambda device_type: gil.quick_handoff("cuda"))
+        monkeypatch.setattr(module, "quick_handoff", lambda device_type: long_runs.quick_handoff("cuda"))
     previous, default = sys.getswitchinterval(), 0.005
     sys.setswitchinterval(default)
     real_step = LLMEngine.step
@@ -143,7 +143,7 @@ def test_long_runs_step_with_the_heap_frozen_and_generate_does_not(capture_dirs,
             assert seen, name
             long_run = name != "generate"
             assert all(count > 0 for count, _ in seen) == long_run, (name, seen)
-            interval = gil.RUN_SWITCH_INTERVAL_S if long_run else default
+            interval = long_runs.RUN_SWITCH_INTERVAL_S if long_run else default
             assert all(i == pytest.approx(interval) for _, i in seen), (name, seen)
             assert gc.get_freeze_count() == 0, name
             assert sys.getswitchinterval() == pytest.approx(default), name

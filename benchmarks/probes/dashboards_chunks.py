@@ -3,7 +3,7 @@
 The dashboards benchmark's setup (a random jumprelu SAE of ``--d-sae`` features calibrated to
 ``--l0`` active a token, texts of ``--text-len`` random tokens): sparse corpus capture once as the
 baseline, then one dashboards pass for every combination of ``--chunk-rows``, ``--switch-intervals``
-(the interval a run on a GPU sets, ``gil.RUN_SWITCH_INTERVAL_S``; Python's default is 5 ms),
+(the interval a run on a GPU sets, ``long_runs.RUN_SWITCH_INTERVAL_S``; Python's default is 5 ms),
 ``--sinks`` (``threaded``: rows are filed and chunks encoded on the capture plane's sink thread, as
 shipped; ``engine``: on the engine's thread, between steps) and ``--stream-priorities`` (the CUDA
 priority of the accumulator's stream, ``DeviceAccumulator.stream_priority``: 0 as shipped, -1
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     path = common.setup("dashboards_chunks", args, {
         "d_sae": (65536, 512), "layer": (14, 1), "tokens": (1_000_000, 3072), "text_len": (128, 24),
         "batch_size": (256, 16), "shard_size": (2048, 16), "chunk_rows": ("8192", "40,64")})
-    from steerable import feature_dashboards
-    from steerable import gil
+    from steerable import feature_dashboards, long_runs
     from steerable.sae.dashboards import accumulate, driver
 
     llm = common.make_llm(args, path)
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
             args.sinks.split(","), [int(x) for x in args.stream_priorities.split(",")]):
         if sink not in ("threaded", "engine"):
             raise SystemExit(f"--sinks: 'threaded' or 'engine', not {sink!r}")
-        gil.RUN_SWITCH_INTERVAL_S = interval
+        long_runs.RUN_SWITCH_INTERVAL_S = interval
         driver._Pass.threaded = sink == "threaded"
         accumulate.DeviceAccumulator.stream_priority = priority
 

@@ -35,9 +35,8 @@ from steerable.capture.shard_stores import (
 )
 from steerable.capture.sparse import SparseFeatures
 from steerable.capture.store import StreamRows, resolve_storage_dtype
-from steerable.gil import quick_handoff
-from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
+from steerable.long_runs import frozen_heap, quick_handoff
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 

@@ -26,9 +26,8 @@ import torch
 
 from steerable.capture.shard_buffer import ShardBuffer, ShardRouter
 from steerable.capture.shard_file import LABELS
-from steerable.gil import quick_handoff
-from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
+from steerable.long_runs import frozen_heap, quick_handoff
 from steerable.sampling_params import SamplingParams
 from steerable.selection import SelectSpec
 

@@ -31,9 +31,8 @@ from tqdm.auto import tqdm
 from steerable.capture.store import StreamRows
 from steerable.checks import is_int
 from steerable.errors import EngineError, InvalidRequestError
-from steerable.gil import quick_handoff
-from steerable.heap import frozen_heap
 from steerable.hook_points import HIDDEN_STATES, layers_needed
+from steerable.long_runs import frozen_heap, quick_handoff
 from steerable.sae.dashboards import files
 from steerable.sae.dashboards.accumulate import Chunk, DeviceAccumulator, FeatureEncoder
 from steerable.sae.dashboards.logits import LogitTables, logit_tables, unembedding
