@@ -218,3 +218,22 @@ def test_a_refused_call_leaves_no_trace_in_any_plane(llm):
             llm.clear_captured(name)
         llm.remove_capture_consumer(recorder)
         llm.unregister_sae("refusal-sae")
+
+
+def test_parameters_shared_by_a_call_are_checked_once_and_each_other_object_still_is(llm, monkeypatch):
+    """A corpus run queues thousands of prompts with one ``SamplingParams``: its checks run once per
+    call; a different object later in the call is still checked, and its bad field refuses the call."""
+    engine = llm.llm_engine
+    prompts, _ = _workload(llm, seed=3)
+    calls, real = [], SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(id(self)) or real(self))
+    shared, own = SamplingParams(max_tokens=2), SamplingParams(max_tokens=2)
+    outputs = llm.generate(prompts[:10], [shared] * 9 + [own], use_tqdm=False)
+    assert len(outputs) == 10 and calls.count(id(own)) >= 1
+    assert calls.count(id(shared)) == calls.count(id(own))  # nine prompts' parameters checked as often as one's
+    bad = SamplingParams(max_tokens=2)
+    bad.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(prompts[:10], [shared] * 9 + [bad], use_tqdm=False)
+    stats = engine.stats()
+    assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]

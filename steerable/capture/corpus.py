@@ -64,8 +64,9 @@ def capture_corpus(llm: Any, texts: Sequence[str | list[int]], out: str | os.Pat
 
     ``resume=True`` continues a run with the same settings (anything else differing fails naming
     it); without it, ``out`` must hold no capture. ``batch_size`` examples are in an engine at a
-    time (on a GPU at least twice a step's, so the next step is built while the device runs one); records through the ``hidden_states`` stream (``sae_features`` with an SAE), which must
-    not be running. ``sae``: a registered SAE's name (or an ``SAE``): store its ``top_k`` highest
+    time (on a GPU at least twice a step's, so the next step is built while the device runs one);
+    records through the ``hidden_states`` stream (``sae_features`` with an SAE), which must not be
+    running. ``sae``: a registered SAE's name (or an ``SAE``): store its ``top_k`` highest
     features per row at its own point (``layers``, ``hook`` and ``dtype`` do not apply).
 
     ``format="saelens"`` / ``"delphi"`` with ``context_size=N``: see the module docstring;
