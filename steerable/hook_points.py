@@ -47,6 +47,22 @@ TRANSCODER_ERROR = "transcoder_error"
 Site = tuple[str, int]
 
 
+@dataclass(frozen=True)
+class PostNormed:
+    """A layer's branch output that its post-norm has not normalised yet: ``norm(value)`` is what
+    the residual stream adds. A layer hands this on (instead of the normed tensor) only where no
+    hook point reads or writes the normed value, so the next add + norm kernel can apply the
+    post-norm too (one kernel a layer fewer; Gemma's sandwich norms)."""
+
+    value: "torch.Tensor"
+    norm: "nn.Module"
+
+
+def unpack_delta(delta: "torch.Tensor | PostNormed | None") -> "tuple[torch.Tensor | None, nn.Module | None]":
+    """(the branch output, the post-norm still to apply or None) of what a layer handed on."""
+    return (delta.value, delta.norm) if isinstance(delta, PostNormed) else (delta, None)
+
+
 def transformer_lens_name(layer: int, hook: str) -> str:
     """TransformerLens' name of a point at layer L: ``blocks.L.hook_resid_pre|mid|post`` for
     ``pre_attn|post_attn|post_mlp``, ``blocks.L.ln2.hook_normalized`` / ``blocks.L.hook_mlp_out`` for

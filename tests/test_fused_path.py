@@ -146,10 +146,13 @@ def test_qwen3_moe_fused_experts_equal_hf(tmp_path):
 
 
 def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
-    """Gemma 2's final logit soft-cap as one kernel and inside the fused sampler, and the
-    post-attention norm inside the next fused add + norm kernel: greedy tokens and logprobs equal
-    HF's (and differ from uncapped ones: the cap matters); seeded samples (decode steps that sample
-    in the fused sampler) are the ones the three PyTorch ops and the separate norm give."""
+    """Gemma 2's final logit soft-cap as one kernel and inside the fused sampler, and the post-norms
+    inside the next fused add + norm kernels (the post-attention norm in the pre-feed-forward one,
+    the post-feed-forward norm in the next layer's input norm and the final norm): greedy tokens and
+    logprobs equal HF's (and differ from uncapped ones: the cap matters); seeded samples (decode
+    steps that sample in the fused sampler) are the ones the three PyTorch ops and the separate
+    norms give; a capture at ``mlp_out`` (which needs the post-feed-forward norm's output) is the
+    same either way."""
     from steerable.models import gemma3
 
     calls = {"softcap_": 0, "gumbel_capped": 0}
@@ -171,9 +174,13 @@ def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
     tokens, logprobs = HFSteered(hf, []).greedy(prompts[0], 4)
     runs = {}
     real_add_norm = fused.add_rms_norm
-    pre_normed = []  # the fused add + norm calls that normalised their delta first
-    monkeypatch.setattr(fused, "add_rms_norm", lambda *a, **k: pre_normed.append(k.get("delta_norm") is not None)
+    pre_normed = set()  # the post-norm weights the fused add + norm calls applied to their delta
+    monkeypatch.setattr(fused, "add_rms_norm", lambda *a, **k: (k.get("delta_norm") is not None
+                                                                and pre_normed.add(k["delta_norm"][0].data_ptr()))
                         or real_add_norm(*a, **k))
+    mlp_out = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                             capture=CaptureSpec(layers=[0, 1], select="all", hook="mlp_out"))
+    captured = {}
     for mode in ("torch", "kernel", "sampler"):
         monkeypatch.setattr(gemma3, "FINAL_SOFTCAP", mode)
         monkeypatch.setattr(gemma3, "FUSE_POST_NORM", mode == "sampler")
@@ -181,8 +188,14 @@ def test_gemma2_fused_tails_equal_torch(capture_dirs, monkeypatch):
         assert out.outputs[0].token_ids == tokens
         assert max_logprob_gap(out, logprobs) <= 1e-4
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
+        captured[mode] = llm.generate([prompts[1]], mlp_out, use_tqdm=False)[0].captures["hidden_states"]
     assert runs["kernel"] == runs["torch"] == runs["sampler"]
-    assert calls["softcap_"] > 0 and calls["gumbel_capped"] > 0 and any(pre_normed)  # the fused paths ran
+    for layer in (0, 1):
+        assert torch.equal(captured["sampler"][layer], captured["torch"][layer])
+    layers = llm.llm_engine.worker.model.layers
+    post_norms = {norm.weight.data_ptr() for layer in layers
+                  for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm)}
+    assert calls["softcap_"] > 0 and calls["gumbel_capped"] > 0 and pre_normed == post_norms  # the fused paths ran
     monkeypatch.setattr(llm.llm_engine.worker.model.cfg, "final_logit_softcapping", None)
     uncapped = llm.generate([prompts[0]], greedy, use_tqdm=False)[0]
     assert max_logprob_gap(uncapped, logprobs) > 1e-3  # the cap matters

@@ -23,7 +23,7 @@ from torch import nn
 
 from steerable.config import ModelConfig
 from steerable.distributed.groups import current_placement
-from steerable.hook_points import ATTENTION_HEADS, POST_MLP, HookLayout, HookPoints
+from steerable.hook_points import ATTENTION_HEADS, POST_MLP, HookLayout, HookPoints, unpack_delta
 from steerable.layers.attention import Attention
 from steerable.layers.checkpoint import materialize
 from steerable.layers.linear import Weight, default_weight_loader
@@ -99,11 +99,14 @@ class CausalLM(nn.Module):
         stop = ctx.stop_at_layer  # a step whose rows are wanted only up to that layer (single stage)
         for layer in self.stage_layers if stop is None else self.stage_layers[:stop]:
             h, delta = layer(positions, h, delta, ctx)
-        if stop is not None:
-            return self.hooks.stream_entering(stop, self.cfg.num_layers, h, delta, ctx)
-        if self.norm is None:
+        delta, delta_norm = unpack_delta(delta)
+        if stop is not None or self.norm is None:
+            delta = delta if delta_norm is None else delta_norm(delta)
+            if stop is not None:
+                return self.hooks.stream_entering(stop, self.cfg.num_layers, h, delta, ctx)
             return torch.stack((h, delta))
-        return self.hooks.residual_norm([(POST_MLP, self.cfg.num_layers - 1)], h, delta, self.norm, ctx)[1]
+        return self.hooks.residual_norm([(POST_MLP, self.cfg.num_layers - 1)], h, delta, self.norm, ctx,
+                                        delta_norm=delta_norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits in the model dtype, as HF computes them (the sampler upcasts where it needs to),

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from steerable.config import ModelConfig, rope_parameters
-from steerable.hook_points import POST_ATTN, HookPoints
+from steerable.hook_points import MLP_OUT, POST_ATTN, HookPoints, PostNormed, unpack_delta
 from steerable.layers import fused, logit_kernels
 from steerable.layers.norm import GemmaRMSNorm
 from steerable.layers.rotary import RotaryEmbedding
@@ -47,9 +47,10 @@ FINAL_SOFTCAP = os.environ.get("STEERABLE_FINAL_SOFTCAP", "sampler")
 if FINAL_SOFTCAP not in ("torch", "kernel", "sampler"):
     raise ValueError(f"STEERABLE_FINAL_SOFTCAP must be torch, kernel or sampler, got {FINAL_SOFTCAP!r}")
 # Whether the post-attention norm runs inside the fused residual add + pre-feed-forward norm kernel
-# (one kernel a layer fewer, bit for bit the same) instead of as a kernel of its own: 0.054 s against
-# 0.086 s over the same workload's decode steps (H100, 1b8b952). STEERABLE_FUSE_POST_NORM=1 / 0
-# overrides it for a tuning run.
+# and the post-feed-forward norm inside the next layer's add + input norm (or the final norm's),
+# where no hook point needs its output: two kernels a layer fewer, bit for bit the same. The first
+# took 0.054 s against 0.086 s as a kernel of its own over Gemma 2 2B's decode steps (H100,
+# 1b8b952). STEERABLE_FUSE_POST_NORM=1 / 0 overrides it for a tuning run.
 FUSE_POST_NORM = os.environ.get("STEERABLE_FUSE_POST_NORM", "1") == "1"
 _DEFAULT_PATTERN = 6  # every sixth layer is global when a config has no layer_types
 # Checkpoint prefixes of the multimodal model's text tower (transformers 5, then 4.x) and of what we skip.
@@ -157,7 +158,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
                 ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``LlamaDecoderLayer``: the stream entering is ``h + mlp_out``; the branch outputs
         handed on are already post-normed, so the deferred residual adds are Gemma's."""
-        h, x = self.hooks.residual_norm(self.entry_sites, h, mlp_out, self.input_layernorm, ctx)
+        delta, delta_norm = unpack_delta(mlp_out)
+        h, x = self.hooks.residual_norm(self.entry_sites, h, delta, self.input_layernorm, ctx, delta_norm=delta_norm)
         attn = self.self_attn(positions, x, ctx)
         if FUSE_POST_NORM:  # the post-attention norm inside the next add + norm kernel: the same values
             h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, attn, self.pre_feedforward_layernorm, ctx,
@@ -166,7 +168,10 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
             h, x = self.hooks.residual_norm([(POST_ATTN, self.layer)], h, self.post_attention_layernorm(attn),
                                             self.pre_feedforward_layernorm, ctx)
         x = self.hooks.mlp_in(self.layer, x, ctx)
-        return h, self.hooks.mlp_out(self.layer, self.post_feedforward_layernorm(self.mlp(x, ctx)), ctx)
+        out = self.mlp(x, ctx)
+        if FUSE_POST_NORM and fused.enabled(out) and not self.hooks.in_use((MLP_OUT, self.layer), ctx):
+            return h, PostNormed(out, self.post_feedforward_layernorm)  # normed inside the next add + norm
+        return h, self.hooks.mlp_out(self.layer, self.post_feedforward_layernorm(out), ctx)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
