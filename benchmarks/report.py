@@ -50,10 +50,12 @@ def _on_card(run: Run, card: str) -> bool:
 
 
 def newest(figure: Figure, runs: list[Run]) -> list[Found]:
-    """The newest matching record of each card (smoke runs never count), cards in name order."""
+    """The newest matching record of each card, cards in name order. Smoke runs never count, nor
+    runs with tuning variables set (``env`` in the header): a table shows the defaults."""
     best: dict[str, Found] = {}
     for run in runs:
-        if run.bench != figure.bench or run.header.get("smoke") or (figure.card and not _on_card(run, figure.card)):
+        if (run.bench != figure.bench or run.header.get("smoke") or run.header.get("env")
+                or (figure.card and not _on_card(run, figure.card))):
             continue
         for line, record in run.records:
             if _matches(figure, run, record):
