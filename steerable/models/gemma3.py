@@ -156,8 +156,10 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, mlp_out: torch.Tensor | None,
                 ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``LlamaDecoderLayer``: the stream entering is ``h + mlp_out``; the branch outputs
-        handed on are already post-normed, so the deferred residual adds are Gemma's."""
+        """As ``LlamaDecoderLayer``: the stream entering is ``h + mlp_out``, with ``mlp_out`` the
+        previous layer's post-normed MLP output, or a ``PostNormed`` whose norm the entry add + norm
+        kernel applies (where no hook point needed ``mlp_out`` there), so the deferred residual adds
+        are Gemma's."""
         delta, delta_norm = unpack_delta(mlp_out)
         h, x = self.hooks.residual_norm(self.entry_sites, h, delta, self.input_layernorm, ctx, delta_norm=delta_norm)
         attn = self.self_attn(positions, x, ctx)
