@@ -223,9 +223,9 @@ def test_feature_subset_and_topk_sae(setup, capture_dirs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda(setup, monkeypatch):
-    """float32 on CUDA equals the reference (several chunks on the accumulator's own stream, pinned
-    staging, graphs on; the pools' windows on the device, and on the host as when they do not fit
-    there); bfloat16 agrees with the engine's own feature capture of every feature."""
+    """float32 on CUDA equals the reference (several chunks on the accumulator's own stream, each
+    step's rows uploaded in one copy, graphs on; the pools' windows on the device, and on the host
+    as when they do not fit there); bfloat16 agrees with the engine's own feature capture of every feature."""
     import steerable
     from steerable.sae.dashboards import accumulate
 

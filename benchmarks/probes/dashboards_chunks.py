@@ -6,8 +6,8 @@ baseline, then one dashboards pass for every combination of ``--chunk-rows``, ``
 (the interval a run on a GPU sets, ``long_runs.RUN_SWITCH_INTERVAL_S``; Python's default is 5 ms),
 ``--sinks`` (``threaded``: rows are filed and chunks encoded on the capture plane's sink thread, as
 shipped; ``engine``: on the engine's thread, between steps) and ``--stream-priorities`` (the CUDA
-priority of the accumulator's stream, ``DeviceAccumulator.stream_priority``: 0 as shipped, -1
-ahead of the engine's kernels), each after a warm-up on a fiftieth of the corpus. One record per
+priority of the accumulator's stream, ``DeviceAccumulator.stream_priority``: -1 as shipped, 0
+level with the engine's kernels), each after a warm-up on a fiftieth of the corpus. One record per
 combination: its seconds and its speed as a fraction of sparse capture's.
 
     python -m benchmarks dashboards_chunks [--tokens 1000000] [--chunk-rows 8192] [--sinks threaded,engine]

@@ -1,8 +1,9 @@
 """``feature_dashboards``: every feature's dashboard of a registered SAE over a corpus, in one pass.
 
 The engine prefills each text once (``max_tokens=1``) while a ``hidden_states`` capture stream
-takes every prompt row at the SAE's point into a sink that gathers each text's rows. Texts whose
-rows are all in go, a few thousand rows at a time and shard by shard in corpus order, to the device
+takes every prompt row at the SAE's point into a sink that uploads each step's rows to the device
+in one copy and gathers each text's rows there (views of those uploads). Texts whose rows are all
+in go, a few thousand rows at a time and shard by shard in corpus order, to the device
 accumulator (encode, statistics, candidates merged into the example pools with their windows), whose
 pools and statistics the host state takes after each shard.
 Nothing of the corpus is kept: a text's rows are dropped once its chunk is processed.
@@ -194,8 +195,17 @@ def run_shards(llm: Any, texts: Sequence[Any], run: DashboardRun, state: Dashboa
 class _Text:
     example: int
     tokens: torch.Tensor  # int32 [L]
-    rows: torch.Tensor  # [L, d_in], filled in position order as the steps deliver them
+    pieces: list[torch.Tensor] = field(default_factory=list)  # its rows in position order, views of step uploads
     filled: int = 0
+
+    def rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Views of its rows ``[start, end)``."""
+        views, at = [], 0
+        for piece in self.pieces:
+            if at < end and at + len(piece) > start:
+                views.append(piece[max(start - at, 0):min(end, at + len(piece)) - at])
+            at += len(piece)
+        return views
 
 
 @dataclass
@@ -223,8 +233,6 @@ class _Pass:
         self.shards = deque(_Shard(k, min(shard_size, len(texts) - k * shard_size)) for k in shards)
         self.by_index = {s.index: s for s in self.shards}
         self.buffers: dict[str, tuple[_Shard, _Text]] = {}  # engine request id -> its text
-        self.staging = (torch.empty(chunk_rows, engine.model_config.hidden_size, dtype=engine.dtype, pin_memory=True)
-                        if engine.device.type == "cuda" else None)
         self.added = [0, 0]  # texts and tokens sent to the engine, for the progress bar's total
         self.todo_texts = sum(s.remaining for s in self.shards)
         self.stop = layers_needed([settings.layer], settings.hook)  # the layers above the SAE's never run
@@ -291,17 +299,18 @@ class _Pass:
             group = self.engine.add_request(f"dashboards-{example}", ids, self.PARAMS, stop_at_layer=self.stop)
         except InvalidRequestError as err:
             raise InvalidRequestError(f"texts[{example}]: {err}") from None
-        rows = torch.empty(len(ids), self.engine.model_config.hidden_size, dtype=self.engine.dtype)
-        self.buffers[group.children[0].request_id] = (shard, _Text(example, torch.tensor(ids, dtype=torch.int32), rows))
+        self.buffers[group.children[0].request_id] = (shard, _Text(example, torch.tensor(ids, dtype=torch.int32)))
         in_engine[group.client_id] = len(ids)
         return True
 
     # ------------------------------------------------------------ the sink
 
     def append(self, rows: StreamRows) -> None:
-        """A step's rows, copied out of the step's host block at once (it is reused after this
-        call) straight into each text's buffer at their positions; a text goes to its shard once full."""
-        block = rows.block[0]
+        """A step's rows, copied out of the step's host block at once (it is reused after this call)
+        in one copy to the device that encodes them, of which each text keeps its views; a text goes
+        to its shard once full. The rows never pass through host memory of the pass's own."""
+        lo, hi = int(rows.where.min()), int(rows.where.max()) + 1
+        block = self.accumulator.upload(rows.block[0][lo:hi])
         starts = np.concatenate(([0], np.cumsum(rows.counts)[:-1]))
         for request_id, start, count in zip(rows.request_ids, starts.tolist(), rows.counts.tolist()):
             shard, text = self.buffers[request_id]
@@ -309,12 +318,12 @@ class _Pass:
             if first != text.filled or first + count > len(text.tokens):
                 raise EngineError(f"feature_dashboards: text {text.example}'s rows {first}..{first + count} arrived "
                                   f"after {text.filled} of its {len(text.tokens)} rows, not once each in order")
-            where = rows.where[start:start + count]
-            target = text.rows[first:first + count]
+            where = rows.where[start:start + count] - lo
             if where[-1] - where[0] == count - 1:  # the usual case: the request's rows lie together in the step
-                target.copy_(block[where[0]:where[0] + count])
+                text.pieces.append(block[where[0]:where[0] + count])
             else:
-                torch.index_select(block, 0, torch.from_numpy(where), out=target)
+                with self.accumulator.on_stream():
+                    text.pieces.append(block[torch.from_numpy(where).to(block.device)])
             text.filled += count
             if text.filled == len(text.tokens):
                 del self.buffers[request_id]
@@ -366,18 +375,14 @@ class _Pass:
         lo = np.maximum(core_lo - self.settings.before, 0)
         hi = np.minimum(core_hi + self.settings.after, [len(text.tokens) for text in texts])
         lengths = hi - lo
-        offset = int(lengths.sum())
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         position = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
         tokens = torch.cat([text.tokens[a:b] for text, a, b in zip(texts, lo, hi)])
         core = (position >= np.repeat(core_lo, lengths)) & (position < np.repeat(core_hi, lengths))
         excluded = np.isin(position, self.settings.exclude_positions) | np.isin(tokens.numpy(),
                                                                                self.settings.exclude_tokens)
-        views = [text.rows[a:b] for text, a, b in zip(texts, lo, hi)]
-        if self.staging is not None:  # reused: ``process`` has waited for the copy from it when it returns
-            rows = torch.cat(views, out=self.staging[:offset])
-        else:
-            rows = torch.cat(views)
+        with self.accumulator.on_stream():
+            rows = torch.cat([view for text, a, b in zip(texts, lo, hi) for view in text.rows(int(a), int(b))])
         chunk = Chunk(rows, example=torch.from_numpy(np.repeat([text.example for text in texts], lengths)),
                       position=torch.from_numpy(position), tokens=tokens, core=torch.from_numpy(core),
                       lo=torch.from_numpy(starts), hi=torch.from_numpy(starts + np.repeat(lengths, lengths)),
