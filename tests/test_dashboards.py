@@ -161,6 +161,10 @@ def test_batching_chunking_pieces_and_shards_change_nothing(setup):
     whole = feature_dashboards(llm, texts, sae="res1", **ARGS)
     # One text in the engine at a time; rows encoded 9 at a time, so most texts go in pieces with context.
     assert_same(whole, feature_dashboards(llm, texts, sae="res1", batch_size=1, chunk_rows=9, **ARGS))
+    # As many quantile bins as histogram bins: one grid, moved once for both counts as the maxima grow.
+    alike = dict(ARGS, quantiles=ARGS["bins"])
+    assert_same(feature_dashboards(llm, texts, sae="res1", **alike),
+                feature_dashboards(llm, texts, sae="res1", chunk_rows=9, **alike))
     # Chunked prefill: a 16-token budget splits every prompt over several steps.
     chunked = LLM(path, device="cpu", kv_cache_tokens=2048, max_num_batched_tokens=16)
     chunked.register_sae("res1", sae)

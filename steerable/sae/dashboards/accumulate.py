@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from steerable.capture.features import sae_weights
-from steerable.sae.dashboards.grid import NO_EXPONENT, bin_index, grid_exponent, regrid, sample_keys
+from steerable.sae.dashboards.grid import NO_EXPONENT, bin_index, grid_exponent, move_to_grid, sample_keys
 from steerable.sae.dashboards.merge import KEY_EMPTY, Places, descending, merge_rows, pack, reservoir_order, top_order
 from steerable.sae.dashboards.state import DashboardState, Pool
 from steerable.sae.model import SAE
@@ -87,6 +87,8 @@ class DeviceAccumulator:
         self.bins, self.quantiles = state.dense.hist.shape[1], state.quantiles
         self.sampling = self.quantiles > 0 and self.n_quantile > 0
         self.dense = state.dense.to(device)
+        # Each bin count's grid (of ``dense.peak``), kept from chunk to chunk rather than recomputed.
+        self.grids = {n: grid_exponent(self.dense.peak, n) for n in (self.bins, self.quantiles) if n}
         windows = window_device(state, device)
         self.pools = {name: Pool(pool.places.to(device), pool.acts.to(windows), pool.tokens.to(windows))
                       for name, pool in (("top", state.top), ("reservoir", state.reservoir))}
@@ -165,7 +167,7 @@ class DeviceAccumulator:
         rows, arriving = pack(f, torch.zeros_like(f), descending(v), self.n_top, 1, columns)
         placed = [("top", self._merge("top", rows, arriving, top_order, self.n_top))]
         if self.sampling:
-            exponent = grid_exponent(self.dense.peak, self.quantiles)
+            exponent = self.grids[self.quantiles]
             order = reservoir_order(exponent)
             rows, arriving = pack(f, bin_index(v, exponent[f]), key, self.n_quantile, self.quantiles, columns)
             placed.append(("reservoir", self._merge("reservoir", rows, arriving, order, self.n_quantile)))
@@ -206,7 +208,7 @@ class DeviceAccumulator:
         self.tau_top[features] = torch.where(full, top.value.amin(1), 0.0)
         if not self.sampling:
             return
-        grid = grid_exponent(self.dense.peak[features], self.quantiles)
+        grid = self.grids[self.quantiles][features]
         res = self.pools["reservoir"].places.rows(features)
         held = res.held()
         b = bin_index(res.value, grid.unsqueeze(1).expand_as(res.value)).clamp(0, self.quantiles - 1)
@@ -224,14 +226,15 @@ class DeviceAccumulator:
         d.count.index_add_(0, f, torch.ones_like(f))
         d.total.index_add_(0, f, v.double())
         peak = d.peak.scatter_reduce(0, f, v, "amax")
+        grids = {n: grid_exponent(peak, n) for n in self.grids}  # bins and quantiles may be equal
         for name, n in (("hist", self.bins), ("qcount", self.quantiles)):
             if n == 0:
                 continue
-            counts = regrid(getattr(d, name), d.peak, peak, n)
-            where = f * n + bin_index(v, grid_exponent(peak, n)[f])
+            counts = move_to_grid(getattr(d, name), self.grids[n], grids[n])
+            where = f * n + bin_index(v, grids[n][f])
             counts.view(-1).index_add_(0, where, torch.ones_like(where))
             setattr(d, name, counts)
-        d.peak = peak
+        d.peak, self.grids = peak, grids
 
 
 def window_device(state: DashboardState, device: torch.device) -> torch.device:

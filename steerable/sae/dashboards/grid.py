@@ -54,10 +54,14 @@ def coarsen(counts: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 def regrid(counts: torch.Tensor, old_peak: torch.Tensor, new_peak: torch.Tensor, bins: int) -> torch.Tensor:
     """``counts`` ``[F, bins]`` kept on the grid of ``old_peak``, moved to the grid of ``new_peak``
-    (``>= old_peak``). Every row goes through ``coarsen`` (a shift of 0 leaves a row as it is), so
-    nothing waits for the device to learn which rows moved."""
-    shift = torch.where(old_peak > 0, grid_exponent(new_peak, bins) - grid_exponent(old_peak, bins), 0)
-    return coarsen(counts, shift)
+    (``>= old_peak``)."""
+    return move_to_grid(counts, grid_exponent(old_peak, bins), grid_exponent(new_peak, bins))
+
+
+def move_to_grid(counts: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``regrid`` from the two grids' exponents. Every row goes through ``coarsen`` (a shift of 0
+    leaves a row as it is), so nothing waits for the device to learn which rows moved."""
+    return coarsen(counts, torch.where(old != NO_EXPONENT, new - old, 0))
 
 
 def edges(peak: float, bins: int) -> list[float]:
