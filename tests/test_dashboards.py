@@ -156,11 +156,19 @@ def test_every_field_equals_the_reference(setup):
     assert dash.tokens == sum(len(llm.llm_engine.tokenize(t)) for t in texts)
 
 
-def test_batching_chunking_pieces_and_shards_change_nothing(setup):
+def test_batching_chunking_pieces_and_shards_change_nothing(setup, monkeypatch):
+    from steerable.sae.dashboards.accumulate import DeviceAccumulator
+
     llm, texts, sae, ref, logits, path = setup
     whole = feature_dashboards(llm, texts, sae="res1", **ARGS)
     # One text in the engine at a time; rows encoded 9 at a time, so most texts go in pieces with context.
     assert_same(whole, feature_dashboards(llm, texts, sae="res1", batch_size=1, chunk_rows=9, **ARGS))
+    # Candidates merged after every chunk (by count), or only once the shard is done.
+    for every, candidates in ((10**9, 1), (10**9, 10**9)):
+        monkeypatch.setattr(DeviceAccumulator, "merge_every", every)
+        monkeypatch.setattr(DeviceAccumulator, "merge_candidates", candidates)
+        assert_same(whole, feature_dashboards(llm, texts, sae="res1", chunk_rows=9, **ARGS))
+    monkeypatch.undo()
     # As many quantile bins as histogram bins: one grid, moved once for both counts as the maxima grow.
     alike = dict(ARGS, quantiles=ARGS["bins"])
     assert_same(feature_dashboards(llm, texts, sae="res1", **alike),

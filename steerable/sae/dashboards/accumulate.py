@@ -1,7 +1,8 @@
 """The device half of a dashboard pass: encode a chunk of corpus rows with the SAE, fold every
 non-zero activation into the running statistics and histograms, pick the few activations that may
-still enter an example list, merge them into the pools' places and write the windows of those
-that took a place (all on the device, where the windows fit there).
+still enter an example list and set them aside with their windows; every few chunks, merge those
+into the pools' places and write the windows of those that took a place (all on the device, where
+the windows fit there).
 
 A chunk holds whole texts, or a piece of a long text with ``before``/``after`` rows of context on
 each side (``core`` says which rows the chunk counts), so every window is read from the chunk
@@ -78,6 +79,11 @@ class DeviceAccumulator:
     # its kernels go first (H100, 1M tokens, 8,192 rows: 15.8 s against 19.1 s at priority 0;
     # ``dashboards_chunks --stream-priorities 0,-1`` measures it).
     stream_priority = -1
+    # A merge is some 400 small kernels and a few waits on the device whatever its size, so the
+    # candidates of a few chunks go together (their windows kept meanwhile); one early in a pass,
+    # when nearly every activation is a candidate, merges sooner.
+    merge_every = 4
+    merge_candidates = 2**20
 
     def __init__(self, encoder: FeatureEncoder, feature_ids: torch.Tensor, state: DashboardState, n_top: int,
                  before: int, after: int, seed: int, device: torch.device):
@@ -98,6 +104,8 @@ class DeviceAccumulator:
         self.tau_grid = torch.full((features,), NO_EXPONENT, dtype=torch.long, device=device)
         self.tau_res = torch.full((features, max(self.quantiles, 1)), KEY_EMPTY, dtype=torch.long, device=device)
         self.offsets = torch.arange(-before, after + 1, device=device)
+        self.pending: list[tuple[torch.Tensor, ...]] = []  # per chunk: its candidates' columns and windows
+        self.pending_candidates = 0
         self._thresholds(torch.arange(features, device=device))
         # A stream of its own: its waits (nonzero, copies to the host) wait for its work only, and
         # its kernels run beside the engine's steps instead of queueing behind them.
@@ -106,7 +114,9 @@ class DeviceAccumulator:
             self.stream.wait_stream(torch.cuda.current_stream(device))
 
     def host_state(self, state: DashboardState) -> None:
-        """Copy the statistics and pools into ``state``."""
+        """Merge the candidates still waiting, then copy the statistics and pools into ``state``."""
+        with self.on_stream():
+            self._merge_pending()
         if self.stream is not None:
             self.stream.synchronize()
         state.dense = self.dense.to("cpu")
@@ -133,8 +143,8 @@ class DeviceAccumulator:
             return copy
 
     def process(self, chunk: Chunk) -> None:
-        """Fold the chunk into the statistics, merge its candidates into the pools and write the
-        windows of those that took a place."""
+        """Fold the chunk into the statistics and set its candidates aside with their windows; every
+        ``merge_every`` chunks (or ``merge_candidates`` candidates) merge them into the pools."""
         with self.on_stream():
             self._process(chunk)
 
@@ -160,24 +170,33 @@ class DeviceAccumulator:
         picked = keep.nonzero().squeeze(1)
         if len(picked) == 0:
             return
-        r, f, v, key = r[picked], f[picked], v[picked], key[picked]
-        example, position = example[picked], position[picked]
-        source = torch.arange(len(picked), device=device)
-        columns = (v, example, position, key, source)
-        rows, arriving = pack(f, torch.zeros_like(f), descending(v), self.n_top, 1, columns)
-        placed = [("top", self._merge("top", rows, arriving, top_order, self.n_top))]
+        r, f = r[picked], f[picked]
+        self.pending.append((f, v[picked], example[picked], position[picked], key[picked],
+                             *self._windows(act, chunk, r, f)))
+        self.pending_candidates += len(picked)
+        if len(self.pending) >= self.merge_every or self.pending_candidates >= self.merge_candidates:
+            self._merge_pending()
+
+    def _merge_pending(self) -> None:
+        """Merge the candidates set aside into the pools, write the windows of those that took a
+        place and tighten the thresholds of their features. Exact whenever it runs: what a merge
+        keeps depends only on the union of what the pools hold and what arrives, and thresholds
+        that lag the pools only let more candidates through."""
+        if not self.pending:
+            return
+        f, v, example, position, key, acts, tokens = (torch.cat(column) for column in zip(*self.pending))
+        self.pending, self.pending_candidates = [], 0
+        columns = (v, example, position, key, torch.arange(len(f), device=self.device))
+        features, arriving = pack(f, torch.zeros_like(f), descending(v), self.n_top, 1, columns)
+        placed = [self._merge("top", features, arriving, top_order, self.n_top)]
         if self.sampling:
             exponent = self.grids[self.quantiles]
-            order = reservoir_order(exponent)
             rows, arriving = pack(f, bin_index(v, exponent[f]), key, self.n_quantile, self.quantiles, columns)
-            placed.append(("reservoir", self._merge("reservoir", rows, arriving, order, self.n_quantile)))
-        self._thresholds(torch.unique(f))
-        used = torch.unique(torch.cat([which for _, (_, _, which) in placed]))  # candidates that took a place
-        acts, tokens = self._windows(act, chunk, r[used], f[used])
-        for name, (features, places, which) in placed:
-            pool = self.pools[name]
-            at = torch.searchsorted(used, which).to(pool.acts.device)
-            pool.write(features.to(pool.acts.device), places.to(pool.acts.device), acts[at], tokens[at])
+            placed.append(self._merge("reservoir", rows, arriving, reservoir_order(exponent), self.n_quantile))
+        self._thresholds(features)  # pack's rows: the features present, each once
+        for name, (rows, places, which) in zip(("top", "reservoir"), placed):
+            to = self.pools[name].acts.device
+            self.pools[name].write(rows.to(to), places.to(to), acts[which].to(to), tokens[which].to(to))
 
     def _merge(self, name: str, rows: torch.Tensor, arriving: Places, order, cap: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,8 +207,7 @@ class DeviceAccumulator:
 
     def _windows(self, act: torch.Tensor, chunk: Chunk, r: torch.Tensor, f: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The feature's activations (NaN outside the text) and the tokens (-1) around rows ``r``, on
-        the device of the pools' windows."""
+        """The feature's activations (NaN outside the text) and the tokens (-1) around rows ``r``."""
         num_rows, num_features = act.shape
         window = r.unsqueeze(1) + self.offsets
         lo, hi = chunk.lo.to(self.device)[r], chunk.hi.to(self.device)[r]
@@ -197,8 +215,7 @@ class DeviceAccumulator:
         window = window.clamp(0, num_rows - 1)
         acts = torch.where(inside, act.view(-1)[window * num_features + f.unsqueeze(1)] + 0.0, float("nan"))
         tokens = torch.where(inside, chunk.tokens.to(self.device)[window], -1).to(torch.int32)
-        to = self.pools["top"].acts.device  # + 0.0 above: no -0.0 from the threshold
-        return acts.to(to), tokens.to(to)
+        return acts, tokens  # + 0.0 above: no -0.0 from the threshold
 
     def _thresholds(self, features: torch.Tensor) -> None:
         """The filter's thresholds of ``features`` from their pools: the lowest activation of a full
