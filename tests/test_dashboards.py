@@ -16,7 +16,7 @@ from conftest import CORPUS, hf_model
 from dashboard_reference import ambiguous, hf_points, reference, reference_logits
 
 from steerable import LLM, SAE, feature_dashboards
-from steerable.sae.dashboards import plan, run_shards
+from steerable.sae.dashboards import grid, plan, run_shards
 from steerable.sae.dashboards.driver import empty_state
 from steerable.sae.dashboards.grid import bin_index, grid_exponent, regrid, sample_keys
 from steerable.sae.dashboards.merge import Places, descending, merge_rows, pack, reservoir_order, top_order
@@ -288,6 +288,23 @@ def test_grid_is_exact_and_order_free():
     keys = sample_keys(0, torch.arange(1000), torch.zeros(1000), torch.zeros(1000))
     assert keys.min() >= 0 and keys.max() < 2**32 and len(set(keys.tolist())) == 1000
     assert not torch.equal(keys, sample_keys(1, torch.arange(1000), torch.zeros(1000), torch.zeros(1000)))
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not torch.cuda.is_available() and not grid.fused.enabled(torch.zeros(1)),
+                    reason="needs a GPU or TRITON_INTERPRET=1 STEERABLE_FUSED_ON_CPU=1")
+def test_sample_keys_kernel_equals_the_torch_ops():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(2)
+    n = 3000  # not a multiple of the kernel's block
+    feature = torch.randint(2**17, (n,), generator=g)
+    example = torch.randint(2**40, (n,), generator=g)  # above 2**32: the high word is hashed too
+    position = torch.randint(2**24, (n,), generator=g)
+    for seed in (0, 11, 2**31 + 5, -7, 2**45 + 3):
+        want = grid.sample_keys_torch(seed, feature, example, position)
+        got = grid.sample_keys(seed, feature.to(device), example.to(device), position.to(device).int())
+        assert torch.equal(got.cpu(), want), seed
+    assert len(set(want.tolist())) > n - 5  # distinct keys: a constant cannot pass
 
 
 def test_merges_keep_the_same_examples_whatever_the_split():

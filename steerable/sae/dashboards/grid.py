@@ -18,6 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from steerable.layers import fused
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path
+    triton = None
+
 NO_EXPONENT = -(2**20)  # a feature that has not fired yet: every bin is empty
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # below 2**27: a 32-bit value times it stays within int64
@@ -76,11 +84,44 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+if triton is not None:
+    @triton.jit
+    def _mix_kernel(x):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sample_keys_kernel(feature_ptr, example_ptr, position_ptr, out_ptr, n, seed_lo, seed_hi,
+                            BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        feature = tl.load(feature_ptr + i, mask=inside, other=0).to(tl.int64)
+        example = tl.load(example_ptr + i, mask=inside, other=0).to(tl.int64)
+        position = tl.load(position_ptr + i, mask=inside, other=0).to(tl.int64)
+        h = _mix_kernel((feature & 0xFFFFFFFF) ^ seed_lo.to(tl.int64))
+        h = _mix_kernel(h ^ (example & 0xFFFFFFFF) ^ seed_hi.to(tl.int64))
+        h = _mix_kernel(h ^ ((example >> 32) & 0xFFFFFFFF))
+        tl.store(out_ptr + i, _mix_kernel(h ^ (position & 0xFFFFFFFF)), mask=inside)
+
+
 def sample_keys(seed: int, feature: torch.Tensor, example: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """A 32-bit pseudo-random key (int64) for each (feature, corpus index, position), fixed by
     ``seed``: a quantile bin keeps the activations with the smallest keys (ties by corpus order),
-    a uniform sample without replacement that no reading order can change."""
+    a uniform sample without replacement that no reading order can change. On a GPU one kernel
+    (a dashboards pass hashes every non-zero activation: dozens of elementwise ops otherwise)."""
     seed = int(seed)
+    if not (fused.enabled(feature) and len(feature)):
+        return sample_keys_torch(seed, feature, example, position)
+    out = torch.empty(len(feature), dtype=torch.long, device=feature.device)
+    _sample_keys_kernel[(triton.cdiv(len(feature), 1024),)](
+        feature.contiguous(), example.contiguous(), position.contiguous(), out, len(feature),
+        seed & _M32, (seed >> 32) & _M32, BLOCK=1024)
+    return out
+
+
+def sample_keys_torch(seed: int, feature: torch.Tensor, example: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``sample_keys`` in PyTorch ops: the CPU path and the kernel's reference."""
     h = _mix((feature.long() & _M32) ^ (seed & _M32))
     h = _mix(h ^ (example.long() & _M32) ^ ((seed >> 32) & _M32))
     h = _mix(h ^ ((example.long() >> 32) & _M32))
