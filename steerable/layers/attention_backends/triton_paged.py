@@ -185,9 +185,8 @@ def _store_kv_kernel(
     stride_vcb, stride_vco, stride_vch, stride_vcd,
     k_scale, v_scale,
     NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
-    fused.pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -238,7 +237,7 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
         NUM_HEADS=num_heads, HEAD_D=head_d,
         H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_d), BLOCK_SIZE=block_size,
         FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=CONFIG.store_num_warps, **fused.pdl_args(key),
+        num_warps=CONFIG.store_num_warps,
     )
 
 
@@ -333,9 +332,8 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, ONE_TOKEN_PER_SEQ: tl.constexpr, FP16_TILES: tl.constexpr,
-    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, RESUME: tl.constexpr, PDL: tl.constexpr,
+    V_BY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, RESUME: tl.constexpr,
 ):
-    fused.pdl_enter(PDL)
     # The KV heads of one query block are neighbouring programs: they read neighbouring bytes of
     # the same cache blocks at about the same time (measured ~2 % faster than blocks-fastest).
     pid_q = tl.program_id(0) // NUM_KV_HEADS
@@ -710,7 +708,5 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
         # At most one query token per sequence and as many tokens as sequences: exactly one each.
         NUM_KV_HEADS=num_kv_heads, ONE_TOKEN_PER_SEQ=max_query_len <= 1 and T == B, FP16_TILES=fp16_tiles,
         V_BY_BLOCK=v_by_block, SOFTCAP=use_softcap, RESUME=resume,
-        # Programmatic dependent launch, as store_kv before it: each launches while the kernel before
-        # it drains and waits for it only before its first load.
-        num_warps=num_warps, num_stages=num_stages, **fused.pdl_args(q),
+        num_warps=num_warps, num_stages=num_stages,
     )
