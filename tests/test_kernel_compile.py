@@ -226,3 +226,14 @@ def test_wide_head_decode_candidates_fit_hopper(split, tile_n, num_warps, num_st
     compiled = _compile(kernel, args, _ALIGNED, num_stages)
     assert "cp.async" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= _SMEM_SM90
+
+
+@pytest.mark.parametrize("position", [I64, I32])
+def test_dashboard_sample_keys_kernel(position):
+    """The dashboards' key hash: 64-bit integer arithmetic throughout (the 32-bit masks and the
+    multiplier widened, never truncated), on the int64 and int32 label columns a pass hands it."""
+    from steerable.sae.dashboards import grid
+
+    ptx = compile_for_hopper(grid._sample_keys_kernel, feature_ptr=I64, example_ptr=I64, position_ptr=position,
+                             out_ptr=I64, n=1, seed_lo=1, seed_hi=1, BLOCK=1024)
+    assert "mul.lo.s64" in ptx and "st.global" in ptx
