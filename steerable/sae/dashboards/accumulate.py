@@ -69,10 +69,10 @@ class FeatureEncoder:
 
 class DeviceAccumulator:
     """The run's statistics and example pools on the device, the thresholds of the filter, and
-    ``process`` (one chunk folded in, the windows of the examples it placed written to the pools).
-    The pools' windows stay on the device where they fit in a quarter of its free memory (65,536
-    features with the default sizes: 1.2 GB), so a chunk's placements are a scatter there rather
-    than a copy to the host and a scatter in host memory; otherwise they live on the host."""
+    ``process`` (one chunk folded in, its candidates set aside with their windows until a merge
+    places them). The pools' windows stay on the device where they fit in a quarter of its free
+    memory (65,536 features with the default sizes: 1.2 GB), so a merge's placements are a scatter
+    there rather than a copy to the host and a scatter in host memory; otherwise they live on the host."""
 
     # The CUDA priority of its stream (lower runs first): each chunk waits on its own kernels a
     # few times while the engine's steps fill the device, and the pass goes at the sink's speed, so
