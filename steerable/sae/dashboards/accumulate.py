@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,9 +81,9 @@ class DeviceAccumulator:
     # ``dashboards_chunks --stream-priorities 0,-1`` measures it).
     stream_priority = -1
     # A merge is some 400 small kernels and a few waits on the device whatever its size, so the
-    # candidates of a few chunks go together (their windows kept meanwhile, which costs per
-    # candidate): early in a pass, when nearly every activation is a candidate, each chunk merges
-    # its own (on a CPU, 4,096 features at 100k tokens: 9.0-9.3 s with 2**16, 9.4 with 2**18, 10.9 with 2**20).
+    # candidates of a few chunks go together, their windows kept meanwhile (a cost per candidate).
+    # Early in a pass, when nearly every activation is a candidate, a chunk of ``merge_candidates``
+    # or more merges at once and reads the windows of those that took a place alone.
     merge_every = 4
     merge_candidates = 2**16
 
@@ -172,21 +173,31 @@ class DeviceAccumulator:
         if len(picked) == 0:
             return
         r, f = r[picked], f[picked]
-        self.pending.append((f, v[picked], example[picked], position[picked], key[picked],
-                             *self._windows(act, chunk, r, f)))
+        columns = (f, v[picked], example[picked], position[picked], key[picked])
+        if len(picked) >= self.merge_candidates:  # early in a pass: merge now, windows for the placed alone
+            self._merge_pending()
+            self._merge_candidates(*columns, lambda which: self._windows(act, chunk, r[which], f[which]))
+            return
+        self.pending.append((*columns, *self._windows(act, chunk, r, f)))
         self.pending_candidates += len(picked)
         if len(self.pending) >= self.merge_every or self.pending_candidates >= self.merge_candidates:
             self._merge_pending()
 
     def _merge_pending(self) -> None:
-        """Merge the candidates set aside into the pools, write the windows of those that took a
-        place and tighten the thresholds of their features. Exact whenever it runs: what a merge
-        keeps depends only on the union of what the pools hold and what arrives, and thresholds
-        that lag the pools only let more candidates through."""
+        """Merge the candidates set aside, with the windows kept for them."""
         if not self.pending:
             return
-        f, v, example, position, key, acts, tokens = (torch.cat(column) for column in zip(*self.pending))
+        *columns, acts, tokens = (torch.cat(column) for column in zip(*self.pending))
         self.pending, self.pending_candidates = [], 0
+        self._merge_candidates(*columns, lambda which: (acts[which], tokens[which]))
+
+    def _merge_candidates(self, f: torch.Tensor, v: torch.Tensor, example: torch.Tensor, position: torch.Tensor,
+                          key: torch.Tensor, windows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                          ) -> None:
+        """Merge candidates into the pools, write the windows (``windows(candidates)``) of those
+        that took a place and tighten the thresholds of their features. Exact whenever it runs:
+        what a merge keeps depends only on the union of what the pools hold and what arrives, and
+        thresholds that lag the pools only let more candidates through."""
         columns = (v, example, position, key, torch.arange(len(f), device=self.device))
         features, arriving = pack(f, torch.zeros_like(f), descending(v), self.n_top, 1, columns)
         placed = [self._merge("top", features, arriving, top_order, self.n_top)]
@@ -195,9 +206,12 @@ class DeviceAccumulator:
             rows, arriving = pack(f, bin_index(v, exponent[f]), key, self.n_quantile, self.quantiles, columns)
             placed.append(self._merge("reservoir", rows, arriving, reservoir_order(exponent), self.n_quantile))
         self._thresholds(features)  # pack's rows: the features present, each once
+        used = torch.unique(torch.cat([which for _, _, which in placed]))  # candidates that took a place
+        acts, tokens = windows(used)
         for name, (rows, places, which) in zip(("top", "reservoir"), placed):
             to = self.pools[name].acts.device
-            self.pools[name].write(rows.to(to), places.to(to), acts[which].to(to), tokens[which].to(to))
+            at = torch.searchsorted(used, which)
+            self.pools[name].write(rows.to(to), places.to(to), acts[at].to(to), tokens[at].to(to))
 
     def _merge(self, name: str, rows: torch.Tensor, arriving: Places, order, cap: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
