@@ -107,7 +107,6 @@ class DeviceAccumulator:
         self.tau_res = torch.full((features, max(self.quantiles, 1)), KEY_EMPTY, dtype=torch.long, device=device)
         self.offsets = torch.arange(-before, after + 1, device=device)
         self.pending: list[tuple[torch.Tensor, ...]] = []  # per chunk: its candidates' columns and windows
-        self.pending_candidates = 0
         self._thresholds(torch.arange(features, device=device))
         # A stream of its own: its waits (nonzero, copies to the host) wait for its work only, and
         # its kernels run beside the engine's steps instead of queueing behind them.
@@ -179,8 +178,7 @@ class DeviceAccumulator:
             self._merge_candidates(*columns, lambda which: self._windows(act, chunk, r[which], f[which]))
             return
         self.pending.append((*columns, *self._windows(act, chunk, r, f)))
-        self.pending_candidates += len(picked)
-        if len(self.pending) >= self.merge_every or self.pending_candidates >= self.merge_candidates:
+        if len(self.pending) >= self.merge_every or sum(len(p[0]) for p in self.pending) >= self.merge_candidates:
             self._merge_pending()
 
     def _merge_pending(self) -> None:
@@ -188,7 +186,7 @@ class DeviceAccumulator:
         if not self.pending:
             return
         *columns, acts, tokens = (torch.cat(column) for column in zip(*self.pending))
-        self.pending, self.pending_candidates = [], 0
+        self.pending = []
         self._merge_candidates(*columns, lambda which: (acts[which], tokens[which]))
 
     def _merge_candidates(self, f: torch.Tensor, v: torch.Tensor, example: torch.Tensor, position: torch.Tensor,
